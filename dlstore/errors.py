@@ -1,0 +1,49 @@
+"""The exceptions dlstore raises, each built on the builtin type it refines.
+
+Catch ``DlstoreError`` to catch everything dlstore raises on purpose; catch the
+builtin base (``ValueError``, ``FileExistsError``, ...) if you do not want to
+import dlstore's names.
+"""
+
+from __future__ import annotations
+
+
+class DlstoreError(Exception):
+    """Base class of every error dlstore raises on purpose."""
+
+
+class SourceError(DlstoreError, ValueError):
+    """The image folder given to ``convert`` is unusable (missing, empty, ...)."""
+
+
+class DecodeError(SourceError):
+    """One source file could not be read or decoded; names the file and the reason."""
+
+    def __init__(self, path: str, reason: str):
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason
+
+
+class TransformSpecError(DlstoreError, ValueError):
+    """A static transform spec is invalid, unsupported or random."""
+
+
+class StoreExistsError(DlstoreError, FileExistsError):
+    """The destination of a conversion exists and ``overwrite`` was not given."""
+
+
+class StoreBusyError(DlstoreError, RuntimeError):
+    """Another conversion to the same destination is running."""
+
+
+class UnknownFormatError(DlstoreError, ValueError):
+    """A format name or a path that matches no known store format."""
+
+
+class StoreCorruptError(DlstoreError, ValueError):
+    """A store's manifest or data is missing, damaged or inconsistent."""
+
+
+class ConversionInterrupted(DlstoreError, RuntimeError):
+    """A conversion stopped before completion (signal, dead worker, I/O error)."""

@@ -1,0 +1,72 @@
+"""Format registry: name -> module holding that format's Writer, Reader and manifest reader.
+
+Each format module provides ``FORMAT``, ``FORMAT_VERSION``, ``SUFFIXES``,
+``Writer`` (fills a staging path), ``Reader`` (fetches sample i as a uint8 CHW
+array) and ``read_manifest(path)``. Modules are imported on first use, so
+``import dlstore`` does not pay for h5py or lmdb.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from pathlib import Path
+from types import ModuleType
+
+from ..errors import UnknownFormatError
+
+_MODULES = {
+    "shards": "dlstore.formats.shards",
+    "lmdb": "dlstore.formats.lmdb",
+    "hdf5": "dlstore.formats.hdf5",
+}
+# Destination suffix -> format, for `convert` without an explicit format and for detection.
+SUFFIXES = {".shards": "shards", ".lmdb": "lmdb", ".h5": "hdf5", ".hdf5": "hdf5"}
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+
+
+def names() -> list[str]:
+    return list(_MODULES)
+
+
+def get_format(name: str) -> ModuleType:
+    """The module of format ``name``; ValueError listing the valid names otherwise."""
+    if name not in _MODULES:
+        raise UnknownFormatError(f"unknown store format {name!r}; valid: {', '.join(_MODULES)}")
+    return importlib.import_module(_MODULES[name])
+
+
+def format_for_destination(dst: str | os.PathLike) -> str:
+    """Format implied by a destination's suffix (``train.lmdb`` -> ``lmdb``)."""
+    suffix = Path(dst).suffix.lower()
+    if suffix not in SUFFIXES:
+        raise UnknownFormatError(
+            f"{dst}: cannot tell the format from the name; give one of "
+            f"{', '.join(_MODULES)} (--format) or use a suffix {', '.join(SUFFIXES)}"
+        )
+    return SUFFIXES[suffix]
+
+
+def detect_format(path: str | os.PathLike) -> str:
+    """Format of an existing store, from its contents first and its suffix second."""
+    p = Path(path)
+    if p.is_dir():
+        if (p / "manifest.json").is_file():
+            return "shards"
+        if (p / "data.mdb").is_file():
+            return "lmdb"
+    elif p.is_file():
+        with open(p, "rb") as f:
+            if f.read(8) == _HDF5_SIGNATURE:
+                return "hdf5"
+        if p.name == "data.mdb":
+            return "lmdb"
+    elif not p.exists():
+        raise FileNotFoundError(f"{path}: no such store")
+    suffix = p.suffix.lower()
+    hint = f" (the name suggests {SUFFIXES[suffix]}, but its contents do not match: incomplete or damaged?)" \
+        if suffix in SUFFIXES else ""
+    raise UnknownFormatError(
+        f"{path}: not a dlstore store; expected a shards folder with manifest.json, an LMDB "
+        f"folder with data.mdb, or an HDF5 file{hint}"
+    )

@@ -1,0 +1,328 @@
+"""Memory-mapped tensor shards: a folder of ``.npy`` files readable with plain numpy.
+
+On-disk layout of ``NAME.shards/`` (format version 1)::
+
+    manifest.json          the store manifest (see dlstore.manifest)
+    labels.npy             int64 (N,)                      label of sample i; -1 if unlabelled
+    # fixed-shape store (the static spec fixes (C, H, W)):
+    shard-00000.npy        uint8 (k, C, H, W)              samples [0, k)
+    shard-00001.npy        uint8 (k, C, H, W)              samples [k, 2k) ... last one shorter
+    # variable-shape store:
+    data-00000.bin         raw uint8 bytes, samples back to back, each C*H*W in CHW order
+    index.npy              int64 (N, 5): file number, byte offset, C, H, W of sample i
+
+Why this layout:
+  * ``.npy`` with a plain uint8 dtype: ``numpy.load(f, mmap_mode="r")`` maps it
+    with no copy and no pickle; sample i is a view into the page cache.
+  * ``k = shard_size // sample_bytes`` samples per shard (default ~1 GiB), so a
+    shard is a unit of checksum, of copy and of resume.
+  * the ``.npy`` header is reserved at a fixed 128 bytes so the last shard's
+    sample count can be written once it is known, without moving the data; the
+    data thus starts 64-byte aligned.
+  * variable shapes go to flat ``.bin`` files plus an int64 index: no per-sample
+    file, no pickle, one ``memmap`` per file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import StoreCorruptError
+from ..manifest import loads as load_manifest_text
+from ._common import ForkSafe, safe_member
+
+FORMAT = "shards"
+FORMAT_VERSION = 1
+MANIFEST_NAME = "manifest.json"
+HEADER_BYTES = 128
+DEFAULT_SHARD_SIZE = 1 << 30
+
+
+def _npy_header(count: int, shape: tuple[int, ...]) -> bytes:
+    """A version 1.0 ``.npy`` header for uint8 ``(count, *shape)``, padded to HEADER_BYTES."""
+    full = (count, *shape)
+    text = "{'descr': '|u1', 'fortran_order': False, 'shape': (%s), }" % (
+        ", ".join(str(d) for d in full) + ("," if len(full) == 1 else "")
+    )
+    prefix = b"\x93NUMPY\x01\x00"
+    body_len = HEADER_BYTES - len(prefix) - 2
+    if len(text) + 1 > body_len:
+        raise ValueError(f"shape {full} too long for a {HEADER_BYTES}-byte npy header")
+    body = text.ljust(body_len - 1).encode("latin1") + b"\n"
+    return prefix + body_len.to_bytes(2, "little") + body
+
+
+class _HashingFile:
+    """A file opened for writing that hashes what goes through it."""
+
+    def __init__(self, path: Path):
+        self.path = path
+        self.f = open(path, "wb")
+        self.hash = hashlib.sha256()
+        self.size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        self.f.write(data)
+        self.hash.update(data)
+        self.size += len(data)
+
+    def close(self) -> str:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        return self.hash.hexdigest()
+
+
+def _sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+class ShardWriter:
+    """Writes samples in order into a staging folder; see the module doc for the layout.
+
+    Used by ``dlstore.convert``, which owns staging and publishing; a writer only
+    fills the folder it is given.
+    """
+
+    format = FORMAT
+    format_version = FORMAT_VERSION
+
+    def __init__(self, folder: Path, *, shape: tuple[int, int, int] | None,
+                 shard_size: int = DEFAULT_SHARD_SIZE, **_: Any):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=False)
+        self.shape = shape
+        self.shard_size = int(shard_size)
+        self.labels: list[int] = []
+        self.checksums: dict[str, str] = {}
+        self._file: _HashingFile | None = None
+        self._files: list[dict[str, Any]] = []
+        if shape is not None:
+            self.sample_bytes = int(np.prod(shape))
+            self.per_shard = max(1, self.shard_size // self.sample_bytes)
+        else:
+            self._index: list[tuple[int, int, int, int, int]] = []
+
+    def _roll(self) -> None:
+        """Close the current file (if any) and open the next."""
+        self._close_file()
+        n = len(self._files)
+        if self.shape is not None:
+            name = f"shard-{n:05d}.npy"
+            self._file = _HashingFile(self.folder / name)
+            self._file.write(_npy_header(self.per_shard, self.shape))
+        else:
+            name = f"data-{n:05d}.bin"
+            self._file = _HashingFile(self.folder / name)
+        self._files.append({"file": name, "count": 0})
+
+    def _close_file(self) -> None:
+        if self._file is not None:
+            self.checksums[self._files[-1]["file"]] = self._file.close()
+            self._file = None
+
+    def add(self, sample: np.ndarray, label: int) -> None:
+        """Append one uint8 CHW sample (C-contiguous) and its label."""
+        if self.shape is not None:
+            if tuple(sample.shape) != self.shape:
+                raise ValueError(f"sample shape {tuple(sample.shape)} != store shape {self.shape}")
+            if self._file is None or self._files[-1]["count"] == self.per_shard:
+                self._roll()
+        else:
+            if self._file is None or self._file.size >= self.shard_size:
+                self._roll()
+            c, h, w = sample.shape
+            self._index.append((len(self._files) - 1, self._file.size, c, h, w))
+        self._file.write(memoryview(np.ascontiguousarray(sample)).cast("B"))
+        self._files[-1]["count"] += 1
+        self.labels.append(int(label))
+
+    def finish(self) -> dict[str, Any]:
+        """Complete the data files; return the manifest's ``layout`` (checksums in ``self.checksums``)."""
+        self._close_file()
+        layout: dict[str, Any] = {"labels": "labels.npy"}
+        if self.shape is not None:
+            last = self._files[-1] if self._files else None
+            if last is not None and last["count"] != self.per_shard:
+                path = self.folder / last["file"]
+                with open(path, "r+b") as f:
+                    f.write(_npy_header(last["count"], self.shape))
+                    f.flush()
+                    os.fsync(f.fileno())
+                self.checksums[last["file"]] = _sha256_file(path)
+            layout.update(kind="fixed", per_shard=self.per_shard, shards=self._files)
+        else:
+            index = np.array(self._index, dtype=np.int64).reshape(-1, 5)
+            self._save("index.npy", index)
+            layout.update(kind="variable", files=self._files, index="index.npy")
+        self._save("labels.npy", np.array(self.labels, dtype=np.int64))
+        return layout
+
+    def _save(self, name: str, array: np.ndarray) -> None:
+        path = self.folder / name
+        with open(path, "wb") as f:
+            np.save(f, array, allow_pickle=False)
+            f.flush()
+            os.fsync(f.fileno())
+        self.checksums[name] = _sha256_file(path)
+
+    def write_manifest(self, text: str) -> None:
+        path = self.folder / MANIFEST_NAME
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        """Release open files; safe after finish() and after an error."""
+        if self._file is not None:
+            self._file.f.close()
+            self._file = None
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    where = str(path / MANIFEST_NAME)
+    try:
+        text = (path / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        raise StoreCorruptError(f"{path}: not a complete shards store (no {MANIFEST_NAME})") from None
+    return load_manifest_text(text, where)
+
+
+def _load_npy(path: Path, mmap: bool) -> np.ndarray:
+    try:
+        # "c" (copy-on-write): zero-copy like "r", but torch.from_numpy accepts it without a
+        # non-writable warning; nothing is ever written back to the file.
+        return np.load(path, mmap_mode="c" if mmap else None, allow_pickle=False)
+    except FileNotFoundError:
+        raise StoreCorruptError(f"{path}: missing data file named in the manifest") from None
+    except (ValueError, OSError) as exc:
+        raise StoreCorruptError(f"{path}: unreadable .npy file ({exc})") from exc
+
+
+class ShardReader(ForkSafe):
+    """Reads samples of a shards store as numpy views into memory maps."""
+
+    format = FORMAT
+    _handles = ("_maps",)
+
+    def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None):
+        self.path = Path(path)
+        self.manifest = manifest if manifest is not None else read_manifest(self.path)
+        layout = self.manifest["layout"]
+        self.count = self.manifest["count"]
+        self.kind = layout.get("kind")
+        if self.kind == "fixed":
+            self.shape = tuple(self.manifest["sample"]["shape"])
+            self.per_shard = layout.get("per_shard")
+            files = layout.get("shards")
+            if not isinstance(self.per_shard, int) or self.per_shard < 1 or not isinstance(files, list):
+                raise StoreCorruptError(f"{self.path}: manifest layout is damaged")
+        elif self.kind == "variable":
+            self.shape = None
+            files = layout.get("files")
+            if not isinstance(files, list):
+                raise StoreCorruptError(f"{self.path}: manifest layout is damaged")
+        else:
+            raise StoreCorruptError(f"{self.path}: unknown shards layout kind {self.kind!r}")
+        try:
+            self.files = [safe_member(self.path, entry["file"]) for entry in files]
+            counts = [int(entry["count"]) for entry in files]
+        except (TypeError, KeyError) as exc:
+            raise StoreCorruptError(f"{self.path}: manifest file list is damaged ({exc})") from None
+        if sum(counts) != self.count:
+            raise StoreCorruptError(
+                f"{self.path}: manifest counts {sum(counts)} samples in its files but declares {self.count}")
+        self._counts = counts
+        labels = _load_npy(safe_member(self.path, layout.get("labels", "labels.npy")), mmap=False)
+        if labels.dtype != np.int64 or labels.shape != (self.count,):
+            raise StoreCorruptError(
+                f"{self.path}: labels.npy holds {labels.dtype} {labels.shape}, expected int64 ({self.count},)")
+        self.labels = labels
+        if self.kind == "variable":
+            self._load_index(safe_member(self.path, layout.get("index", "index.npy")))
+        self._maps: list[np.ndarray] | None = None
+        self._pid = None
+
+    def _load_index(self, path: Path) -> None:
+        index = _load_npy(path, mmap=False)
+        if index.dtype != np.int64 or index.shape != (self.count, 5):
+            raise StoreCorruptError(f"{path}: index holds {index.dtype} {index.shape}, expected int64 ({self.count}, 5)")
+        sizes = []
+        for f in self.files:
+            try:
+                sizes.append(f.stat().st_size)
+            except FileNotFoundError:
+                raise StoreCorruptError(f"{f}: missing data file named in the manifest") from None
+        file_no, offset, c, h, w = index.T
+        ok = (file_no >= 0) & (file_no < len(self.files)) & (offset >= 0) & (c > 0) & (h > 0) & (w > 0)
+        if not ok.all():
+            raise StoreCorruptError(f"{path}: index has out-of-range entries (first at sample {int(np.argmin(ok))})")
+        ends = offset + c * h * w
+        limits = np.asarray(sizes, dtype=np.int64)[file_no]
+        if (ends > limits).any():
+            bad = int(np.argmax(ends > limits))
+            raise StoreCorruptError(f"{path}: sample {bad} lies beyond the end of {self.files[file_no[bad]].name}")
+        self.index = index
+
+    def _open(self) -> None:
+        if self.kind == "fixed":
+            maps = []
+            for f, n in zip(self.files, self._counts):
+                arr = _load_npy(f, mmap=True)
+                if arr.dtype != np.uint8 or arr.shape != (n, *self.shape):
+                    raise StoreCorruptError(
+                        f"{f}: holds {arr.dtype} {arr.shape}, manifest expects uint8 {(n, *self.shape)}")
+                maps.append(arr)
+        else:
+            maps = [np.memmap(f, dtype=np.uint8, mode="c") if f.stat().st_size else np.zeros(0, np.uint8)
+                    for f in self.files]
+        self._maps = maps
+
+    def __len__(self) -> int:
+        return self.count
+
+    def get(self, i: int) -> np.ndarray:
+        """Sample ``i`` as a uint8 (C, H, W) view into the memory map (no copy)."""
+        self._ensure_open()
+        if self.kind == "fixed":
+            return self._maps[i // self.per_shard][i % self.per_shard]
+        file_no, offset, c, h, w = (int(v) for v in self.index[i])
+        return self._maps[file_no][offset:offset + c * h * w].reshape(c, h, w)
+
+    def get_many(self, indices: list[int]) -> list[np.ndarray]:
+        """Samples ``indices`` as views (no copy); the caller's collate does the one copy."""
+        return [self.get(i) for i in indices]
+
+    def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Samples ``indices`` of a fixed-shape store gathered into one (B, C, H, W) array."""
+        self._ensure_open()
+        if self.kind != "fixed":
+            raise ValueError(f"{self.path}: get_batch needs a fixed-shape store")
+        indices = np.asarray(indices, dtype=np.int64)
+        if out is None:
+            out = np.empty((len(indices), *self.shape), dtype=np.uint8)
+        shard_no = indices // self.per_shard
+        local = indices % self.per_shard
+        for s in np.unique(shard_no):
+            selected = shard_no == s
+            if selected.all():
+                np.take(self._maps[s], local, axis=0, out=out)
+            else:
+                where = np.nonzero(selected)[0]
+                out[where] = self._maps[s][local[where]]
+        return out
+
+
+SUFFIXES = (".shards",)
+Writer = ShardWriter
+Reader = ShardReader

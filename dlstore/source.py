@@ -1,0 +1,148 @@
+"""Scanning an image folder and decoding one file, the way torchvision does.
+
+Sample ``i`` of a scanned folder is sample ``i`` of
+``torchvision.datasets.ImageFolder`` on the same folder: class folders sorted by
+name, a recursive walk of each in sorted order, torchvision's image extensions
+matched case-insensitively. Two deliberate differences, both about junk that
+ImageFolder would happily train on:
+
+* names starting with ``.`` (``.DS_Store``, ``.ipynb_checkpoints``, ``._x.jpg``)
+  are neither classes nor samples;
+* an empty class folder keeps its index (as ``ImageFolder(allow_empty=True)``)
+  and is reported, instead of crashing.
+
+A folder with images at its top level and no class folders is *unlabelled*:
+every sample gets label ``-1`` and there are no classes.
+
+This module knows nothing about stores.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from PIL import Image
+
+from .errors import DecodeError, SourceError
+
+# Same tuple as torchvision.datasets.folder.IMG_EXTENSIONS (a test keeps them in sync).
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+UNLABELLED = -1
+
+
+def is_image_file(name: str) -> bool:
+    """True for a non-hidden file name with one of torchvision's image extensions."""
+    return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
+
+
+def find_classes(root: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
+    """Class folder names in sorted order and their indices, as torchvision's.
+
+    Hidden folders (``.name``) are not classes.
+    """
+    with os.scandir(root) as entries:
+        classes = sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+    return classes, {name: i for i, name in enumerate(classes)}
+
+
+def _walk_images(folder: str) -> list[str]:
+    """Image files under ``folder``, in torchvision's order, skipping hidden names.
+
+    Follows symlinked folders like torchvision (``followlinks=True``) but never
+    enters a folder that is its own ancestor, so a symlink loop cannot recurse forever.
+    """
+    found: list[tuple[str, list[str]]] = []
+    ancestors = {folder: {os.path.realpath(folder)}}
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        above = ancestors.pop(dirpath)
+        keep = []
+        for name in dirnames:
+            if name.startswith("."):
+                continue
+            path = os.path.join(dirpath, name)
+            real = os.path.realpath(path)
+            if real in above:  # a symlink back up the tree: a loop
+                continue
+            ancestors[path] = above | {real}
+            keep.append(name)
+        dirnames[:] = keep
+        found.append((dirpath, filenames))
+    # torchvision iterates sorted(os.walk(...)): ordered by folder path, then file name.
+    paths = []
+    for dirpath, filenames in sorted(found, key=lambda item: item[0]):
+        for name in sorted(filenames):
+            if is_image_file(name):
+                paths.append(os.path.join(dirpath, name))
+    return paths
+
+
+@dataclass
+class Source:
+    """A scanned image folder: what will become the samples of a store, in order."""
+
+    root: str
+    classes: list[str]
+    class_to_idx: dict[str, int]
+    samples: list[tuple[str, int]]
+    empty_classes: list[str] = field(default_factory=list)
+
+    @property
+    def labelled(self) -> bool:
+        return bool(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def scan(root: str | os.PathLike) -> Source:
+    """Scan an ImageFolder-layout folder (or a flat folder of images).
+
+    Raises:
+        SourceError: the folder does not exist or holds no image at all.
+    """
+    root_path = Path(root)
+    if not root_path.is_dir():
+        raise SourceError(f"{root}: not a folder (expected an ImageFolder layout: ROOT/CLASS/IMAGE)")
+    root_str = str(root_path)
+    classes, class_to_idx = find_classes(root_str)
+    if classes:
+        samples: list[tuple[str, int]] = []
+        empty = []
+        for name in classes:
+            files = _walk_images(os.path.join(root_str, name))
+            if not files:
+                empty.append(name)
+            samples.extend((path, class_to_idx[name]) for path in files)
+        if not samples:
+            raise SourceError(
+                f"{root}: none of the {len(classes)} class folders holds an image "
+                f"(extensions: {', '.join(IMG_EXTENSIONS)})"
+            )
+        return Source(root_str, classes, class_to_idx, samples, empty)
+    with os.scandir(root_str) as entries:
+        flat = sorted(e.path for e in entries if e.is_file() and is_image_file(e.name))
+    if not flat:
+        raise SourceError(
+            f"{root}: no class folders and no images (expected ROOT/CLASS/IMAGE, or a flat "
+            f"folder of images; extensions: {', '.join(IMG_EXTENSIONS)})"
+        )
+    return Source(root_str, [], {}, [(p, UNLABELLED) for p in flat], [])
+
+
+def pil_loader(path: str | os.PathLike) -> Image.Image:
+    """Open an image as torchvision's ``pil_loader`` does: ``Image.open(f).convert("RGB")``.
+
+    Raises:
+        DecodeError: naming the file, if it cannot be opened or decoded in full.
+    """
+    try:
+        with open(path, "rb") as f:
+            img = Image.open(f)
+            return img.convert("RGB")
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        # PIL reports truncated/corrupt data as OSError or SyntaxError, bad modes as ValueError.
+        reason = str(exc) or type(exc).__name__
+        raise DecodeError(str(path), f"cannot decode image ({type(exc).__name__}: {reason})") from exc
