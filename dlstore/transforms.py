@@ -209,6 +209,8 @@ def _parse_string(text: str) -> list[dict[str, Any]]:
                     f"unknown static op {name!r} in {text!r}; valid: {', '.join(STATIC_OPS)} "
                     "(example: 'resize=256,center_crop=224')"
                 )
+        except TransformSpecError:
+            raise
         except (ValueError, IndexError) as exc:
             raise TransformSpecError(
                 f"cannot parse {item!r} in static spec {text!r}; examples: resize=256, resize=256x320, "
@@ -315,7 +317,7 @@ def pil_to_chw(img: Image.Image) -> np.ndarray:
     """uint8 (C, H, W) array of a PIL image, as ``v2.PILToTensor`` lays it out."""
     arr = np.asarray(img)
     if arr.ndim == 2:
-        arr = arr[None, :, :]
+        arr = arr[None, :, :].copy()  # asarray of a PIL image is read-only; own the buffer
     else:
         arr = arr.transpose(2, 0, 1)
     if arr.dtype != np.uint8:
