@@ -8,6 +8,7 @@ from .dataset import StoreDataset, open_dataset
 from .errors import (
     ConversionInterrupted,
     DecodeError,
+    DeviceMemoryError,
     DlstoreError,
     SourceError,
     StoreBusyError,
@@ -15,7 +16,9 @@ from .errors import (
     StoreExistsError,
     TransformSpecError,
     UnknownFormatError,
+    VariableShapeError,
 )
+from .gpu import GPUDataset, GPULoader
 from .transforms import parse_static
 
 __version__ = "0.1.0"
@@ -24,7 +27,10 @@ __all__ = [
     "ConversionInterrupted",
     "ConvertResult",
     "DecodeError",
+    "DeviceMemoryError",
     "DlstoreError",
+    "GPUDataset",
+    "GPULoader",
     "SourceError",
     "StoreBusyError",
     "StoreCorruptError",
@@ -32,6 +38,7 @@ __all__ = [
     "StoreExistsError",
     "TransformSpecError",
     "UnknownFormatError",
+    "VariableShapeError",
     "convert",
     "open_dataset",
     "parse_static",

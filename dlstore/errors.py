@@ -47,3 +47,11 @@ class StoreCorruptError(DlstoreError, ValueError):
 
 class ConversionInterrupted(DlstoreError, RuntimeError):
     """A conversion stopped before completion (signal, dead worker, I/O error)."""
+
+
+class DeviceMemoryError(DlstoreError, MemoryError):
+    """A dataset does not fit in device memory; the message gives needed/free bytes and the options."""
+
+
+class VariableShapeError(DlstoreError, ValueError):
+    """An operation that stacks samples (e.g. ``GPUDataset``) got a variable-shape store."""

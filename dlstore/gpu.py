@@ -1,0 +1,599 @@
+"""A dataset that lives in device memory, and a loader that serves batches from there.
+
+For datasets that fit in GPU memory (CIFAR, ImageNet subsets, most fine-tuning
+sets on a large card) the fastest loader has no workers at all: the whole
+dataset sits on the device, converted once to fp16 (optionally normalised), and
+every batch is an ``index_select`` plus batch augmentations on the device.
+
+Preload pipeline (bounded host memory: at most two chunks on the host)::
+
+    reader thread                    main thread (CUDA: a side stream)
+    ─────────────                    ───────────────────────────────────
+    store ─read─▶ host chunk k+1     host chunk k ─copy, non_blocking─▶ device uint8
+    (pinned when the device is       ─to float32, /255, (x-mean)/std─▶ dtype
+     CUDA)                           ─▶ data[start:stop] of one preallocated tensor
+
+Before allocating anything the bytes needed are compared with what the device
+has free (``torch.cuda.mem_get_info`` minus a headroom) or with ``max_memory``;
+when the data does not fit, ``on_overflow`` decides: raise with the numbers,
+keep uint8 on the device and convert per batch, or stream batches from the
+store through pinned memory.
+
+Every path runs unchanged with ``device="cpu"`` (no pinning, no streams), which
+is how the tests cover it on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .dataset import StoreDataset, open_dataset
+from .errors import DeviceMemoryError, VariableShapeError
+
+ON_OVERFLOW = ("error", "uint8", "stream")
+DEFAULT_CHUNK_BYTES = 64 << 20
+# Kept free on a CUDA device on top of the dataset: the model, activations and the
+# allocator's own slack have to live somewhere.
+MIN_HEADROOM = 1 << 30
+HEADROOM_FRACTION = 0.05
+
+BatchTransform = Callable[..., torch.Tensor]
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def _free_memory(device: torch.device, headroom: int | None) -> tuple[int | None, int]:
+    """(bytes free for the dataset on ``device`` after the headroom, headroom), or None if unknown."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        keep = max(MIN_HEADROOM, int(total * HEADROOM_FRACTION)) if headroom is None else int(headroom)
+        return max(0, free - keep), keep
+    if device.type == "cpu":
+        keep = MIN_HEADROOM if headroom is None else int(headroom)
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return max(0, int(line.split()[1]) * 1024 - keep), keep
+        except OSError:
+            pass
+        return None, keep
+    return None, 0
+
+
+def _resolve_distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size): the given values, else torch.distributed's, else (0, 1)."""
+    dist = torch.distributed
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    world_size, rank = int(world_size), int(rank)
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    return rank, world_size
+
+
+class _Prefetcher:
+    """Runs ``fn(job)`` for each job in a background thread, ``depth`` results ahead at most.
+
+    Iterating yields the results in order. A result counts as in use until the
+    consumer asks for the next one, so at most ``depth`` results (host buffers)
+    exist at a time. An exception in the thread is re-raised in the consumer;
+    ``close()`` (also called when iteration ends or is abandoned) stops the thread.
+    """
+
+    def __init__(self, jobs: Iterable[Any], fn: Callable[[Any], Any], depth: int = 2):
+        self._jobs = iter(jobs)
+        self._fn = fn
+        self._slots = threading.Semaphore(max(1, depth))
+        self._queue: queue.Queue = queue.Queue()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="dlstore-prefetch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for job in self._jobs:
+                while not self._slots.acquire(timeout=0.1):
+                    if self._stop.is_set():
+                        return
+                if self._stop.is_set():
+                    return
+                self._queue.put((True, self._fn(job)))
+            self._queue.put((False, None))
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            self._queue.put((False, exc))
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            first = True
+            while True:
+                if not first:
+                    self._slots.release()  # the consumer is done with the previous result
+                first = False
+                more, item = self._queue.get()
+                if not more:
+                    if item is not None:
+                        raise item
+                    return
+                yield item
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._slots.release()  # wake a producer waiting for a slot
+        self._thread.join()
+
+
+class GPUDataset:
+    """A fixed-shape store preloaded into device memory, served a batch at a time.
+
+    ``GPUDataset(path)`` reads the store in chunks, converts each chunk on the
+    device to ``dtype`` and writes it into one preallocated ``(N, C, H, W)``
+    tensor; labels become a device int64 tensor. Float dtypes hold
+    ``ToDtype(float32, scale=True)`` values (``[0, 1]``), normalised with
+    ``(x - mean) / std`` when ``normalize`` is given, then cast once to ``dtype``:
+    the same numbers as torchvision's ``ToDtype(scale=True)`` + ``Normalize``.
+
+    Each rank of a distributed job holds the whole dataset; its loader reads a
+    disjoint share of each epoch's permutation.
+
+    Attributes:
+        data: the ``(N, C, H, W)`` device tensor (``dtype``, or uint8 when
+            ``mode == "uint8"``); None when ``mode == "stream"``.
+        targets: device int64 tensor of the N labels.
+        classes: class names in label order.
+        mode: ``"preload"`` (``data`` holds ``dtype``), ``"uint8"`` (uint8 on the
+            device, converted per batch) or ``"stream"`` (batches read from the store).
+        shape: (C, H, W) of a sample.
+        needed_bytes: device bytes the full-``dtype`` preload needs (data + labels).
+        nbytes: device bytes this dataset holds (data + labels).
+        load_seconds: wall time of the preload (reading, uploading, converting).
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike | StoreDataset,
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype = torch.float16,
+        *,
+        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        chunk_size: int | None = None,
+        max_memory: int | None = None,
+        on_overflow: str = "error",
+        headroom: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ):
+        """Preload ``source`` onto ``device``.
+
+        Args:
+            source: a store path (anything ``open_dataset`` opens) or a dlstore
+                dataset with a fixed sample shape. Its per-sample ``transform`` is
+                not applied: pass batch transforms to :meth:`loader`.
+            device: where the data lives (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+            dtype: dtype of the served images: a float dtype (scaled to ``[0, 1]``,
+                then normalised if asked) or ``torch.uint8`` (as stored).
+            normalize: ``(mean, std)``, one value per channel, applied after scaling.
+            chunk_size: samples per preload chunk; default: about 64 MiB of uint8.
+            max_memory: most device bytes the dataset may take (data + labels +
+                preload buffers); also applies to ``device="cpu"``. Default: what
+                the device has free minus ``headroom``.
+            on_overflow: when the data in ``dtype`` does not fit: ``"error"``
+                raises :class:`DeviceMemoryError`; ``"uint8"`` keeps uint8 on the
+                device (half of fp16) and converts each batch; ``"stream"`` serves
+                batches read from the store through pinned host memory.
+            headroom: device bytes left free besides the dataset; default on CUDA
+                the larger of 1 GiB and 5 % of the card, on CPU 1 GiB of RAM.
+            rank: this process's rank; default torch.distributed's, else 0.
+            world_size: number of ranks; default torch.distributed's, else 1.
+
+        Raises:
+            VariableShapeError: the store's samples have different shapes.
+            DeviceMemoryError: the data does not fit and ``on_overflow`` does not
+                allow a fallback (or the fallback does not fit either).
+            ValueError: an invalid option.
+        """
+        if on_overflow not in ON_OVERFLOW:
+            raise ValueError(f"on_overflow must be one of {', '.join(map(repr, ON_OVERFLOW))}, "
+                             f"got {on_overflow!r}")
+        if not (dtype.is_floating_point or dtype == torch.uint8):
+            raise ValueError(f"dtype must be a floating dtype or torch.uint8, got {dtype}")
+        if normalize is not None and dtype == torch.uint8:
+            raise ValueError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
+        self.source = open_dataset(source) if isinstance(source, (str, os.PathLike)) else source
+        name = getattr(self.source, "path", type(self.source).__name__)
+        shape = getattr(self.source, "shape", None)
+        if shape is None:
+            raise VariableShapeError(
+                f"{name}: samples have different shapes (a variable-shape store); GPUDataset "
+                f"stacks every sample into one tensor, so it needs one shape. Convert again with "
+                f"a size-fixing static op, e.g. dlstore convert SRC DST --static "
+                f"'resize=256,center_crop=224'.")
+        self.shape: tuple[int, int, int] = tuple(int(d) for d in shape)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = dtype
+        self.classes: list[str] = list(getattr(self.source, "classes", []))
+        self.rank, self.world_size = _resolve_distributed(rank, world_size)
+        self._pin = self.device.type == "cuda"
+        self._sample_bytes = int(np.prod(self.shape))
+        n = len(self.source)
+        if chunk_size is None:
+            chunk_size = max(1, DEFAULT_CHUNK_BYTES // self._sample_bytes)
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.chunk_size = min(int(chunk_size), max(1, n))
+        if normalize is not None:
+            mean, std = normalize
+            mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
+            std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
+            c = self.shape[0]
+            if mean_t.numel() not in (1, c) or std_t.numel() not in (1, c):
+                raise ValueError(f"normalize needs 1 or {c} values for mean and std, got "
+                                 f"{mean_t.numel()} and {std_t.numel()}")
+            if (std_t == 0).any():
+                raise ValueError(f"normalize: std must not be zero, got {std_t.tolist()}")
+            self._mean = mean_t.view(1, -1, 1, 1).to(self.device)
+            self._std = std_t.view(1, -1, 1, 1).to(self.device)
+        else:
+            self._mean = self._std = None
+        self.normalize = normalize
+
+        labels = getattr(self.source, "_labels", None)
+        if labels is None:
+            labels = np.asarray(self.source.targets, dtype=np.int64)
+        self._host_labels = np.asarray(labels, dtype=np.int64)
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        label_bytes = n * 8
+        self.needed_bytes = n * self._sample_bytes * itemsize + label_bytes
+        uint8_bytes = n * self._sample_bytes + label_bytes
+        # Preload buffers on the device: one uint8 chunk, plus its float32 image when converting.
+        work = self.chunk_size * self._sample_bytes * ((1 + 4) if dtype != torch.uint8 else 1)
+        if self.device.type == "cpu":  # the host chunks and the float32 image share the RAM
+            work = self.chunk_size * self._sample_bytes * (2 + (4 if dtype != torch.uint8 else 0))
+        free, keep = _free_memory(self.device, headroom)
+        limit = free if max_memory is None else (int(max_memory) if free is None else min(int(max_memory), free))
+        self.available_bytes = limit
+
+        def fits(nbytes: int) -> bool:
+            return limit is None or nbytes + work <= limit
+
+        if fits(self.needed_bytes):
+            self.mode = "preload"
+        elif on_overflow == "uint8" and fits(uint8_bytes):
+            self.mode = "uint8"
+        elif on_overflow == "stream":
+            self.mode = "stream"
+        else:
+            raise DeviceMemoryError(self._overflow_message(
+                name, n, itemsize, uint8_bytes, work, limit, max_memory, keep, on_overflow))
+
+        self.data: torch.Tensor | None = None
+        self.targets: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.load_seconds = 0.0
+        start = time.perf_counter()
+        try:
+            self.targets = torch.from_numpy(self._host_labels).to(self.device)
+            if self.mode != "stream":
+                storage = dtype if self.mode == "preload" else torch.uint8
+                self.data = torch.empty((n, *self.shape), dtype=storage, device=self.device)
+                self._preload()
+        except torch.OutOfMemoryError as exc:
+            self._release()
+            raise DeviceMemoryError(
+                f"{name}: out of device memory while preloading {n:,} samples onto {self.device} "
+                f"({exc}); pass max_memory=..., on_overflow='uint8' or on_overflow='stream'") from exc
+        except BaseException:
+            self._release()
+            raise
+        self.load_seconds = time.perf_counter() - start
+
+    # --- construction helpers -------------------------------------------------------------
+
+    def _overflow_message(self, name: Any, n: int, itemsize: int, uint8_bytes: int, work: int,
+                          limit: int, max_memory: int | None, keep: int, on_overflow: str) -> str:
+        c, h, w = self.shape
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        where = (f"max_memory={_human(limit)}" if max_memory is not None and limit == max_memory
+                 else f"{_human(limit)} free on {self.device} after keeping {_human(keep)} headroom")
+        lines = [
+            f"{name}: {n:,} samples of {c}x{h}x{w} {dtype_name} need {_human(self.needed_bytes)} "
+            f"(+ {_human(work)} of preload buffers) on {self.device}, but only {where}.",
+        ]
+        if on_overflow == "uint8":
+            lines.append(f"Even uint8 (on_overflow='uint8') needs {_human(uint8_bytes)}.")
+        lines.append("Options:")
+        if on_overflow != "uint8" and self.dtype != torch.uint8:
+            fit = "fits" if uint8_bytes + work <= limit else "does not fit either"
+            lines.append(f"  on_overflow='uint8'   keep uint8 on the device, convert per batch "
+                         f"({_human(uint8_bytes)}: {fit})")
+        lines.append("  on_overflow='stream'  read batches from the store through pinned memory")
+        lines.append("  max_memory=BYTES / headroom=BYTES  change the budget; a smaller chunk_size "
+                     "shrinks the preload buffers")
+        return "\n".join(lines)
+
+    def _release(self) -> None:
+        """Drop every device tensor this dataset holds (used on error paths)."""
+        self.data = None
+        self.targets = torch.empty(0, dtype=torch.int64)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _read_into(self, indices: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+        """Samples ``indices`` of the source, uint8, gathered into ``out`` (B, C, H, W)."""
+        reader = getattr(self.source, "reader", None)
+        get_batch = getattr(reader, "get_batch", None)
+        if get_batch is not None and "out" in inspect.signature(get_batch).parameters:
+            get_batch(indices, out=out.numpy())
+            return out
+        images, _ = self.source.read_batch(indices.tolist())
+        if isinstance(images, list):
+            images = torch.stack(images)
+        if tuple(images.shape[1:]) != self.shape:
+            raise VariableShapeError(f"source returned samples of shape {tuple(images.shape[1:])}, "
+                                     f"expected {self.shape}")
+        out.copy_(images)
+        return out
+
+    def _host_buffer(self, count: int) -> torch.Tensor:
+        return torch.empty((count, *self.shape), dtype=torch.uint8, pin_memory=self._pin)
+
+    def _read_chunk(self, bounds: tuple[int, int]) -> tuple[int, int, torch.Tensor]:
+        start, stop = bounds
+        buf = self._host_buffer(stop - start)
+        return start, stop, self._read_into(np.arange(start, stop, dtype=np.int64), buf)
+
+    def _preload(self) -> None:
+        n = len(self._host_labels)
+        bounds = [(s, min(s + self.chunk_size, n)) for s in range(0, n, self.chunk_size)]
+        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        for start, stop, host in _Prefetcher(bounds, self._read_chunk, depth=2):
+            target = self.data[start:stop]
+            if side is None:
+                self._convert_into(host, target)
+                continue
+            with torch.cuda.stream(side):
+                staged = host.to(self.device, non_blocking=True)
+                self._convert_into(staged, target)
+            # The host chunk goes back to the reader once its copy is done; meanwhile the
+            # reader thread has been filling the next one.
+            side.synchronize()
+        if side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def _convert_into(self, images: torch.Tensor, out: torch.Tensor) -> None:
+        """Write uint8 ``images`` (on the device, or a host chunk on CPU) into ``out``."""
+        if out.dtype == torch.uint8:
+            out.copy_(images)
+        else:
+            out.copy_(self._to_float32(images))
+
+    def _to_float32(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.to(torch.float32).mul_(1.0 / 255.0)
+        if self._mean is not None:
+            x.sub_(self._mean).div_(self._std)
+        return x
+
+    def _finish(self, images: torch.Tensor) -> torch.Tensor:
+        """A uint8 batch on the device -> what ``dtype`` promises."""
+        if self.dtype == torch.uint8:
+            return images
+        return self._to_float32(images).to(self.dtype)
+
+    # --- the dataset interface ------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._host_labels)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held: data (if resident) and labels."""
+        data = self.data.numel() * self.data.element_size() if self.data is not None else 0
+        return data + self.targets.numel() * self.targets.element_size()
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        """Sample ``i`` as served (``dtype``, on the device) and its int label."""
+        n = len(self)
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} out of range for a dataset of {n} samples")
+        label = int(self._host_labels[i])
+        if self.mode == "preload":
+            return self.data[i], label
+        if self.mode == "uint8":
+            return self._finish(self.data[i:i + 1])[0], label
+        host = self._read_into(np.array([i], dtype=np.int64), self._host_buffer(1))
+        return self._finish(host.to(self.device, non_blocking=self._pin))[0], label
+
+    def loader(
+        self,
+        batch_size: int,
+        shuffle: bool = True,
+        *,
+        drop_last: bool = False,
+        transform: BatchTransform | None = None,
+        seed: int | None = None,
+        channels_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        prefetch: int = 2,
+    ) -> GPULoader:
+        """Batches ``(images, labels)`` on the device; see :class:`GPULoader`."""
+        return GPULoader(self, batch_size, shuffle, drop_last=drop_last, transform=transform,
+                         seed=seed, channels_last=channels_last,
+                         rank=self.rank if rank is None else rank,
+                         world_size=self.world_size if world_size is None else world_size,
+                         prefetch=prefetch)
+
+    def __repr__(self) -> str:
+        c, h, w = self.shape
+        return (f"GPUDataset({len(self)} samples of {c}x{h}x{w}, mode={self.mode}, "
+                f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
+                f"nbytes={_human(self.nbytes)})")
+
+
+def _accepts_generator(transform: Callable[..., Any]) -> bool:
+    try:
+        params = inspect.signature(transform).parameters
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return "generator" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+
+class GPULoader:
+    """Iterates a :class:`GPUDataset` in batches of device tensors, one epoch per ``iter``.
+
+    Each epoch draws a permutation with ``torch.randperm`` on the device from a
+    generator seeded with ``seed + epoch``, so the same seed gives the same order
+    and each epoch a new one. The epoch advances by one after each iteration;
+    ``set_epoch(e)`` sets it, as with ``DistributedSampler``.
+
+    With ``world_size > 1`` the permutation is padded by wrapping to a multiple
+    of ``world_size`` and rank ``r`` takes every ``world_size``-th index from
+    ``r``: shares are disjoint (up to the < ``world_size`` padded repeats),
+    together complete, and equal in length, so every rank runs the same number
+    of batches. Every rank must use the same seed (default 0 when distributed).
+
+    Batches: ``index_select`` on the device, per-batch conversion when the data
+    is held as uint8, then ``transform(images, generator=g)`` (a batch
+    transform from ``dlstore.transforms``; a callable without a ``generator``
+    parameter is called with the images alone), then optionally channels_last.
+    """
+
+    def __init__(
+        self,
+        dataset: GPUDataset,
+        batch_size: int,
+        shuffle: bool = True,
+        *,
+        drop_last: bool = False,
+        transform: BatchTransform | None = None,
+        seed: int | None = None,
+        channels_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        prefetch: int = 2,
+    ):
+        if int(batch_size) < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.dataset = dataset
+        self.batch_size = int(batch_size)
+        self.shuffle = shuffle
+        self.drop_last = drop_last
+        self.transform = transform
+        self._transform_takes_generator = transform is not None and _accepts_generator(transform)
+        self.channels_last = channels_last
+        self.rank, self.world_size = _resolve_distributed(rank, world_size)
+        if seed is None:
+            # Every rank must draw the same permutation: a fixed default, like DistributedSampler.
+            seed = 0 if self.world_size > 1 else int(torch.randint(0, 2**62, ()).item())
+        self.seed = int(seed)
+        self.prefetch = max(1, int(prefetch))
+        self.epoch = 0
+        device = dataset.device
+        self._perm_gen = torch.Generator(device=device)
+        self._aug_gen = torch.Generator(device=device)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use epoch ``epoch``'s permutation for the next iteration (and count on from there)."""
+        self.epoch = int(epoch)
+
+    @property
+    def num_samples(self) -> int:
+        """Samples this rank sees per epoch (including the wrap-around padding)."""
+        return math.ceil(len(self.dataset) / self.world_size)
+
+    def __len__(self) -> int:
+        if self.drop_last:
+            return self.num_samples // self.batch_size
+        return math.ceil(self.num_samples / self.batch_size)
+
+    def indices(self, epoch: int | None = None) -> torch.Tensor:
+        """This rank's sample order for ``epoch`` (default: the next one), on the device."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        n = len(self.dataset)
+        device = self.dataset.device
+        if self.shuffle:
+            self._perm_gen.manual_seed(self.seed + epoch)
+            order = torch.randperm(n, generator=self._perm_gen, device=device)
+        else:
+            order = torch.arange(n, device=device)
+        if self.world_size > 1:
+            total = self.num_samples * self.world_size
+            if total > n:
+                order = order.repeat(math.ceil(total / n))[:total]
+            order = order[self.rank:total:self.world_size]
+        return order
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        epoch = self.epoch
+        self.epoch += 1
+        order = self.indices(epoch)
+        # Augmentation randomness differs per epoch and per rank, yet is reproducible.
+        self._aug_gen.manual_seed((self.seed * 1_000_003 + epoch * 7_919 + self.rank) % (2**63))
+        count = len(self) * self.batch_size if self.drop_last else len(order)
+        batches = [(s, min(s + self.batch_size, count)) for s in range(0, count, self.batch_size)]
+        ds = self.dataset
+        if ds.mode == "stream":
+            yield from self._stream(order, batches)
+            return
+        for start, stop in batches:
+            idx = order[start:stop]
+            images = ds.data.index_select(0, idx)
+            if ds.mode == "uint8":
+                images = ds._finish(images)
+            yield self._augment(images), ds.targets.index_select(0, idx)
+
+    def _augment(self, images: torch.Tensor) -> torch.Tensor:
+        if self.transform is not None:
+            if self._transform_takes_generator:
+                images = self.transform(images, generator=self._aug_gen)
+            else:
+                images = self.transform(images)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images
+
+    def _stream(self, order: torch.Tensor, batches: list[tuple[int, int]]
+                ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        ds = self.dataset
+        host_order = order.cpu().numpy()
+
+        def read(bounds: tuple[int, int]) -> torch.Tensor:
+            start, stop = bounds
+            return ds._read_into(host_order[start:stop], ds._host_buffer(stop - start))
+
+        prefetcher = _Prefetcher(batches, read, depth=self.prefetch)
+        try:
+            for (start, stop), host in zip(batches, prefetcher):
+                images = ds._finish(host.to(ds.device, non_blocking=ds._pin))
+                labels = ds.targets.index_select(0, order[start:stop])
+                yield self._augment(images), labels
+        finally:
+            prefetcher.close()
