@@ -19,11 +19,25 @@ from .errors import (
     VariableShapeError,
 )
 from .gpu import GPUDataset, GPULoader
-from .transforms import parse_static
+from .transforms import (
+    BatchCompose,
+    BatchCutout,
+    BatchNormalize,
+    BatchRandomCrop,
+    BatchRandomHorizontalFlip,
+    BatchRandomResizedCrop,
+    parse_static,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "BatchCompose",
+    "BatchCutout",
+    "BatchNormalize",
+    "BatchRandomCrop",
+    "BatchRandomHorizontalFlip",
+    "BatchRandomResizedCrop",
     "ConversionInterrupted",
     "ConvertResult",
     "DecodeError",
