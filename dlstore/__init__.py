@@ -19,6 +19,7 @@ from .errors import (
     VariableShapeError,
 )
 from .gpu import GPUDataset, GPULoader
+from .profiling import TimedDataset, profile_loader
 from .transforms import (
     BatchCompose,
     BatchCutout,
@@ -28,6 +29,7 @@ from .transforms import (
     BatchRandomResizedCrop,
     parse_static,
 )
+from .tuning import cpu_info, tune
 
 __version__ = "0.1.0"
 
@@ -50,10 +52,14 @@ __all__ = [
     "StoreCorruptError",
     "StoreDataset",
     "StoreExistsError",
+    "TimedDataset",
     "TransformSpecError",
     "UnknownFormatError",
     "VariableShapeError",
     "convert",
+    "cpu_info",
     "open_dataset",
     "parse_static",
+    "profile_loader",
+    "tune",
 ]
