@@ -32,13 +32,15 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import torch
 
 from .dataset import StoreDataset, open_dataset
-from .errors import DeviceMemoryError, VariableShapeError
+from .errors import DeviceMemoryError, StoreCorruptError, VariableShapeError
+from .tuning import usable_cpus
 
 ON_OVERFLOW = ("error", "uint8", "stream")
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -144,6 +146,109 @@ class _Prefetcher:
         self._stop.set()
         self._slots.release()  # wake a producer waiting for a slot
         self._thread.join()
+
+
+class _ShardRanges:
+    """Contiguous sample ranges of a fixed-shape shards store, read straight into a buffer.
+
+    The preload reads samples in order, so it can skip the gather of
+    ``Reader.get_batch`` (``np.take`` from the memory map, ~5 GB/s on one core)
+    and ``preadv`` each shard file's byte range into the (pinned) chunk in a few
+    threads instead (~17 GB/s from the page cache per thread, GIL released).
+    The layout it relies on is the documented one of ``dlstore.formats.shards``:
+    ``shard-NNNNN.npy`` files of uint8 ``(count, C, H, W)`` in sample order.
+    """
+
+    PIECE = 16 << 20
+
+    def __init__(self, files: list[Any], counts: list[int], shape: tuple[int, ...], sample_bytes: int):
+        self.files = files
+        self.counts = counts
+        self.shape = shape
+        self.sample_bytes = sample_bytes
+        self.firsts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+        self._fds: dict[int, tuple[int, int]] = {}  # file number -> (fd, data offset)
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=min(4, usable_cpus()), thread_name_prefix="dlstore-read")
+
+    @classmethod
+    def for_source(cls, source: Any, sample_bytes: int) -> _ShardRanges | None:
+        """The fast path for a plain fixed-shape shards store, else None (use ``read_batch``)."""
+        reader = getattr(source, "reader", None)
+        if getattr(reader, "format", None) != "shards" or getattr(reader, "kind", None) != "fixed":
+            return None
+        try:
+            counts = [int(entry["count"]) for entry in reader.manifest["layout"]["shards"]]
+        except (KeyError, TypeError, ValueError):
+            return None
+        files = list(reader.files)
+        if len(files) != len(counts) or sum(counts) != len(source):
+            return None
+        return cls(files, counts, tuple(reader.shape), sample_bytes)
+
+    def _open(self, k: int) -> tuple[int, int]:
+        with self._lock:
+            if k in self._fds:
+                return self._fds[k]
+            path = self.files[k]
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                raise StoreCorruptError(f"{path}: missing data file named in the manifest") from None
+            try:
+                with open(path, "rb") as f:
+                    version = np.lib.format.read_magic(f)
+                    header = (np.lib.format.read_array_header_1_0 if version == (1, 0)
+                              else np.lib.format.read_array_header_2_0)
+                    shape, fortran, dtype = header(f)
+                    offset = f.tell()
+                size = os.fstat(fd).st_size
+            except (ValueError, OSError) as exc:
+                os.close(fd)
+                raise StoreCorruptError(f"{path}: unreadable .npy file ({exc})") from exc
+            want = (self.counts[k], *self.shape)
+            if dtype != np.uint8 or fortran or tuple(shape) != want or size < offset + self.counts[k] * self.sample_bytes:
+                os.close(fd)
+                raise StoreCorruptError(
+                    f"{path}: holds {dtype} {tuple(shape)} in {size:,} bytes, manifest expects uint8 {want} "
+                    f"({offset + self.counts[k] * self.sample_bytes:,} bytes); the file is damaged or truncated")
+            self._fds[k] = (fd, offset)
+            return fd, offset
+
+    def _read_piece(self, k: int, file_offset: int, view: memoryview) -> None:
+        fd, offset = self._open(k)
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + file_offset + done)
+            if got <= 0:
+                raise StoreCorruptError(f"{self.files[k]}: ended early (truncated while reading?)")
+            done += got
+
+    def read(self, start: int, stop: int, out: np.ndarray) -> None:
+        """Samples ``[start, stop)`` into the C-contiguous uint8 array ``out``."""
+        flat = memoryview(out.reshape(-1))
+        jobs = []
+        i = start
+        while i < stop:
+            k = int(np.searchsorted(self.firsts, i, side="right")) - 1
+            j = min(stop, int(self.firsts[k + 1]))
+            first_byte = (i - start) * self.sample_bytes
+            nbytes = (j - i) * self.sample_bytes
+            local = (i - int(self.firsts[k])) * self.sample_bytes
+            for p in range(0, nbytes, self.PIECE):
+                q = min(nbytes, p + self.PIECE)
+                jobs.append(self._pool.submit(self._read_piece, k, local + p,
+                                              flat[first_byte + p:first_byte + q]))
+            i = j
+        for job in jobs:
+            job.result()
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        with self._lock:
+            for fd, _ in self._fds.values():
+                os.close(fd)
+            self._fds.clear()
 
 
 class GPUDataset:
@@ -294,6 +399,7 @@ class GPUDataset:
 
         self.data: torch.Tensor | None = None
         self.targets: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self._ranges: _ShardRanges | None = None
         self.load_seconds = 0.0
         start = time.perf_counter()
         try:
@@ -302,7 +408,7 @@ class GPUDataset:
                 storage = dtype if self.mode == "preload" else torch.uint8
                 self.data = torch.empty((n, *self.shape), dtype=storage, device=self.device)
                 self._preload()
-        except torch.OutOfMemoryError as exc:
+        except torch.cuda.OutOfMemoryError as exc:
             self._release()
             raise DeviceMemoryError(
                 f"{name}: out of device memory while preloading {n:,} samples onto {self.device} "
@@ -365,12 +471,29 @@ class GPUDataset:
     def _read_chunk(self, bounds: tuple[int, int]) -> tuple[int, int, torch.Tensor]:
         start, stop = bounds
         buf = self._host_buffer(stop - start)
+        if self._ranges is not None:
+            self._ranges.read(start, stop, buf.numpy())
+            return start, stop, buf
         return start, stop, self._read_into(np.arange(start, stop, dtype=np.int64), buf)
 
     def _preload(self) -> None:
         n = len(self._host_labels)
         bounds = [(s, min(s + self.chunk_size, n)) for s in range(0, n, self.chunk_size)]
-        side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self._ranges = _ShardRanges.for_source(self.source, self._sample_bytes)
+        try:
+            self._upload(bounds)
+        finally:
+            if self._ranges is not None:
+                self._ranges.close()
+            self._ranges = None
+
+    def _upload(self, bounds: list[tuple[int, int]]) -> None:
+        side = None
+        if self.device.type == "cuda":
+            side = torch.cuda.Stream(self.device)
+            # The side stream must see what the default stream did first (the data tensor,
+            # mean and std uploaded from pageable memory).
+            side.wait_stream(torch.cuda.current_stream(self.device))
         for start, stop, host in _Prefetcher(bounds, self._read_chunk, depth=2):
             target = self.data[start:stop]
             if side is None:

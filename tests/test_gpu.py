@@ -59,6 +59,29 @@ def test_uint8_preload_equals_the_store(store, stored, chunk_size):
     assert _no_prefetch_threads()
 
 
+@pytest.mark.parametrize("chunk_size", [1, 4, 11])
+def test_generic_read_path_equals_the_shards_fast_path(store, stored, chunk_size, monkeypatch):
+    """Without the preadv fast path (other formats) the preload goes through Reader.get_batch."""
+    from dlstore import gpu
+    monkeypatch.setattr(gpu._ShardRanges, "for_source", classmethod(lambda cls, *a: None))
+    ds = GPUDataset(store, CPU, torch.uint8, chunk_size=chunk_size)
+    assert torch.equal(ds.data, stored[0]) and torch.equal(ds.targets, stored[1])
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_other_formats_preload_equal(store, stored, tmp_path, fmt):
+    from dlstore import formats
+    try:
+        formats.get_format(fmt)
+    except ImportError:
+        pytest.skip(f"format {fmt} not landed yet")
+    src = dlstore.open_dataset(store).manifest["source"]["root"]
+    dst = tmp_path / ("s.lmdb" if fmt == "lmdb" else "s.h5")
+    dlstore.convert(src, dst, static="center_crop=12x10", workers=0, progress=False)
+    ds = GPUDataset(dst, CPU, torch.uint8, chunk_size=4)
+    assert torch.equal(ds.data, stored[0]) and torch.equal(ds.targets, stored[1])
+
+
 @pytest.mark.parametrize("chunk_size", [1, 5, 1000])
 def test_fp16_preload_is_scaled_store_within_rounding(store, stored, chunk_size):
     ds = GPUDataset(store, CPU, chunk_size=chunk_size)

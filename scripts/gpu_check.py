@@ -1,0 +1,437 @@
+#!/usr/bin/env python
+"""GPU check for dlstore.GPUDataset: preload speed and memory, correctness, loader speed.
+
+Run on a machine with a GPU (needs only dlstore installed; about 2-3 minutes on
+a 16-core machine with an H100/H200-class card)::
+
+    python scripts/gpu_check.py --out gpu_check.json
+    python scripts/gpu_check.py --device cpu --quick      # the same steps, small, on CPU
+
+What it does, all in one process so that every ratio compares figures measured
+in the same run:
+
+1. builds two real stores with ``dlstore.convert``: a CIFAR-sized one (32x32
+   PNGs, 50,000 samples, 10 classes) and an ImageNet-subset-sized one (JPEGs
+   converted with ``resize=256,center_crop=224``, 10,000 samples, 100
+   classes). To stay fast it generates a few thousand distinct images and
+   hard-links each under several names, so ``convert`` still decodes every file;
+2. measures host-to-device bandwidth (pinned memory, ``copy_``) on the device;
+3. preloads each store with ``GPUDataset(normalize=...)`` in fp16: seconds,
+   GB/s of uint8 read (vs the H2D bandwidth), device memory used vs predicted;
+4. checks the device data against the CPU path (torchvision ``ToDtype(scale=True)``
+   + ``Normalize`` on the stored uint8, cast to fp16) and the labels;
+5. times epochs of the GPU loader with random crop + flip (batch transforms from
+   ``dlstore.transforms``) against a DataLoader over the same store with the
+   same augmentations per sample, at its best worker count out of a sweep;
+6. prints a table and writes everything to JSON (``--out``).
+
+Targets (issue 5, on a GPU): preload >= 50 % of the H2D bandwidth; GPU loader
+>= 50 CIFAR-10-sized epochs/s and >= 10x the best DataLoader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader
+from torchvision.transforms import v2
+
+import dlstore
+from dlstore.demo import make_image_folder
+from dlstore.tuning import usable_cpus
+
+CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
+IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
+GB = 1e9
+
+
+# --- environment ---------------------------------------------------------------------------
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def machine(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "device": str(device), "python": platform.python_version(), "platform": platform.platform(),
+        "torch": torch.__version__, "dlstore": dlstore.__version__, "usable_cpus": usable_cpus(),
+        "logical_cpus": os.cpu_count(),
+    }
+    try:
+        import torchvision
+        info["torchvision"] = torchvision.__version__
+    except ImportError:  # pragma: no cover - torchvision is a dependency
+        pass
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                info["cpu"] = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, gpu_memory_bytes=props.total_memory, cuda=torch.version.cuda)
+    return info
+
+
+# --- data ----------------------------------------------------------------------------------
+
+def build_folder(root: Path, *, count: int, unique: int, classes: int, size: tuple[int, int],
+                 ext: str) -> Path:
+    """An ImageFolder tree of ``count`` files, ``unique`` of them distinct, the rest hard links."""
+    per_class = max(1, unique // classes)
+    originals = make_image_folder(root / "unique", classes=classes, per_class=per_class, size=size, ext=ext)
+    out = root / "images"
+    want = max(1, count // classes)
+    for c in range(classes):
+        src_dir = originals / f"class_{c:02d}"
+        dst_dir = out / f"class_{c:02d}"
+        dst_dir.mkdir(parents=True)
+        files = sorted(src_dir.iterdir())
+        for k in range(want):
+            src = files[k % len(files)]
+            dst = dst_dir / f"img_{k:06d}{ext}"
+            try:
+                os.link(src, dst)
+            except OSError:
+                shutil.copyfile(src, dst)
+    return out
+
+
+def build_store(root: Path, name: str, *, count: int, unique: int, classes: int, size: tuple[int, int],
+                ext: str, static: str, workers: int) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    folder = build_folder(root / name, count=count, unique=unique, classes=classes, size=size, ext=ext)
+    made = time.perf_counter() - t0
+    result = dlstore.convert(folder, root / f"{name}.shards", static=static, workers=workers, progress=False)
+    return {"path": str(result.path), "count": result.count, "classes": len(result.classes),
+            "shape": list(result.shape), "static": static, "bytes": result.bytes,
+            "generate_seconds": made, "convert_seconds": result.seconds, "convert_workers": result.workers}
+
+
+# --- measurements --------------------------------------------------------------------------
+
+def spread(values: list[float]) -> dict[str, Any]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "runs": values}
+
+
+def h2d_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict[str, Any]:
+    """Pinned host -> device copy bandwidth (GB/s); on CPU, a plain memory copy of the same size."""
+    pin = device.type == "cuda"
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    host.fill_(1)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dev.copy_(host, non_blocking=pin)
+    sync(device)
+    rates = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dev.copy_(host, non_blocking=pin)
+        sync(device)
+        rates.append(nbytes / (time.perf_counter() - t0) / GB)
+    del host, dev
+    return {"what": "pinned host -> device copy_" if pin else "host memory copy_ (no device)",
+            "bytes": nbytes, "gb_per_s": spread(rates)}
+
+
+def reference_batch(store: dlstore.StoreDataset, indices: np.ndarray, mean, std) -> torch.Tensor:
+    """The CPU path: stored uint8 -> ToDtype(float32, scale=True) -> Normalize -> fp16."""
+    images, _ = store.read_batch(indices.tolist())
+    ref = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
+    return ref(images).to(torch.float16)
+
+
+def check_preload(path: str, device: torch.device, mean, std, *, repeats: int,
+                  check_samples: int) -> tuple[dlstore.GPUDataset, dict[str, Any]]:
+    """Preload ``repeats`` times (keeping the last), then compare with the CPU path."""
+    seconds, used, peaks = [], [], []
+    ds = None
+    for _ in range(repeats):
+        ds = None  # free the previous copy before measuring the next
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+        sync(device)
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        t0 = time.perf_counter()
+        ds = dlstore.GPUDataset(path, device, normalize=(mean, std))
+        sync(device)
+        seconds.append(time.perf_counter() - t0)
+        if device.type == "cuda":
+            used.append(torch.cuda.memory_allocated(device) - before)
+            peaks.append(torch.cuda.max_memory_allocated(device) - before)
+    assert ds is not None
+    n = len(ds)
+    uint8_bytes = n * int(np.prod(ds.shape))
+    store = dlstore.open_dataset(path)
+    rng = np.random.default_rng(0)
+    idx = np.arange(n) if n <= check_samples else np.sort(rng.choice(n, check_samples, replace=False))
+    ref = reference_batch(store, idx, mean, std)
+    got = ds.data[torch.from_numpy(idx).to(device)].cpu()
+    diff = (got.float() - ref.float()).abs()
+    labels_ok = torch.equal(ds.targets.cpu(), torch.as_tensor(store.targets))
+    u8 = dlstore.GPUDataset(path, device, torch.uint8)
+    u8_ok = torch.equal(u8.data[torch.from_numpy(idx).to(device)].cpu(), store.read_batch(idx.tolist())[0])
+    del u8
+    stats = {
+        "samples": n, "shape": list(ds.shape), "mode": ds.mode, "dtype": "float16",
+        "chunk_size": ds.chunk_size, "uint8_bytes_read": uint8_bytes,
+        "seconds": spread(seconds),
+        "gb_per_s_read": spread([uint8_bytes / s / GB for s in seconds]),
+        "predicted_bytes": ds.needed_bytes, "nbytes": ds.nbytes,
+        "device_bytes_used": spread(used) if used else None,
+        "device_bytes_peak": spread(peaks) if peaks else None,
+        "checked_samples": int(len(idx)),
+        "max_abs_diff_vs_cpu_path": float(diff.max()) if diff.numel() else 0.0,
+        "exact_fraction_vs_cpu_path": float((diff == 0).float().mean()) if diff.numel() else 1.0,
+        "labels_equal": labels_ok, "uint8_equal_to_store": u8_ok,
+    }
+    return ds, stats
+
+
+def time_gpu_loader(ds: dlstore.GPUDataset, batch: int, transform, epochs: int) -> dict[str, Any]:
+    loader = ds.loader(batch, shuffle=True, drop_last=False, transform=transform, seed=0)
+    device = ds.device
+    count = 0
+    for images, labels in loader:  # warm-up epoch (kernels, allocator)
+        count += len(labels)
+    sync(device)
+    times = []
+    for _ in range(epochs):
+        t0 = time.perf_counter()
+        for images, labels in loader:
+            pass
+        sync(device)
+        times.append(time.perf_counter() - t0)
+    n = len(ds)
+    return {"batch_size": batch, "epochs_timed": epochs, "samples_per_epoch": n,
+            "epochs_per_s": spread([1 / t for t in times]),
+            "samples_per_s": spread([n / t for t in times]),
+            "batch_shape": list(images.shape), "batch_dtype": str(images.dtype)}
+
+
+def time_dataloader(path: str, device: torch.device, batch: int, sample_transform, mean, std, *,
+                    workers: list[int], epochs: int, max_batches: int) -> dict[str, Any]:
+    """A DataLoader over the same store, same augmentations per sample, output like the GPU loader's."""
+    ds = dlstore.open_dataset(path, transform=sample_transform)
+    pin = device.type == "cuda"
+    mean_t = torch.tensor(mean, device=device).view(1, -1, 1, 1)
+    std_t = torch.tensor(std, device=device).view(1, -1, 1, 1)
+    results = []
+    for w in workers:
+        kwargs: dict[str, Any] = {"num_workers": w, "pin_memory": pin}
+        if w > 0:
+            kwargs.update(persistent_workers=True, prefetch_factor=4)
+        loader = DataLoader(ds, batch_size=batch, shuffle=True, drop_last=False, **kwargs)
+        rates = []
+        for e in range(epochs + 1):  # the first epoch starts the workers: not timed
+            t0 = time.perf_counter()
+            seen = 0
+            for b, (images, labels) in enumerate(loader):
+                images = images.to(device, non_blocking=pin)
+                labels = labels.to(device, non_blocking=pin)
+                images = images.to(torch.float32).mul_(1 / 255).sub_(mean_t).div_(std_t).half()
+                seen += len(labels)
+                if b + 1 >= max_batches:
+                    break
+            sync(device)
+            if e > 0:
+                rates.append(seen / (time.perf_counter() - t0))
+        del loader
+        results.append({"num_workers": w, "pin_memory": pin, "samples_per_s": spread(rates)})
+    best = max(results, key=lambda r: r["samples_per_s"]["median"])
+    return {"configs": results, "best": best, "epochs_timed": epochs, "max_batches": max_batches}
+
+
+# --- the run -------------------------------------------------------------------------------
+
+SIZES = {
+    # name: (count, unique, classes, source size, ext, static, mean, std, batch)
+    "full": {"cifar": (50_000, 5_000, 10, (32, 32), ".png", "center_crop=32"),
+             "imagenet": (10_000, 500, 100, (300, 400), ".jpg", "resize=256,center_crop=224")},
+    "quick": {"cifar": (2_000, 200, 10, (32, 32), ".png", "center_crop=32"),
+              "imagenet": (200, 40, 10, (72, 96), ".jpg", "resize=64,center_crop=64")},
+}
+
+
+def batch_transforms(kind: str, size: int):
+    from dlstore import transforms as T
+    if kind == "cifar":
+        return T.BatchCompose([T.BatchRandomCrop(size, padding=4), T.BatchRandomHorizontalFlip()])
+    return T.BatchCompose([T.BatchRandomResizedCrop(size), T.BatchRandomHorizontalFlip()])
+
+
+def sample_transforms(kind: str, size: int):
+    if kind == "cifar":
+        return v2.Compose([v2.RandomCrop(size, padding=4), v2.RandomHorizontalFlip()])
+    return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
+
+
+def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
+    device = torch.device(args.device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    start = time.perf_counter()
+    sizes = dict(SIZES["quick" if args.quick else "full"])
+    if args.cifar:
+        sizes["cifar"] = (args.cifar, min(args.cifar, sizes["cifar"][1]), *sizes["cifar"][2:])
+    if args.imagenet:
+        sizes["imagenet"] = (args.imagenet, min(args.imagenet, sizes["imagenet"][1]), *sizes["imagenet"][2:])
+    cpus = usable_cpus()
+    workers = sorted({w for w in (0, 2, 4, 8, 12, 16, 32) if w <= cpus} | {cpus})
+    if args.quick:
+        workers = sorted({0, min(2, cpus)})
+    out: dict[str, Any] = {"script": "scripts/gpu_check.py", "quick": args.quick,
+                           "machine": machine(device), "stores": {}, "preload": {}, "gpu_loader": {},
+                           "dataloader": {}, "targets": {}}
+    log(f"device {device} ({out['machine'].get('gpu', 'no GPU')}), {cpus} usable CPUs, "
+        f"torch {torch.__version__}")
+    tmp = Path(tempfile.mkdtemp(prefix="dlstore-gpu-check-", dir=args.workdir))
+    try:
+        for kind, (count, unique, classes, size, ext, static) in sizes.items():
+            log(f"building {kind} store: {count:,} x {static} ({unique:,} distinct source images) ...")
+            out["stores"][kind] = build_store(tmp, kind, count=count, unique=unique, classes=classes,
+                                              size=size, ext=ext, static=static, workers=cpus)
+            s = out["stores"][kind]
+            log(f"  {s['count']:,} samples {'x'.join(map(str, s['shape']))}, {s['bytes'] / GB:.2f} GB, "
+                f"converted in {s['convert_seconds']:.1f} s")
+        bw_bytes = (64 << 20) if args.quick else (1 << 30)
+        out["h2d"] = h2d_bandwidth(device, bw_bytes, repeats=5)
+        log(f"H2D bandwidth: {out['h2d']['gb_per_s']['median']:.1f} GB/s ({out['h2d']['what']})")
+        for kind in sizes:
+            path = out["stores"][kind]["path"]
+            mean, std = (CIFAR_MEAN, CIFAR_STD) if kind == "cifar" else (IMAGENET_MEAN, IMAGENET_STD)
+            log(f"preloading {kind} ...")
+            ds, pre = check_preload(path, device, mean, std, repeats=args.repeats,
+                                    check_samples=2_000 if args.quick else 20_000)
+            out["preload"][kind] = pre
+            side = ds.shape[-1]
+            log(f"timing GPU loader on {kind} ...")
+            out["gpu_loader"][kind] = time_gpu_loader(ds, args.batch, batch_transforms(kind, side),
+                                                      args.epochs if kind == "cifar" else max(1, args.epochs // 5))
+            out["gpu_loader"][kind + "_no_transform"] = time_gpu_loader(ds, args.batch, None, max(1, args.epochs // 2))
+            del ds
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+            log(f"timing DataLoader on {kind} (workers {workers}) ...")
+            max_batches = 10**9 if kind == "cifar" else max(4, 4096 // args.batch)
+            out["dataloader"][kind] = time_dataloader(
+                path, device, args.batch, sample_transforms(kind, side), mean, std, workers=workers,
+                epochs=1 if args.quick else 2, max_batches=max_batches)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    h2d = out["h2d"]["gb_per_s"]["median"]
+    for kind in sizes:
+        pre = out["preload"][kind]
+        gpu = out["gpu_loader"][kind]["samples_per_s"]["median"]
+        dl = out["dataloader"][kind]["best"]["samples_per_s"]["median"]
+        out["targets"][kind] = {
+            "preload_fraction_of_h2d": pre["gb_per_s_read"]["median"] / h2d,
+            "gpu_loader_vs_best_dataloader": gpu / dl,
+            "gpu_loader_epochs_per_s": out["gpu_loader"][kind]["epochs_per_s"]["median"],
+        }
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def report(out: dict[str, Any]) -> str:
+    """The results as a plain-text table."""
+    cpu_note = "" if out["machine"]["device"].startswith("cuda") else \
+        "  [CPU run: no GPU; the GPU targets do not apply]"
+    lines = [f"dlstore GPU check on {out['machine'].get('gpu', out['machine'].get('cpu', '?'))} "
+             f"({out['machine']['device']}), torch {out['machine']['torch']}{cpu_note}",
+             f"H2D reference: {out['h2d']['gb_per_s']['median']:.2f} GB/s ({out['h2d']['what']}, "
+             f"{out['h2d']['bytes'] / 2**20:.0f} MiB)", ""]
+    head = f"{'':34s}" + "".join(f"{k:>22s}" for k in out["preload"])
+    lines.append(head)
+
+    def row(label: str, values: list[str]) -> None:
+        lines.append(f"{label:34s}" + "".join(f"{v:>22s}" for v in values))
+
+    kinds = list(out["preload"])
+    row("samples x shape", [f"{out['preload'][k]['samples']:,} x {'x'.join(map(str, out['preload'][k]['shape']))}"
+                            for k in kinds])
+    row("preload seconds (median)", [f"{out['preload'][k]['seconds']['median']:.3f}" for k in kinds])
+    row("preload GB/s of uint8 read", [f"{out['preload'][k]['gb_per_s_read']['median']:.2f}" for k in kinds])
+    row("  fraction of H2D bandwidth", [f"{out['targets'][k]['preload_fraction_of_h2d']:.0%}" for k in kinds])
+    row("device bytes predicted", [f"{out['preload'][k]['predicted_bytes'] / 2**20:,.1f} MiB" for k in kinds])
+    if out["preload"][kinds[0]]["device_bytes_used"] is not None:
+        row("device bytes used / peak", [
+            f"{out['preload'][k]['device_bytes_used']['median'] / 2**20:,.1f}/"
+            f"{out['preload'][k]['device_bytes_peak']['median'] / 2**20:,.1f} MiB" for k in kinds])
+    row("max |diff| vs CPU path (fp16)", [f"{out['preload'][k]['max_abs_diff_vs_cpu_path']:.2g}" for k in kinds])
+    row("labels / uint8 equal", [f"{out['preload'][k]['labels_equal']} / {out['preload'][k]['uint8_equal_to_store']}"
+                                 for k in kinds])
+    row("GPU loader epochs/s (crop+flip)", [f"{out['gpu_loader'][k]['epochs_per_s']['median']:,.2f}" for k in kinds])
+    row("GPU loader samples/s (crop+flip)", [f"{out['gpu_loader'][k]['samples_per_s']['median']:,.0f}" for k in kinds])
+    row("GPU loader samples/s (no aug.)",
+        [f"{out['gpu_loader'][k + '_no_transform']['samples_per_s']['median']:,.0f}" for k in kinds])
+    workers = [c["num_workers"] for c in out["dataloader"][kinds[0]]["configs"]]
+    for i, w in enumerate(workers):
+        row(f"DataLoader samples/s, {w} workers",
+            [f"{out['dataloader'][k]['configs'][i]['samples_per_s']['median']:,.0f}" for k in kinds])
+    row("best DataLoader (workers)", [f"{out['dataloader'][k]['best']['samples_per_s']['median']:,.0f} "
+                                      f"({out['dataloader'][k]['best']['num_workers']})" for k in kinds])
+    row("GPU loader / best DataLoader", [f"{out['targets'][k]['gpu_loader_vs_best_dataloader']:,.1f}x"
+                                         for k in kinds])
+    lines.append("")
+    if out["machine"]["device"].startswith("cuda"):
+        t = out["targets"]
+        verdict = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+        lines.append(f"target preload >= 50% of H2D: {verdict(all(v['preload_fraction_of_h2d'] >= 0.5 for v in t.values()))}")
+        lines.append(f"target >= 50 CIFAR epochs/s: {verdict(t['cifar']['gpu_loader_epochs_per_s'] >= 50)} "
+                     f"({t['cifar']['gpu_loader_epochs_per_s']:.1f})")
+        lines.append(f"target >= 10x best DataLoader (CIFAR): {verdict(t['cifar']['gpu_loader_vs_best_dataloader'] >= 10)}")
+    lines.append(f"total time {out['seconds']:.0f} s")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="small stores (seconds on a CPU)")
+    parser.add_argument("--cifar", type=int, default=0, help="samples of the CIFAR-sized store")
+    parser.add_argument("--imagenet", type=int, default=0, help="samples of the ImageNet-sized store")
+    parser.add_argument("--batch", type=int, default=512)
+    parser.add_argument("--epochs", type=int, default=20, help="timed GPU-loader epochs (CIFAR)")
+    parser.add_argument("--repeats", type=int, default=3, help="preloads per store")
+    parser.add_argument("--workdir", default=None, help="where to build the stores (default: $TMPDIR)")
+    parser.add_argument("--out", default="gpu_check.json")
+    args = parser.parse_args(argv)
+    if args.quick and args.epochs == 20:
+        args.epochs = 3
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("no CUDA device here; run with --device cpu (add --quick for a fast run)", file=sys.stderr)
+        return 2
+    out = run(args)
+    text = report(out)
+    print()
+    print(text)
+    out["table"] = text
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
