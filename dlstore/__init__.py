@@ -4,13 +4,14 @@ The public API, re-exported; nothing else happens here.
 """
 
 from .convert import ConvertResult, convert
-from .dataset import StoreDataset, open_dataset
+from .dataset import StoreDataset, loader, open_dataset
 from .errors import (
     ConversionInterrupted,
     DecodeError,
     DeviceMemoryError,
     DlstoreError,
     SourceError,
+    StaticMismatchError,
     StoreBusyError,
     StoreCorruptError,
     StoreExistsError,
@@ -27,7 +28,9 @@ from .transforms import (
     BatchRandomCrop,
     BatchRandomHorizontalFlip,
     BatchRandomResizedCrop,
+    HybridTransform,
     parse_static,
+    split_transforms,
 )
 from .tuning import cpu_info, tune
 
@@ -40,6 +43,7 @@ __all__ = [
     "BatchRandomCrop",
     "BatchRandomHorizontalFlip",
     "BatchRandomResizedCrop",
+    "HybridTransform",
     "ConversionInterrupted",
     "ConvertResult",
     "DecodeError",
@@ -48,6 +52,7 @@ __all__ = [
     "GPUDataset",
     "GPULoader",
     "SourceError",
+    "StaticMismatchError",
     "StoreBusyError",
     "StoreCorruptError",
     "StoreDataset",
@@ -57,9 +62,11 @@ __all__ = [
     "UnknownFormatError",
     "VariableShapeError",
     "convert",
+    "loader",
     "cpu_info",
     "open_dataset",
     "parse_static",
+    "split_transforms",
     "profile_loader",
     "tune",
 ]

@@ -5,6 +5,12 @@ only) and returns a :class:`StoreDataset` yielding ``(uint8 CHW tensor, int
 label)``, like ``ImageFolder`` followed by the store's static transforms and
 ``PILToTensor``. Data handles open lazily in each process that reads (after a
 DataLoader worker starts), never before a fork.
+
+The batch path: ``loader(dataset, batch_size, ...)`` hands whole index lists
+to ``StoreDataset.get_batch``, which assembles the batch in one copy from the
+reader's per-sample views (applying a random crop and flip inside that copy
+when the dynamic part starts with them), runs per-sample ops only where an op
+has no batch equivalent, then the batch transforms once per batch.
 """
 
 from __future__ import annotations
@@ -16,10 +22,23 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import Dataset
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
 
 from . import formats
-from .errors import StoreCorruptError
+from .errors import StaticMismatchError, StoreCorruptError, TransformSpecError
+from .transforms import (
+    BatchRandomCrop,
+    BatchRandomHorizontalFlip,
+    HybridTransform,
+    _flatten,
+    batch_plan,
+    describe,
+    parse_static,
+)
+
+# Below this many pixels per sample numpy's strided copy flips faster than a torch flip
+# (per-call overhead dominates); above it torch's vectorised flip wins (measured, 2-core CPU).
+_TORCH_FLIP_MIN_PIXELS = 4096
 
 
 class StoreDataset(Dataset):
@@ -36,6 +55,12 @@ class StoreDataset(Dataset):
     copy-on-write memory map: nothing is read until the tensor is used, and an
     in-place change never reaches the file (but does persist in that process, so
     a transform that works in place should ``clone()`` first).
+
+    ``transform`` may be a :class:`HybridTransform`: the store's static spec must
+    then equal the hybrid's static part, and only its dynamic part runs. Through
+    ``get_batch`` (what ``dlstore.loader`` calls) the trailing ops of the dynamic
+    part that have a batch equivalent run once per batch (``batch_ops``); the
+    rest run per sample (``per_sample_ops``). ``batch_transform`` runs after them.
     """
 
     def __init__(
@@ -43,6 +68,8 @@ class StoreDataset(Dataset):
         path: str | os.PathLike,
         transform: Callable[[torch.Tensor], Any] | None = None,
         target_transform: Callable[[int], Any] | None = None,
+        *,
+        batch_transform: Callable[..., torch.Tensor] | None = None,
     ):
         self.path = Path(path)
         self.format = formats.detect_format(self.path)
@@ -62,8 +89,33 @@ class StoreDataset(Dataset):
         self.targets: list[int] = labels.tolist()
         shape = self.manifest["sample"]["shape"]
         self.shape: tuple[int, int, int] | None = tuple(shape) if shape is not None else None
+        self.hybrid: HybridTransform | None = None
+        if isinstance(transform, HybridTransform):
+            _check_static(self.path, self.manifest, transform)
+            self.hybrid = transform
+            ops = transform.dynamic_ops
+            transform = transform.dynamic
+        elif transform is not None and type(transform).__module__.startswith("torchvision."):
+            ops = _flatten(transform)
+        else:
+            ops = [] if transform is None else [transform]
         self.transform = transform
         self.target_transform = target_transform
+        self.batch_transform = batch_transform
+        self.per_sample_ops, self.batch_ops = batch_plan(ops, fixed_shape=self.shape is not None)
+        if batch_transform is not None:
+            self.batch_ops.append(batch_transform)
+        # Leading crop (constant padding) and flip run inside the copy that assembles the batch.
+        self._fused_crop: BatchRandomCrop | None = None
+        self._fused_flip: BatchRandomHorizontalFlip | None = None
+        rest = list(self.batch_ops)
+        if self.shape is not None and not self.per_sample_ops:
+            if rest and isinstance(rest[0], BatchRandomCrop) and rest[0].padding_mode == "constant" \
+                    and isinstance(rest[0].fill, int) and 0 <= rest[0].fill <= 255:
+                self._fused_crop = rest.pop(0)
+            if rest and isinstance(rest[0], BatchRandomHorizontalFlip):
+                self._fused_flip = rest.pop(0)
+        self._batch_rest = rest
 
     def __len__(self) -> int:
         return len(self._labels)
@@ -87,6 +139,8 @@ class StoreDataset(Dataset):
         label: Any = int(self._labels[i])
         if self.transform is not None:
             image = self.transform(image)
+        if self.batch_transform is not None:
+            image = self.batch_transform(image[None])[0]
         if self.target_transform is not None:
             label = self.target_transform(label)
         return image, label
@@ -107,6 +161,9 @@ class StoreDataset(Dataset):
         Fixed-shape shards samples come back as views of the memory map, so the
         DataLoader's ``default_collate`` (``torch.stack``) is the one and only copy.
         """
+        if self.batch_transform is not None:
+            batch, labels_t = self.get_batch(indices)
+            return list(zip(batch.unbind(0), labels_t.tolist()))
         idx = [self._index(i) for i in indices]
         images = [torch.from_numpy(a) for a in self.reader.get_many(idx)]
         labels = self._labels[idx].tolist()
@@ -121,6 +178,90 @@ class StoreDataset(Dataset):
             out.append((image, label))
         return out
 
+    def get_batch(self, indices: Sequence[int], generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, Any]:
+        """Samples ``indices`` with the dynamic transforms applied, as one batch.
+
+        The batch is assembled in one copy from the reader's per-sample views;
+        a leading random crop (constant padding) and horizontal flip are applied
+        inside that copy. Per-sample ops (those without a batch equivalent) run
+        next, then the batch ops, once.
+
+        Args:
+            indices: sample indices.
+            generator: CPU generator for the random parameters; None uses torch's
+                default one (seeded per worker by the DataLoader).
+
+        Returns:
+            (images, labels): a (B, C, H, W) tensor and an int64 (B,) tensor (a list
+            if ``target_transform`` returns non-numbers).
+        """
+        idx = np.fromiter((self._index(i) for i in indices), dtype=np.int64, count=len(indices))
+        if self.shape is not None and not self.per_sample_ops:
+            images = self._gather(idx, generator)
+        else:
+            samples = [torch.from_numpy(a) for a in self.reader.get_many(idx.tolist())]
+            for op in self.per_sample_ops:
+                samples = [op(x) for x in samples]
+            images = _stack(samples, self.path)
+        for op in self._batch_rest:
+            images = op(images, generator)
+        labels: Any = torch.from_numpy(self._labels[idx])
+        if self.target_transform is not None:
+            out = [self.target_transform(int(v)) for v in labels]
+            labels = torch.as_tensor(out) if all(isinstance(v, (int, float)) for v in out) else out
+        return images, labels
+
+    def _gather(self, idx: np.ndarray, generator: torch.Generator | None) -> torch.Tensor:
+        """One copy from the store into a new (B, C, H, W) batch, with the fused crop/flip."""
+        crop, flip = self._fused_crop, self._fused_flip
+        if crop is None and flip is None:
+            if hasattr(self.reader, "get_batch"):
+                return torch.from_numpy(self.reader.get_batch(idx))
+            return _stack([torch.from_numpy(a) for a in self.reader.get_many(idx.tolist())], self.path)
+        b = len(idx)
+        c, h, w = self.shape  # type: ignore[misc]
+        # Draw in the order BatchCompose([crop, flip]) draws, so fused == unfused for one seed.
+        th, tw = crop.size if crop is not None else (h, w)
+        if crop is not None:
+            params = crop.sample((b, c, h, w), generator=generator)
+            tops, lefts = params["top"].tolist(), params["left"].tolist()
+            pad_left, pad_top = crop.padding[0], crop.padding[1]
+            fill = crop.fill
+        else:
+            tops, lefts, pad_left, pad_top, fill = [0] * b, [0] * b, 0, 0, 0
+        flips = flip.sample((b, c, th, tw), generator=generator)["flip"].tolist() if flip is not None \
+            else [False] * b
+        out = torch.empty((b, c, th, tw), dtype=torch.uint8)
+        o = out.numpy()
+        torch_flip = th * tw >= _TORCH_FLIP_MIN_PIXELS
+        for j, view in enumerate(self.reader.get_many(idx.tolist())):
+            y, x = tops[j] - pad_top, lefts[j] - pad_left   # window origin in image coordinates
+            sy0, sy1, sx0, sx1 = max(y, 0), min(y + th, h), max(x, 0), min(x + tw, w)
+            if sy1 <= sy0 or sx1 <= sx0:                    # window wholly in the padding
+                o[j] = fill
+                continue
+            dy0, dy1, dx0, dx1 = sy0 - y, sy1 - y, sx0 - x, sx1 - x
+            if flips[j]:
+                dx0, dx1 = tw - dx1, tw - dx0
+            # padding: fill only the strips the image does not cover
+            if dy0:
+                o[j, :, :dy0] = fill
+            if dy1 < th:
+                o[j, :, dy1:] = fill
+            if dx0:
+                o[j, :, dy0:dy1, :dx0] = fill
+            if dx1 < tw:
+                o[j, :, dy0:dy1, dx1:] = fill
+            src = view[:, sy0:sy1, sx0:sx1]
+            if not flips[j]:
+                o[j, :, dy0:dy1, dx0:dx1] = src
+            elif torch_flip and src.flags.writeable:
+                out[j, :, dy0:dy1, dx0:dx1] = torch.from_numpy(src).flip(-1)
+            else:
+                o[j, :, dy0:dy1, dx0:dx1] = src[..., ::-1]
+        return out
+
     def __repr__(self) -> str:
         shape = "x".join(map(str, self.shape)) if self.shape else "variable"
         return (f"StoreDataset({str(self.path)!r}, format={self.format}, samples={len(self)}, "
@@ -131,17 +272,115 @@ def open_dataset(
     path: str | os.PathLike,
     transform: Callable[[torch.Tensor], Any] | None = None,
     target_transform: Callable[[int], Any] | None = None,
+    *,
+    batch_transform: Callable[..., torch.Tensor] | None = None,
 ) -> StoreDataset:
     """Open a store written by ``dlstore convert`` as a map-style Dataset.
 
     Args:
         path: a ``.shards`` folder, an ``.lmdb`` folder or an ``.h5`` file.
-        transform: dynamic transform applied to each uint8 CHW tensor at read time.
+        transform: dynamic transform applied to each uint8 CHW tensor at read time,
+            or a :class:`HybridTransform` (its static part must match the store's;
+            its dynamic part runs, per batch where possible through ``dlstore.loader``).
         target_transform: applied to each int label.
+        batch_transform: ``t(images, generator=None)`` run once per (B, C, H, W)
+            batch by ``get_batch`` / ``dlstore.loader``, after ``transform``.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
         UnknownFormatError: ``path`` is not a store.
         StoreCorruptError: the manifest is missing, damaged, too new, or disagrees with the data.
+        StaticMismatchError: ``transform`` is a hybrid whose static part differs from the store's.
     """
-    return StoreDataset(path, transform=transform, target_transform=target_transform)
+    return StoreDataset(path, transform=transform, target_transform=target_transform,
+                        batch_transform=batch_transform)
+
+
+def _check_static(path: Path, manifest: dict[str, Any], hybrid: HybridTransform) -> None:
+    stored = parse_static(manifest.get("static") or [])
+    wanted = hybrid.static_spec
+    if stored == wanted:
+        return
+    detail = ""
+    if describe(stored) == describe(wanted):  # differ in a field describe() leaves out
+        detail = f"\n  store:     {stored}\n  transform: {wanted}"
+    raise StaticMismatchError(
+        f"{path}: the store was converted with static transforms {describe(stored)!r}, but the hybrid "
+        f"transform's static part is {describe(wanted)!r}{detail}. Training on it would not see the data "
+        f"the pipeline describes. Convert again with dlstore.convert(src, {str(path)!r}, static=hybrid, "
+        f"overwrite=True), or open it with a hybrid whose static part is {describe(stored)!r}.")
+
+
+def _stack(samples: list[torch.Tensor], path: Path) -> torch.Tensor:
+    shapes = {tuple(x.shape) for x in samples}
+    if len(shapes) > 1:
+        raise TransformSpecError(
+            f"{path}: cannot batch samples of different shapes {sorted(shapes)[:4]}; give the dynamic "
+            f"part an op that fixes the size (RandomResizedCrop, RandomCrop, Resize to HxW), or convert "
+            f"with a size-fixing static op (center_crop=...)")
+    return torch.stack(samples)
+
+
+class _Batches(Dataset):
+    """Index lists in, ``StoreDataset.get_batch`` out: what ``loader`` iterates over."""
+
+    def __init__(self, dataset: StoreDataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, Any]:
+        return self.dataset.get_batch(indices)
+
+
+def _as_is(batch: Any) -> Any:
+    return batch
+
+
+def loader(
+    dataset: StoreDataset,
+    batch_size: int,
+    shuffle: bool = False,
+    num_workers: int = 0,
+    *,
+    drop_last: bool = False,
+    generator: torch.Generator | None = None,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+    multiprocessing_context: Any = None,
+    worker_init_fn: Callable[[int], None] | None = None,
+) -> DataLoader:
+    """A DataLoader that reads whole batches: one ``get_batch`` call per batch.
+
+    A ``BatchSampler`` yields index lists; each worker assembles a batch in one
+    copy, runs the batch transforms once on it and returns ``(images, labels)``
+    tensors; no per-sample collate. Random parameters come from torch's default
+    generator of the process that reads, which the DataLoader seeds per worker
+    from ``generator`` (or from the global seed), so ``torch.manual_seed`` /
+    ``generator`` make epochs reproducible.
+
+    Args:
+        dataset: a StoreDataset (``open_dataset``).
+        batch_size: samples per batch.
+        shuffle: a new random order every epoch.
+        num_workers: worker processes (0: read in this process).
+        drop_last: drop a last, smaller batch.
+        generator: seeds the order and the workers' random streams.
+        pin_memory, persistent_workers, prefetch_factor, multiprocessing_context,
+            worker_init_fn: as ``torch.utils.data.DataLoader``.
+    """
+    if not isinstance(dataset, StoreDataset):
+        raise TypeError(f"dlstore.loader takes a StoreDataset (dlstore.open_dataset(path)), got "
+                        f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
+    if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
+        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+    sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+    options: dict[str, Any] = {}
+    if num_workers > 0:
+        options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                       multiprocessing_context=multiprocessing_context)
+    return DataLoader(_Batches(dataset), sampler=BatchSampler(sampler, batch_size, drop_last),
+                      batch_size=None, num_workers=num_workers, collate_fn=_as_is, pin_memory=pin_memory,
+                      worker_init_fn=worker_init_fn, generator=generator, **options)

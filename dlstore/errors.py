@@ -55,3 +55,7 @@ class DeviceMemoryError(DlstoreError, MemoryError):
 
 class VariableShapeError(DlstoreError, ValueError):
     """An operation that stacks samples (e.g. ``GPUDataset``) got a variable-shape store."""
+
+
+class StaticMismatchError(DlstoreError, ValueError):
+    """A store was converted with other static transforms than the hybrid transform opening it."""
