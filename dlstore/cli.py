@@ -46,15 +46,23 @@ def main() -> None:
               help="What to do with a file that cannot be decoded.")
 @click.option("--shard-size", type=str, default="1GiB", show_default=True,
               help="Target size of each data file (shards format), e.g. 256MiB.")
+@click.option("--compression", type=click.Choice(["none", "lzf", "gzip"]), default="none", show_default=True,
+              help="Per-sample compression of an hdf5 store (lzf: fast; gzip: smaller, readable everywhere).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, quiet):
+def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, compression, quiet):
     """Convert image folder SRC (ImageFolder layout) into store DST."""
     from .convert import convert as run_convert
 
     _sigterm_as_interrupt()
+    options = {}
+    if compression != "none":
+        if (fmt or formats.SUFFIXES.get(Path(dst).suffix.lower())) != "hdf5":
+            _fail(ValueError(f"--compression {compression} applies to hdf5 stores only; "
+                             f"use a .h5 DST or --format hdf5, or leave --compression out"))
+        options["compression"] = compression
     try:
         result = run_convert(src, dst, format=fmt, static=static, workers=workers, overwrite=overwrite,
-                             on_error=on_error, shard_size=parse_bytes(shard_size), progress=not quiet,
+                             on_error=on_error, shard_size=parse_bytes(shard_size), **options, progress=not quiet,
                              log=lambda msg: click.echo(msg, err=True))
     except KeyboardInterrupt:
         click.echo(f"interrupted: stopped the workers and removed the partial store; {dst} was not "

@@ -1,0 +1,393 @@
+"""HDF5 stores: one ``.h5`` file readable with plain ``h5py``.
+
+On-disk layout of ``NAME.h5`` (format version 1)::
+
+    /                      root group; attribute "dlstore" = the manifest, UTF-8 JSON string
+    /labels                int64 (N,), contiguous            label of sample i; -1 if unlabelled
+    # fixed-shape store (the static spec fixes (C, H, W)):
+    /images                uint8 (N, C, H, W), chunks (1, C, H, W), optional lzf/gzip filter
+    # variable-shape store:
+    /images                vlen uint8 (N,), chunks (1024,)   sample i's CHW bytes, flattened
+    /shapes                int64 (N, 3), chunks (1024, 3)    C, H, W of sample i
+
+Why this layout:
+  * one sample per chunk: a random read touches exactly one chunk, and
+    compression (``--compression lzf|gzip``) works per sample, so reading one
+    sample never decompresses its neighbours.
+  * ``images`` is resizable along N (the writer does not know N in advance);
+    the file is written with ``libver=("v110", "latest")``, so the chunk index is
+    an extensible array (O(1) lookup) instead of a B-tree; any HDF5 >= 1.10
+    (2016) reads it.
+  * variable-shape samples use HDF5's own variable-length type, so
+    ``f["images"][i].reshape(f["shapes"][i])`` is the whole decoder. HDF5
+    filters cannot compress variable-length data (only its heap pointers), so
+    compression is refused for variable-shape stores rather than silently not
+    applied.
+  * no pickled or object attributes: the manifest is a plain string attribute.
+
+Checksums (manifest ``checksums.files``; what each covers is spelt out in
+``layout["hashed"]`` so ``dlstore verify`` can recompute them): ``samples`` =
+sha256 of every sample's CHW bytes concatenated in sample order (the same digest
+an LMDB store of the same source records), ``labels`` = sha256 of the int64
+little-endian labels, ``shapes`` = sha256 of the int64 little-endian shapes.
+
+Reading: the file opens read-only, lazily, once per process, without HDF5 file
+locking (a published store is never modified in place, it is replaced by
+rename; and locks fail on some network filesystems). The chunk cache is sized
+for random access to one-sample chunks: a chunk is reused only when the same
+sample is read again, which the OS page cache already serves, so fixed-shape
+stores get no chunk cache (uncompressed samples are read with
+``read_direct_chunk`` straight into the output array, bypassing HDF5's
+selection machinery and the cache); variable-shape stores cache all chunks of
+heap pointers (16 bytes per sample, up to 64 MiB). Pass ``chunk_cache_bytes=``
+to choose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any
+
+import h5py
+import numpy as np
+
+from ..errors import StoreCorruptError
+from ..manifest import loads as load_manifest_text
+from ..manifest import validate
+from ._common import ForkSafe
+
+FORMAT = "hdf5"
+FORMAT_VERSION = 1
+SUFFIXES = (".h5", ".hdf5")
+
+MANIFEST_ATTR = "dlstore"
+COMPRESSIONS = ("none", "lzf", "gzip")
+LIBVER = ("v110", "latest")
+VLEN_CHUNK = 1024
+INT_DTYPE = np.dtype("<i8")
+DEFAULT_BATCH_BYTES = 64 << 20  # sample bytes buffered before a write
+MAX_POINTER_CACHE = 64 << 20
+
+
+class Hdf5Writer:
+    """Writes samples in order into a staging HDF5 file.
+
+    Used by ``dlstore.convert``, which owns staging and publishing; a writer only
+    fills the file it is given.
+
+    Args:
+        path: the staging file to create.
+        shape: (C, H, W) of every sample, or None for a variable-shape store.
+        compression: ``"none"`` (default), ``"lzf"`` (fast, needs h5py to read) or
+            ``"gzip"`` (smaller, slower; readable by any HDF5). Fixed-shape stores only.
+        compression_level: gzip level 0-9 (default 4).
+        batch_bytes: sample bytes buffered before each write.
+    """
+
+    format = FORMAT
+    format_version = FORMAT_VERSION
+
+    def __init__(self, path: Path, *, shape: tuple[int, int, int] | None, compression: str | None = "none",
+                 compression_level: int | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES, **_: Any):
+        compression = "none" if compression is None else compression
+        if compression not in COMPRESSIONS:
+            raise ValueError(f"unknown HDF5 compression {compression!r}; valid: {', '.join(COMPRESSIONS)}")
+        if compression != "none" and shape is None:
+            raise ValueError(
+                f"compression={compression!r} needs a fixed-shape store: HDF5 filters do not compress "
+                "variable-length data. Add a size-fixing static op (center_crop=N or resize=HxW) "
+                "or use compression 'none'")
+        if compression_level is not None and compression != "gzip":
+            raise ValueError("compression_level applies to compression='gzip' only")
+        self.path = Path(path)
+        self.shape = shape
+        self.compression = compression
+        self.labels: list[int] = []
+        self.shapes: list[tuple[int, int, int]] = []
+        self.checksums: dict[str, str] = {}
+        self._hash = hashlib.sha256()
+        self._count = 0
+        self._written = 0
+        if self.path.exists():
+            raise FileExistsError(f"{self.path}: staging file already exists")
+        self._file: h5py.File | None = h5py.File(self.path, "w", libver=LIBVER)
+        filters: dict[str, Any] = {}
+        if compression == "gzip":
+            filters = {"compression": "gzip", "compression_opts": 4 if compression_level is None
+                       else int(compression_level)}
+        elif compression == "lzf":
+            filters = {"compression": "lzf"}
+        if shape is not None:
+            self.sample_bytes = int(np.prod(shape))
+            self._block = np.empty((max(1, min(4096, batch_bytes // self.sample_bytes)), *shape), np.uint8)
+            self._images = self._file.create_dataset(
+                "images", shape=(0, *shape), maxshape=(None, *shape), dtype=np.uint8,
+                chunks=(1, *shape), **filters)
+        else:
+            self._pending: list[np.ndarray] = []
+            self._pending_bytes = 0
+            self._batch_bytes = max(1, int(batch_bytes))
+            self._images = self._file.create_dataset(
+                "images", shape=(0,), maxshape=(None,), dtype=h5py.vlen_dtype(np.uint8), chunks=(VLEN_CHUNK,))
+            self._shapes = self._file.create_dataset(
+                "shapes", shape=(0, 3), maxshape=(None, 3), dtype=INT_DTYPE, chunks=(VLEN_CHUNK, 3))
+
+    def add(self, sample: np.ndarray, label: int) -> None:
+        """Append one uint8 CHW sample and its label."""
+        if sample.dtype != np.uint8 or sample.ndim != 3:
+            raise ValueError(f"sample must be a uint8 (C, H, W) array, got {sample.dtype} {sample.shape}")
+        sample = np.ascontiguousarray(sample)
+        self._hash.update(memoryview(sample).cast("B"))
+        self.labels.append(int(label))
+        if self.shape is not None:
+            if tuple(sample.shape) != self.shape:
+                raise ValueError(f"sample shape {tuple(sample.shape)} != store shape {self.shape}")
+            self._block[self._count - self._written] = sample
+            self._count += 1
+            if self._count - self._written == len(self._block):
+                self._flush()
+        else:
+            self.shapes.append(tuple(int(d) for d in sample.shape))
+            self._pending.append(sample.reshape(-1))
+            self._pending_bytes += sample.size
+            self._count += 1
+            if self._pending_bytes >= self._batch_bytes:
+                self._flush()
+
+    def _flush(self) -> None:
+        k = self._count - self._written
+        if k == 0:
+            return
+        start, end = self._written, self._count
+        self._images.resize(end, axis=0)
+        if self.shape is not None:
+            self._images[start:end] = self._block[:k]
+        else:
+            values = np.empty(k, dtype=object)
+            for j, flat in enumerate(self._pending):
+                values[j] = flat
+            self._images[start:end] = values
+            self._shapes.resize(end, axis=0)
+            self._shapes[start:end] = np.asarray(self.shapes[start:end], dtype=INT_DTYPE)
+            self._pending = []
+            self._pending_bytes = 0
+        self._written = end
+
+    def finish(self) -> dict[str, Any]:
+        """Write the remaining samples and the labels; return the manifest's ``layout``."""
+        self._flush()
+        labels = np.asarray(self.labels, dtype=INT_DTYPE)
+        self._file.create_dataset("labels", data=labels)
+        self.checksums["samples"] = self._hash.hexdigest()
+        self.checksums["labels"] = hashlib.sha256(labels.tobytes()).hexdigest()
+        hashed = {"samples": "every sample's CHW bytes (images[i]) concatenated in sample order",
+                  "labels": "labels as int64 little-endian bytes"}
+        layout: dict[str, Any] = {
+            "kind": "fixed" if self.shape is not None else "variable",
+            "images": "images",
+            "labels": "labels",
+            "compression": self.compression,
+        }
+        if self.shape is not None:
+            layout["chunks"] = [1, *self.shape]
+        else:
+            shapes = np.asarray(self.shapes, dtype=INT_DTYPE).reshape(-1, 3)
+            self.checksums["shapes"] = hashlib.sha256(shapes.tobytes()).hexdigest()
+            hashed["shapes"] = "shapes as int64 little-endian bytes"
+            layout["shapes"] = "shapes"
+        layout["hashed"] = hashed
+        return layout
+
+    def write_manifest(self, text: str) -> None:
+        self._file.attrs[MANIFEST_ATTR] = text
+        self._file.flush()
+        self._file.close()
+        self._file = None
+        with open(self.path, "rb+") as f:
+            os.fsync(f.fileno())
+
+    def close(self) -> None:
+        """Close the file; safe after write_manifest() and after an error."""
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+
+# --- reading -------------------------------------------------------------------------------
+
+def _open_file(path: Path, **cache: Any) -> h5py.File:
+    try:
+        return h5py.File(path, "r", locking=False, **cache)
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no such store") from None
+    except OSError as exc:
+        raise StoreCorruptError(f"{path}: not a readable HDF5 file ({exc})") from exc
+
+
+def _manifest_from(f: h5py.File, path: Path) -> dict[str, Any]:
+    if MANIFEST_ATTR not in f.attrs:
+        raise StoreCorruptError(f"{path}: no root attribute {MANIFEST_ATTR!r}: not a complete dlstore HDF5 store")
+    text = f.attrs[MANIFEST_ATTR]
+    if not isinstance(text, (str, bytes)):
+        raise StoreCorruptError(f"{path}: root attribute {MANIFEST_ATTR!r} is not a string")
+    return load_manifest_text(text, f"{path} (attribute {MANIFEST_ATTR})")
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The validated manifest of the HDF5 store at ``path``."""
+    path = Path(path)
+    with _open_file(path) as f:
+        return _manifest_from(f, path)
+
+
+def _next_prime(n: int) -> int:
+    n = max(2, n)
+    while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
+        n += 1
+    return n
+
+
+class Hdf5Reader(ForkSafe):
+    """Reads samples of an HDF5 store into fresh uint8 arrays.
+
+    Args:
+        path: the ``.h5`` file.
+        manifest: the already-read manifest (read from the store if None).
+        chunk_cache_bytes: HDF5 chunk cache per open file (``rdcc_nbytes``); default:
+            0 for fixed-shape stores, all pointer chunks (<= 64 MiB) for variable-shape
+            stores (see the module doc).
+    """
+
+    format = FORMAT
+    _handles = ("_file", "_images")
+
+    def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
+                 chunk_cache_bytes: int | None = None):
+        self.path = Path(path)
+        self._file: h5py.File | None = None
+        self._images: h5py.Dataset | None = None
+        self._pid: int | None = None
+        # Read the metadata and close again: no HDF5 handle is held here if this process
+        # forks DataLoader workers next.
+        with _open_file(self.path) as f:
+            if manifest is None:
+                manifest = _manifest_from(f, self.path)
+            validate(manifest, str(self.path), format=FORMAT, max_format_version=FORMAT_VERSION)
+            self.manifest = manifest
+            self.count: int = manifest["count"]
+            layout = manifest["layout"]
+            self.kind = layout.get("kind")
+            images = self._dataset(f, "images")
+            self.labels = self._int_dataset(f, "labels", (self.count,))
+            if self.kind == "fixed":
+                self.shape: tuple[int, int, int] | None = tuple(manifest["sample"]["shape"])
+                self.shapes = None
+                if images.dtype != np.uint8 or images.shape != (self.count, *self.shape):
+                    raise StoreCorruptError(f"{self.path}: /images holds {images.dtype} {images.shape}, manifest "
+                                            f"expects uint8 {(self.count, *self.shape)}")
+                self._direct = (images.chunks == (1, *self.shape)
+                                and images.id.get_create_plist().get_nfilters() == 0)
+            elif self.kind == "variable":
+                self.shape = None
+                if images.shape != (self.count,) or h5py.check_vlen_dtype(images.dtype) != np.uint8:
+                    raise StoreCorruptError(f"{self.path}: /images holds {images.dtype} {images.shape}, manifest "
+                                            f"expects vlen uint8 ({self.count},)")
+                self.shapes = self._int_dataset(f, "shapes", (self.count, 3))
+                if (self.shapes <= 0).any():
+                    raise StoreCorruptError(f"{self.path}: /shapes holds non-positive sizes")
+                self._direct = False
+            else:
+                raise StoreCorruptError(f"{self.path}: unknown HDF5 layout kind {self.kind!r}")
+        if chunk_cache_bytes is None:
+            chunk_cache_bytes = 0 if self.kind == "fixed" else min(MAX_POINTER_CACHE, 16 * self.count + (1 << 20))
+        self.chunk_cache_bytes = int(chunk_cache_bytes)
+
+    def _dataset(self, f: h5py.File, name: str) -> h5py.Dataset:
+        obj = f.get(name)
+        if not isinstance(obj, h5py.Dataset):
+            raise StoreCorruptError(f"{self.path}: dataset /{name} is missing: not a complete dlstore HDF5 store")
+        return obj
+
+    def _int_dataset(self, f: h5py.File, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        ds = self._dataset(f, name)
+        if ds.dtype.kind not in "iu" or ds.shape != shape:
+            raise StoreCorruptError(f"{self.path}: /{name} holds {ds.dtype} {ds.shape}, expected int64 {shape}")
+        return ds[()].astype(np.int64)
+
+    def _open(self) -> None:
+        if self.chunk_cache_bytes > 0:
+            chunk = VLEN_CHUNK * 16 if self.kind == "variable" else max(1, int(np.prod(self.shape)))
+            fitting = max(1, self.chunk_cache_bytes // chunk)
+            cache = {"rdcc_nbytes": self.chunk_cache_bytes, "rdcc_nslots": _next_prime(min(100 * fitting, 1 << 22)),
+                     "rdcc_w0": 1.0}
+        else:
+            cache = {"rdcc_nbytes": 0, "rdcc_nslots": 1, "rdcc_w0": 1.0}
+        self._file = _open_file(self.path, **cache)
+        self._images = self._file["images"]
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _read_fixed(self, i: int, out: np.ndarray) -> None:
+        """Sample ``i`` into ``out`` (a C-contiguous (C, H, W) uint8 array)."""
+        try:
+            if self._direct:
+                mask, data = self._images.id.read_direct_chunk((i, 0, 0, 0), out=out.reshape(-1))
+                if mask != 0 or len(data) != out.size:
+                    raise StoreCorruptError(f"{self.path}: chunk of sample {i} holds {len(data)} bytes "
+                                            f"(filter mask {mask}), expected {out.size} raw bytes")
+            else:
+                out[...] = self._images[i]
+        except (OSError, KeyError, RuntimeError) as exc:
+            raise StoreCorruptError(f"{self.path}: cannot read sample {i} ({exc})") from exc
+
+    def _read_variable(self, i: int) -> np.ndarray:
+        c, h, w = (int(v) for v in self.shapes[i])
+        try:
+            flat = self._images[i]
+        except (OSError, KeyError, RuntimeError) as exc:
+            raise StoreCorruptError(f"{self.path}: cannot read sample {i} ({exc})") from exc
+        if flat.size != c * h * w:
+            raise StoreCorruptError(f"{self.path}: sample {i} holds {flat.size} bytes, /shapes says {c}x{h}x{w}")
+        return flat.reshape(c, h, w)
+
+    def get(self, i: int) -> np.ndarray:
+        """Sample ``i`` as a fresh, writable uint8 (C, H, W) array."""
+        self._ensure_open()
+        i = int(i)
+        if self.shape is None:
+            return self._read_variable(i)
+        out = np.empty(self.shape, dtype=np.uint8)
+        self._read_fixed(i, out)
+        return out
+
+    def get_many(self, indices: list[int]) -> list[np.ndarray]:
+        """Samples ``indices`` in that order, read in file order."""
+        if self.shape is not None:
+            return list(self.get_batch(indices))
+        self._ensure_open()
+        indices = [int(i) for i in indices]
+        out: list[np.ndarray | None] = [None] * len(indices)
+        for k in sorted(range(len(indices)), key=indices.__getitem__):
+            out[k] = self._read_variable(indices[k])
+        return out
+
+    def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Samples ``indices`` of a fixed-shape store as one (B, C, H, W) array, read in file order."""
+        if self.shape is None:
+            raise ValueError(f"{self.path}: get_batch needs a fixed-shape store")
+        self._ensure_open()
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if out is None:
+            out = np.empty((len(indices), *self.shape), dtype=np.uint8)
+        elif out.shape != (len(indices), *self.shape) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous uint8 array of shape {(len(indices), *self.shape)}")
+        for k in np.argsort(indices, kind="stable").tolist():
+            self._read_fixed(int(indices[k]), out[k])
+        return out
+
+
+Writer = Hdf5Writer
+Reader = Hdf5Reader

@@ -1,0 +1,379 @@
+"""LMDB stores: one key per sample in an LMDB environment, readable with plain ``lmdb``.
+
+On-disk layout of ``NAME.lmdb/`` (an LMDB environment folder, format version 1)::
+
+    data.mdb, lock.mdb     the LMDB environment (one unnamed database)
+
+    key (ASCII bytes)      value
+    ---------------------  ----------------------------------------------------------
+    b"0000000000"          sample 0: raw uint8 bytes in CHW order, C*H*W of them
+    b"0000000001"          sample 1 ...                    (keys: index, 10 digits)
+    ...
+    b"__dlstore__"         the manifest, UTF-8 JSON (see dlstore.manifest)
+    b"__labels__"          int64 little-endian (N,): label of sample i; -1 if unlabelled
+    b"__shapes__"          int64 little-endian (N, 3): C, H, W of sample i
+                           (variable-shape stores only; fixed-shape stores take the
+                           shape from the manifest's sample.shape)
+
+Why this layout:
+  * zero-padded decimal keys sort in sample order, so the writer appends with
+    ``MDB_APPEND`` (no page splits, a compact file) and a reader scanning a
+    cursor meets samples in order; reserved keys start with ``__``, which sorts
+    after every digit.
+  * values are the bare pixels (no header, no pickle): ``np.frombuffer(value,
+    np.uint8).reshape(shape)`` is the whole decoder, in any language.
+  * shapes of a variable-shape store live in one ``__shapes__`` value rather than
+    a per-sample header, so every sample value has the same meaning.
+
+Checksums (manifest ``checksums.files``; what each covers is spelt out in
+``layout["hashed"]`` so ``dlstore verify`` can recompute them):
+``samples`` = sha256 of the values of keys 0..N-1 concatenated in key order (the
+same digest an HDF5 store of the same source records), ``labels`` = sha256 of the
+``__labels__`` value, ``shapes`` = sha256 of the ``__shapes__`` value.
+
+Writing: samples are committed in batched write transactions (64 MiB by
+default). The map starts small and doubles whenever LMDB reports
+``MDB_MAP_FULL`` (the failed transaction is retried), so any store that fits the
+disk can be written. Syncing is deferred to the end: the store is published by
+rename only after a final ``fsync``, so a crash leaves only a staging folder.
+
+Reading: the environment is opened ``readonly=True, lock=False`` (a published
+store never changes in place: it is replaced by rename, so readers need no lock
+table), lazily, once per process. ``readahead`` defaults to True when the data
+file is smaller than half the physical memory (the page cache will hold it, and
+readahead fills it with fewer, larger reads) and to False otherwise (random
+reads of a store bigger than RAM: readahead would evict pages that are still
+needed for neighbours that are not); pass ``readahead=`` to choose.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import weakref
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+
+from ..errors import StoreCorruptError
+from ..manifest import loads as load_manifest_text
+from ..manifest import validate
+from ._common import ForkSafe
+
+FORMAT = "lmdb"
+FORMAT_VERSION = 1
+SUFFIXES = (".lmdb",)
+
+KEY_DIGITS = 10
+MANIFEST_KEY = b"__dlstore__"
+LABELS_KEY = b"__labels__"
+SHAPES_KEY = b"__shapes__"
+INT_DTYPE = np.dtype("<i8")
+DEFAULT_MAP_SIZE = 1 << 30  # initial map; doubles on MDB_MAP_FULL
+DEFAULT_BATCH_BYTES = 64 << 20  # sample bytes per write transaction
+
+
+def sample_key(i: int) -> bytes:
+    """The key of sample ``i`` (``b"0000000042"``)."""
+    return b"%010d" % i
+
+
+class LmdbWriter:
+    """Writes samples in order into a staging LMDB environment folder.
+
+    Used by ``dlstore.convert``, which owns staging and publishing; a writer only
+    fills the folder it is given.
+
+    Args:
+        folder: the staging folder to create.
+        shape: (C, H, W) of every sample, or None for a variable-shape store.
+        map_size: initial LMDB map size in bytes (grows by doubling as needed).
+        batch_bytes: sample bytes committed per write transaction.
+        compression: must be ``"none"``: LMDB stores hold raw pixels.
+    """
+
+    format = FORMAT
+    format_version = FORMAT_VERSION
+
+    def __init__(self, folder: Path, *, shape: tuple[int, int, int] | None,
+                 map_size: int = DEFAULT_MAP_SIZE, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                 compression: str | None = "none", **_: Any):
+        if compression not in (None, "none"):
+            raise ValueError(f"compression={compression!r}: LMDB stores hold raw pixels; "
+                             "compression applies to hdf5 stores only (use --format hdf5)")
+        self.folder = Path(folder)
+        self.shape = shape
+        self.batch_bytes = max(1, int(batch_bytes))
+        self.labels: list[int] = []
+        self.shapes: list[tuple[int, int, int]] = []
+        self.checksums: dict[str, str] = {}
+        self._hash = hashlib.sha256()
+        self._pending: list[tuple[bytes, bytes]] = []
+        self._pending_bytes = 0
+        self._count = 0
+        self.folder.mkdir(parents=True, exist_ok=False)
+        # sync=False/metasync=False: one fsync at the end is enough, because the store only
+        # becomes visible (by rename) after it; meminit stays on so unused page bytes are zeros.
+        self._env: lmdb.Environment | None = lmdb.open(
+            str(self.folder), map_size=max(1 << 20, int(map_size)), subdir=True, sync=False,
+            metasync=False, readahead=False, max_dbs=0)
+
+    def add(self, sample: np.ndarray, label: int) -> None:
+        """Append one uint8 CHW sample and its label."""
+        if sample.dtype != np.uint8 or sample.ndim != 3:
+            raise ValueError(f"sample must be a uint8 (C, H, W) array, got {sample.dtype} {sample.shape}")
+        if self.shape is not None and tuple(sample.shape) != self.shape:
+            raise ValueError(f"sample shape {tuple(sample.shape)} != store shape {self.shape}")
+        if self._count >= 10 ** KEY_DIGITS:
+            raise ValueError(f"an LMDB store holds at most {10 ** KEY_DIGITS} samples")
+        value = np.ascontiguousarray(sample).tobytes()
+        self._hash.update(value)
+        self._pending.append((sample_key(self._count), value))
+        self._pending_bytes += len(value)
+        self._count += 1
+        self.labels.append(int(label))
+        if self.shape is None:
+            self.shapes.append(tuple(int(d) for d in sample.shape))
+        if self._pending_bytes >= self.batch_bytes:
+            self._flush()
+
+    def _put(self, items: list[tuple[bytes, bytes]], append: bool) -> None:
+        """Commit ``items`` in one transaction, growing the map until they fit."""
+        while True:
+            try:
+                with self._env.begin(write=True) as txn:
+                    for key, value in items:
+                        txn.put(key, value, append=append)
+                return
+            except lmdb.MapFullError:
+                # The transaction was aborted; a bigger map lets the same batch commit.
+                size = self._env.info()["map_size"]
+                self._env.set_mapsize(2 * size + 2 * sum(len(v) for _, v in items))
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._put(self._pending, append=True)
+            self._pending = []
+            self._pending_bytes = 0
+
+    def finish(self) -> dict[str, Any]:
+        """Commit the remaining samples, labels and shapes; return the manifest's ``layout``."""
+        self._flush()
+        labels = np.asarray(self.labels, dtype=INT_DTYPE).tobytes()
+        items = [(LABELS_KEY, labels)]
+        self.checksums["samples"] = self._hash.hexdigest()
+        self.checksums["labels"] = hashlib.sha256(labels).hexdigest()
+        hashed = {
+            "samples": f"values of keys {sample_key(0).decode()}..{sample_key(max(self._count - 1, 0)).decode()} "
+                       "concatenated in key order",
+            "labels": f"value of key {LABELS_KEY.decode()}",
+        }
+        layout: dict[str, Any] = {
+            "kind": "fixed" if self.shape is not None else "variable",
+            "key_digits": KEY_DIGITS,
+            "labels_key": LABELS_KEY.decode(),
+            "int_dtype": INT_DTYPE.str,
+        }
+        if self.shape is None:
+            shapes = np.asarray(self.shapes, dtype=INT_DTYPE).reshape(-1, 3).tobytes()
+            items.append((SHAPES_KEY, shapes))
+            self.checksums["shapes"] = hashlib.sha256(shapes).hexdigest()
+            hashed["shapes"] = f"value of key {SHAPES_KEY.decode()}"
+            layout["shapes_key"] = SHAPES_KEY.decode()
+        layout["hashed"] = hashed
+        self._put(items, append=False)
+        return layout
+
+    def write_manifest(self, text: str) -> None:
+        self._put([(MANIFEST_KEY, text.encode("utf-8"))], append=False)
+        self._env.sync(True)
+
+    def close(self) -> None:
+        """Close the environment; safe after finish() and after an error."""
+        if self._env is not None:
+            self._env.close()
+            self._env = None
+
+
+# --- reading -------------------------------------------------------------------------------
+
+# py-lmdb refuses to open one environment twice in a process (LMDB's own rule: its
+# locks belong to the (process, file) pair). Readers of the same store in one process
+# therefore share one Environment, found here by (pid, device, inode) of data.mdb. The
+# values are weak: an environment closes when its last reader goes. Entries of another
+# pid were inherited through a fork and are closed before the child opens its own.
+_ENVS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _data_file(path: Path) -> Path:
+    data = path / "data.mdb"
+    if not data.is_file():
+        raise StoreCorruptError(f"{path}: not an LMDB store (no data.mdb)")
+    return data
+
+
+def _default_readahead(data: Path) -> bool:
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return True
+    return data.stat().st_size <= ram // 2
+
+
+def _shared_env(path: Path, readahead: bool) -> lmdb.Environment:
+    """This process's read-only Environment for the store at ``path``."""
+    pid = os.getpid()
+    for key in [k for k in list(_ENVS.keys()) if k[0] != pid]:
+        inherited = _ENVS.pop(key, None)
+        if inherited is not None:
+            inherited.close()  # the child's copy only: lock=False, nothing shared is touched
+    st = _data_file(path).stat()
+    key = (pid, st.st_dev, st.st_ino)
+    env = _ENVS.get(key)
+    if env is None:
+        try:
+            env = lmdb.open(str(path), subdir=True, readonly=True, lock=False, readahead=readahead,
+                            max_readers=1, max_spare_txns=1)
+        except lmdb.Error as exc:
+            raise StoreCorruptError(f"{path}: cannot open the LMDB environment ({exc})") from exc
+        _ENVS[key] = env
+    return env
+
+
+def _get_required(txn: lmdb.Transaction, key: bytes, path: Path) -> bytes:
+    value = txn.get(key)
+    if value is None:
+        raise StoreCorruptError(f"{path}: key {key.decode()} is missing: not a complete dlstore LMDB store")
+    return bytes(value)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The validated manifest of the LMDB store at ``path``."""
+    path = Path(path)
+    env = _shared_env(path, readahead=False)
+    with env.begin() as txn:
+        text = _get_required(txn, MANIFEST_KEY, path)
+    return load_manifest_text(text, f"{path} (key {MANIFEST_KEY.decode()})")
+
+
+class LmdbReader(ForkSafe):
+    """Reads samples of an LMDB store; each read copies the value out of the map once.
+
+    Args:
+        path: the ``.lmdb`` folder.
+        manifest: the already-read manifest (read from the store if None).
+        readahead: OS readahead on the data file; default: True if the file is
+            smaller than half the physical memory, else False (see the module doc).
+    """
+
+    format = FORMAT
+    _handles = ("_env",)
+
+    def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
+                 readahead: bool | None = None):
+        self.path = Path(path)
+        data = _data_file(self.path)
+        self.readahead = _default_readahead(data) if readahead is None else bool(readahead)
+        self._env: lmdb.Environment | None = None
+        self._pid: int | None = None
+        # The metadata lives inside the environment: open it, read, and let it go again, so
+        # that nothing is held open here if this process forks DataLoader workers next.
+        env = _shared_env(self.path, self.readahead)
+        with env.begin() as txn:
+            if manifest is None:
+                manifest = load_manifest_text(_get_required(txn, MANIFEST_KEY, self.path),
+                                              f"{self.path} (key {MANIFEST_KEY.decode()})")
+            validate(manifest, str(self.path), format=FORMAT, max_format_version=FORMAT_VERSION)
+            self.manifest = manifest
+            self.count: int = manifest["count"]
+            layout = manifest["layout"]
+            self.kind = layout.get("kind")
+            if layout.get("key_digits", KEY_DIGITS) != KEY_DIGITS:
+                raise StoreCorruptError(f"{self.path}: unsupported key width {layout.get('key_digits')!r}")
+            self.labels = self._int_array(txn, LABELS_KEY, (self.count,))
+            if self.kind == "fixed":
+                self.shape: tuple[int, int, int] | None = tuple(manifest["sample"]["shape"])
+                self.shapes = None
+            elif self.kind == "variable":
+                self.shape = None
+                self.shapes = self._int_array(txn, SHAPES_KEY, (self.count, 3))
+                if (self.shapes <= 0).any():
+                    raise StoreCorruptError(f"{self.path}: {SHAPES_KEY.decode()} holds non-positive sizes")
+            else:
+                raise StoreCorruptError(f"{self.path}: unknown LMDB layout kind {self.kind!r}")
+            if self.count and txn.get(sample_key(self.count - 1)) is None:
+                raise StoreCorruptError(f"{self.path}: the manifest declares {self.count} samples but key "
+                                        f"{sample_key(self.count - 1).decode()} is missing")
+        del env, txn
+
+    def _int_array(self, txn: lmdb.Transaction, key: bytes, shape: tuple[int, ...]) -> np.ndarray:
+        raw = _get_required(txn, key, self.path)
+        expected = int(np.prod(shape)) * INT_DTYPE.itemsize
+        if len(raw) != expected:
+            raise StoreCorruptError(f"{self.path}: key {key.decode()} holds {len(raw)} bytes, expected "
+                                    f"{expected} (int64 {shape})")
+        return np.frombuffer(raw, dtype=INT_DTYPE).astype(np.int64).reshape(shape)
+
+    def _open(self) -> None:
+        self._env = _shared_env(self.path, self.readahead)
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _shape_of(self, i: int) -> tuple[int, int, int]:
+        if self.shape is not None:
+            return self.shape
+        c, h, w = self.shapes[i]
+        return int(c), int(h), int(w)
+
+    def _value(self, txn: lmdb.Transaction, i: int, nbytes: int) -> memoryview:
+        value = txn.get(sample_key(i))
+        if value is None or len(value) != nbytes:
+            found = "missing" if value is None else f"{len(value)} bytes, expected {nbytes}"
+            raise StoreCorruptError(f"{self.path}: sample {i} (key {sample_key(i).decode()}) is {found}")
+        return value
+
+    def get(self, i: int) -> np.ndarray:
+        """Sample ``i`` as a fresh, writable uint8 (C, H, W) array."""
+        self._ensure_open()
+        shape = self._shape_of(i)
+        with self._env.begin(buffers=True) as txn:
+            # The memoryview points into the map and is valid only inside the transaction.
+            value = self._value(txn, i, shape[0] * shape[1] * shape[2])
+            return np.frombuffer(value, dtype=np.uint8).reshape(shape).copy()
+
+    def get_many(self, indices: list[int]) -> list[np.ndarray]:
+        """Samples ``indices``, in that order, read in one transaction."""
+        if self.shape is not None:
+            return list(self.get_batch(indices))
+        self._ensure_open()
+        out = []
+        with self._env.begin(buffers=True) as txn:
+            for i in indices:
+                shape = self._shape_of(int(i))
+                value = self._value(txn, int(i), shape[0] * shape[1] * shape[2])
+                out.append(np.frombuffer(value, dtype=np.uint8).reshape(shape).copy())
+        return out
+
+    def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        """Samples ``indices`` of a fixed-shape store as one (B, C, H, W) array (one transaction)."""
+        if self.shape is None:
+            raise ValueError(f"{self.path}: get_batch needs a fixed-shape store")
+        self._ensure_open()
+        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        if out is None:
+            out = np.empty((len(indices), *self.shape), dtype=np.uint8)
+        elif out.shape != (len(indices), *self.shape) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+            raise ValueError(f"out must be a C-contiguous uint8 array of shape {(len(indices), *self.shape)}")
+        flat = out.reshape(len(indices), -1)
+        nbytes = flat.shape[1]
+        with self._env.begin(buffers=True) as txn:
+            for k, i in enumerate(indices.tolist()):
+                flat[k] = np.frombuffer(self._value(txn, i, nbytes), dtype=np.uint8)
+        return out
+
+
+Writer = LmdbWriter
+Reader = LmdbReader

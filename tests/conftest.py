@@ -1,0 +1,39 @@
+"""Fixtures shared by test modules: small synthetic image folders.
+
+Pixels are a function of (class, index) (``dlstore.demo.synthetic_image``), so a
+mix-up of samples or labels shows as wrong pixels. The folders are
+session-scoped and shared: tests must not modify them (copy one first).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from dlstore.demo import make_image_folder, synthetic_image
+
+
+@pytest.fixture(scope="session")
+def rgb_folder(tmp_path_factory) -> Path:
+    """3 classes x 8 RGB JPEGs of 32x40 (height x width): 24 samples."""
+    return make_image_folder(tmp_path_factory.mktemp("rgb") / "images", classes=3, per_class=8, size=(32, 40))
+
+
+@pytest.fixture(scope="session")
+def varsize_folder(tmp_path_factory) -> Path:
+    """2 classes x 5 JPEGs, each with its own height and width (24..40 x 30..50)."""
+    return make_image_folder(tmp_path_factory.mktemp("varsize") / "images", classes=2, per_class=5,
+                             size=(32, 40), vary_size=True)
+
+
+@pytest.fixture(scope="session")
+def mixed_folder(tmp_path_factory) -> Path:
+    """2 classes, 10 files in every mode ImageFolder meets: JPEG, PNG RGB/RGBA/palette/grayscale, BMP."""
+    root = make_image_folder(tmp_path_factory.mktemp("mixed") / "images", classes=2, per_class=3, size=(26, 22))
+    Image.fromarray(synthetic_image(0, 90, (30, 24))).convert("RGBA").save(root / "class_00" / "rgba.png")
+    Image.fromarray(synthetic_image(0, 91, (22, 28))).convert("P").save(root / "class_00" / "palette.png")
+    Image.fromarray(synthetic_image(1, 92, (24, 24))).convert("L").save(root / "class_01" / "gray.png")
+    Image.fromarray(synthetic_image(1, 93, (25, 27))).save(root / "class_01" / "plain.bmp")
+    return root
