@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from typing import Any
 
 import numpy as np
@@ -44,6 +45,8 @@ from .tuning import usable_cpus
 
 ON_OVERFLOW = ("error", "uint8", "stream")
 DEFAULT_CHUNK_BYTES = 64 << 20
+# uint8 bytes converted to float32 at a time: bounds the float32 workspace and keeps it in cache.
+CONVERT_BLOCK_BYTES = 8 << 20
 # Kept free on a CUDA device on top of the dataset: the model, activations and the
 # allocator's own slack have to live somewhere.
 MIN_HEADROOM = 1 << 30
@@ -153,13 +156,13 @@ class _ShardRanges:
 
     The preload reads samples in order, so it can skip the gather of
     ``Reader.get_batch`` (``np.take`` from the memory map, ~5 GB/s on one core)
-    and ``preadv`` each shard file's byte range into the (pinned) chunk in a few
-    threads instead (~17 GB/s from the page cache per thread, GIL released).
+    and ``preadv`` each shard file's byte range into the (pinned) chunk, 8 MiB
+    pieces in up to 8 threads instead (~17 GB/s from the page cache per thread, GIL released).
     The layout it relies on is the documented one of ``dlstore.formats.shards``:
     ``shard-NNNNN.npy`` files of uint8 ``(count, C, H, W)`` in sample order.
     """
 
-    PIECE = 16 << 20
+    PIECE = 8 << 20
 
     def __init__(self, files: list[Any], counts: list[int], shape: tuple[int, ...], sample_bytes: int):
         self.files = files
@@ -169,7 +172,7 @@ class _ShardRanges:
         self.firsts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
         self._fds: dict[int, tuple[int, int]] = {}  # file number -> (fd, data offset)
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=min(4, usable_cpus()), thread_name_prefix="dlstore-read")
+        self._pool = ThreadPoolExecutor(max_workers=min(8, usable_cpus()), thread_name_prefix="dlstore-read")
 
     @classmethod
     def for_source(cls, source: Any, sample_bytes: int) -> _ShardRanges | None:
@@ -376,10 +379,14 @@ class GPUDataset:
         label_bytes = n * 8
         self.needed_bytes = n * self._sample_bytes * itemsize + label_bytes
         uint8_bytes = n * self._sample_bytes + label_bytes
-        # Preload buffers on the device: one uint8 chunk, plus its float32 image when converting.
-        work = self.chunk_size * self._sample_bytes * ((1 + 4) if dtype != torch.uint8 else 1)
-        if self.device.type == "cpu":  # the host chunks and the float32 image share the RAM
-            work = self.chunk_size * self._sample_bytes * (2 + (4 if dtype != torch.uint8 else 0))
+        # Preload buffers on the device: the uploaded uint8 chunk and the float32 block it is
+        # converted through; on CPU, the host chunks (none for uint8, read straight into place).
+        self._block = max(1, min(self.chunk_size, CONVERT_BLOCK_BYTES // self._sample_bytes))
+        float_work = self._block * self._sample_bytes * 4 if dtype != torch.uint8 else 0
+        if self.device.type == "cpu":
+            work = (2 * self.chunk_size * self._sample_bytes if dtype != torch.uint8 else 0) + float_work
+        else:
+            work = self.chunk_size * self._sample_bytes + float_work
         free, keep = _free_memory(self.device, headroom)
         limit = free if max_memory is None else (int(max_memory) if free is None else min(int(max_memory), free))
         self.available_bytes = limit
@@ -470,7 +477,10 @@ class GPUDataset:
 
     def _read_chunk(self, bounds: tuple[int, int]) -> tuple[int, int, torch.Tensor]:
         start, stop = bounds
-        buf = self._host_buffer(stop - start)
+        if self.device.type == "cpu" and self.data.dtype == torch.uint8:
+            buf = self.data[start:stop]  # nothing to convert or upload: read straight into place
+        else:
+            buf = self._host_buffer(stop - start)
         if self._ranges is not None:
             self._ranges.read(start, stop, buf.numpy())
             return start, stop, buf
@@ -494,26 +504,42 @@ class GPUDataset:
             # The side stream must see what the default stream did first (the data tensor,
             # mean and std uploaded from pageable memory).
             side.wait_stream(torch.cuda.current_stream(self.device))
+        workspace = None
+        if self.data.dtype != torch.uint8:
+            with torch.cuda.stream(side) if side is not None else nullcontext():
+                workspace = torch.empty((self._block, *self.shape), dtype=torch.float32, device=self.device)
         for start, stop, host in _Prefetcher(bounds, self._read_chunk, depth=2):
             target = self.data[start:stop]
             if side is None:
-                self._convert_into(host, target)
+                if host.data_ptr() != target.data_ptr():
+                    self._convert_into(host, target, workspace)
                 continue
             with torch.cuda.stream(side):
                 staged = host.to(self.device, non_blocking=True)
-                self._convert_into(staged, target)
+                self._convert_into(staged, target, workspace)
             # The host chunk goes back to the reader once its copy is done; meanwhile the
             # reader thread has been filling the next one.
             side.synchronize()
         if side is not None:
             torch.cuda.current_stream(self.device).wait_stream(side)
 
-    def _convert_into(self, images: torch.Tensor, out: torch.Tensor) -> None:
-        """Write uint8 ``images`` (on the device, or a host chunk on CPU) into ``out``."""
-        if out.dtype == torch.uint8:
+    def _convert_into(self, images: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None) -> None:
+        """Write uint8 ``images`` (on the device, or a host chunk on CPU) into ``out``.
+
+        Float output goes through ``workspace`` (float32) a block at a time, with the
+        same operations as :meth:`_to_float32`, so both give identical numbers.
+        """
+        if workspace is None:
             out.copy_(images)
-        else:
-            out.copy_(self._to_float32(images))
+            return
+        for b in range(0, len(images), len(workspace)):
+            e = min(len(images), b + len(workspace))
+            x = workspace[:e - b]
+            x.copy_(images[b:e])
+            x.mul_(1.0 / 255.0)
+            if self._mean is not None:
+                x.sub_(self._mean).div_(self._std)
+            out[b:e].copy_(x)
 
     def _to_float32(self, images: torch.Tensor) -> torch.Tensor:
         x = images.to(torch.float32).mul_(1.0 / 255.0)

@@ -184,7 +184,11 @@ def check_preload(path: str, device: torch.device, mean, std, *, repeats: int,
     got = ds.data[torch.from_numpy(idx).to(device)].cpu()
     diff = (got.float() - ref.float()).abs()
     labels_ok = torch.equal(ds.targets.cpu(), torch.as_tensor(store.targets))
+    sync(device)
+    t0 = time.perf_counter()
     u8 = dlstore.GPUDataset(path, device, torch.uint8)
+    sync(device)
+    u8_seconds = time.perf_counter() - t0
     u8_ok = torch.equal(u8.data[torch.from_numpy(idx).to(device)].cpu(), store.read_batch(idx.tolist())[0])
     del u8
     stats = {
@@ -199,6 +203,7 @@ def check_preload(path: str, device: torch.device, mean, std, *, repeats: int,
         "max_abs_diff_vs_cpu_path": float(diff.max()) if diff.numel() else 0.0,
         "exact_fraction_vs_cpu_path": float((diff == 0).float().mean()) if diff.numel() else 1.0,
         "labels_equal": labels_ok, "uint8_equal_to_store": u8_ok,
+        "uint8_preload_seconds": u8_seconds, "uint8_preload_gb_per_s": uint8_bytes / u8_seconds / GB,
     }
     return ds, stats
 
@@ -368,6 +373,7 @@ def report(out: dict[str, Any]) -> str:
     row("preload seconds (median)", [f"{out['preload'][k]['seconds']['median']:.3f}" for k in kinds])
     row("preload GB/s of uint8 read", [f"{out['preload'][k]['gb_per_s_read']['median']:.2f}" for k in kinds])
     row("  fraction of H2D bandwidth", [f"{out['targets'][k]['preload_fraction_of_h2d']:.0%}" for k in kinds])
+    row("uint8 preload GB/s (no convert)", [f"{out['preload'][k]['uint8_preload_gb_per_s']:.2f}" for k in kinds])
     row("device bytes predicted", [f"{out['preload'][k]['predicted_bytes'] / 2**20:,.1f} MiB" for k in kinds])
     if out["preload"][kinds[0]]["device_bytes_used"] is not None:
         row("device bytes used / peak", [

@@ -158,11 +158,12 @@ def test_overflow_error_names_the_numbers_and_the_options(store):
 
 
 def test_budget_counts_the_preload_buffers(store):
-    ds = GPUDataset(store, CPU, torch.uint8, chunk_size=1)
+    ds = GPUDataset(store, CPU, chunk_size=1)
     exact = ds.needed_bytes
     with pytest.raises(DeviceMemoryError, match="preload buffers"):
-        GPUDataset(store, CPU, torch.uint8, chunk_size=1, max_memory=exact)
-    GPUDataset(store, CPU, torch.uint8, chunk_size=1, max_memory=exact + 2 * 360)
+        GPUDataset(store, CPU, chunk_size=1, max_memory=exact)
+    # two host chunks of one sample and one float32 conversion block of one sample
+    GPUDataset(store, CPU, chunk_size=1, max_memory=exact + 2 * 360 + 4 * 360)
 
 
 def test_overflow_uint8_keeps_uint8_and_converts_per_batch(store, stored):
@@ -379,3 +380,29 @@ def test_cuda_stream_mode_matches_preload(store):
     ds = GPUDataset(store, "cuda", max_memory=1000, on_overflow="stream")
     for (a, la), (b, lb) in zip(ds.loader(5, seed=0), ref.loader(5, seed=0)):
         assert a.is_cuda and torch.equal(a, b) and torch.equal(la, lb)
+
+
+# --- the GPU check script, on CPU ----------------------------------------------------------
+
+def test_gpu_check_script_runs_on_cpu(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "check.json"
+    assert module.main(["--device", "cpu", "--quick", "--cifar", "300", "--imagenet", "40",
+                        "--epochs", "1", "--repeats", "1", "--batch", "64",
+                        "--workdir", str(tmp_path), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for kind in ("cifar", "imagenet"):
+        pre = result["preload"][kind]
+        assert pre["labels_equal"] and pre["uint8_equal_to_store"]
+        assert pre["max_abs_diff_vs_cpu_path"] == 0
+        assert pre["samples"] == result["stores"][kind]["count"]
+        assert result["gpu_loader"][kind]["samples_per_s"]["median"] > 0
+        assert result["dataloader"][kind]["best"]["samples_per_s"]["median"] > 0
+    assert "GPU loader / best DataLoader" in capsys.readouterr().out
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("dlstore-gpu-check-")]  # cleaned up
