@@ -41,18 +41,21 @@ import torch
 
 from .dataset import StoreDataset, open_dataset
 from .errors import DeviceMemoryError, StoreCorruptError, VariableShapeError
+from .transforms import BatchCompose, BatchTransform
 from .tuning import usable_cpus
 
 ON_OVERFLOW = ("error", "uint8", "stream")
 DEFAULT_CHUNK_BYTES = 64 << 20
 # uint8 bytes converted to float32 at a time: bounds the float32 workspace and keeps it in cache.
 CONVERT_BLOCK_BYTES = 8 << 20
+# Served bytes per group of batches that the loader gathers and augments in one go.
+GROUP_BYTES = 64 << 20
 # Kept free on a CUDA device on top of the dataset: the model, activations and the
 # allocator's own slack have to live somewhere.
 MIN_HEADROOM = 1 << 30
 HEADROOM_FRACTION = 0.05
 
-BatchTransform = Callable[..., torch.Tensor]
+BatchFn = Callable[..., torch.Tensor]
 
 
 def _human(n: float) -> str:
@@ -586,7 +589,7 @@ class GPUDataset:
         shuffle: bool = True,
         *,
         drop_last: bool = False,
-        transform: BatchTransform | None = None,
+        transform: BatchFn | None = None,
         seed: int | None = None,
         channels_last: bool = False,
         rank: int | None = None,
@@ -605,6 +608,14 @@ class GPUDataset:
         return (f"GPUDataset({len(self)} samples of {c}x{h}x{w}, mode={self.mode}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
                 f"nbytes={_human(self.nbytes)})")
+
+
+def _per_sample(transform: Any) -> bool:
+    """Whether ``transform`` draws independent randomness per sample (dlstore batch transforms do),
+    so that running it on several batches at once changes nothing but the random stream."""
+    if isinstance(transform, BatchCompose):
+        return all(_per_sample(t) for t in transform.transforms)
+    return isinstance(transform, BatchTransform)
 
 
 def _accepts_generator(transform: Callable[..., Any]) -> bool:
@@ -629,10 +640,15 @@ class GPULoader:
     together complete, and equal in length, so every rank runs the same number
     of batches. Every rank must use the same seed (default 0 when distributed).
 
-    Batches: ``index_select`` on the device, per-batch conversion when the data
-    is held as uint8, then ``transform(images, generator=g)`` (a batch
-    transform from ``dlstore.transforms``; a callable without a ``generator``
-    parameter is called with the images alone), then optionally channels_last.
+    Batches: ``index_select`` on the device, conversion when the data is held
+    as uint8, then ``transform(images, generator=g)`` (a batch transform from
+    ``dlstore.transforms``; a callable without a ``generator`` parameter is
+    called with the images alone), then optionally channels_last. When the
+    transform is made only of ``dlstore.transforms`` batch transforms (whose
+    randomness is per sample) or is None, these steps run on groups of
+    ``group_batches`` batches (about 64 MiB of output) and the batches are
+    slices of the result: the same distribution of outputs with far fewer
+    kernel launches. Any other callable sees one batch at a time.
     """
 
     def __init__(
@@ -642,7 +658,7 @@ class GPULoader:
         shuffle: bool = True,
         *,
         drop_last: bool = False,
-        transform: BatchTransform | None = None,
+        transform: BatchFn | None = None,
         seed: int | None = None,
         channels_last: bool = False,
         rank: int | None = None,
@@ -665,9 +681,19 @@ class GPULoader:
         self.seed = int(seed)
         self.prefetch = max(1, int(prefetch))
         self.epoch = 0
+        self.group_batches = self._group_size()
         device = dataset.device
         self._perm_gen = torch.Generator(device=device)
         self._aug_gen = torch.Generator(device=device)
+
+    def _group_size(self) -> int:
+        """Batches gathered and augmented together: 1 unless the transform is per-sample."""
+        ds = self.dataset
+        if ds.mode == "stream" or (self.transform is not None and not _per_sample(self.transform)):
+            return 1
+        itemsize = torch.empty((), dtype=ds.dtype).element_size()
+        sample = int(np.prod(ds.shape)) * itemsize
+        return max(1, GROUP_BYTES // (sample * self.batch_size))
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s permutation for the next iteration (and count on from there)."""
@@ -712,12 +738,18 @@ class GPULoader:
         if ds.mode == "stream":
             yield from self._stream(order, batches)
             return
-        for start, stop in batches:
-            idx = order[start:stop]
+        # Gather, convert and augment a group of batches at once, then hand out slices:
+        # the per-batch cost becomes two views instead of a few dozen kernel launches.
+        step = self.group_batches * self.batch_size
+        for g0 in range(0, count, step):
+            idx = order[g0:min(count, g0 + step)]
             images = ds.data.index_select(0, idx)
             if ds.mode == "uint8":
                 images = ds._finish(images)
-            yield self._augment(images), ds.targets.index_select(0, idx)
+            images = self._augment(images)
+            labels = ds.targets.index_select(0, idx)
+            for s in range(0, len(idx), self.batch_size):
+                yield images[s:s + self.batch_size], labels[s:s + self.batch_size]
 
     def _augment(self, images: torch.Tensor) -> torch.Tensor:
         if self.transform is not None:

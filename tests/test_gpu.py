@@ -295,6 +295,46 @@ def test_distributed_shares_have_different_samples(u8, stored):
     assert set(a) | set(b) == set(range(N))
 
 
+_DDP_WORKER = """
+import json, sys
+import torch
+import torch.distributed as dist
+import dlstore
+store, rendezvous, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
+ds = dlstore.GPUDataset(store, "cpu", torch.uint8)   # rank and world size from torch.distributed
+loader = ds.loader(4)                                  # no seed: the same default on every rank
+epochs = []
+for epoch in (0, 1):
+    loader.set_epoch(epoch)
+    labels = [l.tolist() for _, l in loader]
+    epochs.append({"indices": loader.indices(epoch).tolist(), "batches": len(labels), "len": len(loader)})
+json.dump({"rank": ds.rank, "world": ds.world_size, "epochs": epochs}, open(out, "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_under_torch_distributed_ranks_split_each_epoch(store, tmp_path):
+    import json
+    import subprocess
+    import sys
+    script = tmp_path / "worker.py"
+    script.write_text(_DDP_WORKER)
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(store), str(tmp_path / "rdv"), str(r),
+                               str(outs[r])]) for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    results = [json.loads(o.read_text()) for o in outs]
+    assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
+    for e in (0, 1):
+        a, b = (r["epochs"][e] for r in results)
+        assert a["batches"] == b["batches"] == a["len"] == b["len"] == 3
+        assert len(a["indices"]) == len(b["indices"]) == 12
+        assert set(a["indices"]) | set(b["indices"]) == set(range(N))
+        assert len(set(a["indices"]) & set(b["indices"])) == 1  # 23 padded to 24 by wrapping
+    assert results[0]["epochs"][0]["indices"] != results[0]["epochs"][1]["indices"]
+
+
 def test_dataset_rank_is_the_loader_default(store):
     ds = GPUDataset(store, CPU, torch.uint8, rank=1, world_size=2)
     loader = ds.loader(4, seed=0)
@@ -317,6 +357,33 @@ def test_transform_gets_the_batch_and_a_generator(u8):
     flipped = [not torch.equal(x, p) for x, p in zip(a, plain)]
     assert any(flipped) and not all(flipped)
     assert all(torch.equal(x, p.flip(-1)) for x, p, f in zip(a, plain, flipped) if f)
+
+
+def test_per_sample_batch_transforms_run_on_groups_of_batches(u8, stored):
+    from dlstore.transforms import BatchCompose, BatchTransform
+
+    class Record(BatchTransform):
+        def __init__(self):
+            self.sizes = []
+
+        def apply(self, images, params):
+            self.sizes.append(len(images))
+            return images
+
+    grouped = Record()
+    loader = u8.loader(4, seed=1, transform=BatchCompose([grouped]))
+    assert loader.group_batches > 1
+    batches = list(loader)
+    assert grouped.sizes == [N] and [len(x) for x, _ in batches] == [4, 4, 4, 4, 4, 3]
+    ids = _sample_ids(torch.cat([x for x, _ in batches]), stored[0])
+    assert sorted(ids) == list(range(N)) and torch.equal(torch.cat([y for _, y in batches]), stored[1][ids])
+    grouped.sizes.clear()
+    assert [len(x) for x, _ in u8.loader(4, seed=1, drop_last=True, transform=grouped)] == [4] * 5
+    assert grouped.sizes == [20]
+    # a callable that is not a dlstore batch transform may depend on the batch: one at a time
+    sizes = []
+    list(u8.loader(4, seed=1, transform=BatchCompose([grouped, lambda x, g=None: sizes.append(len(x)) or x])))
+    assert sizes == [4, 4, 4, 4, 4, 3]
 
 
 def test_transform_without_generator_and_channels_last(u8):
