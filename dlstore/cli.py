@@ -46,12 +46,20 @@ def main() -> None:
               help="What to do with a file that cannot be decoded.")
 @click.option("--shard-size", type=str, default="1GiB", show_default=True,
               help="Target size of each data file (shards format), e.g. 256MiB.")
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted conversion to DST from its last completed data file.")
+@click.option("--exif-transpose", is_flag=True,
+              help="Apply EXIF orientation when decoding (torchvision does not; off by default).")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=None,
+              help="Refuse images with more pixels (default: PIL's decompression-bomb limit, ~89.5M).")
 @click.option("--compression", type=click.Choice(["none", "lzf", "gzip"]), default="none", show_default=True,
               help="Per-sample compression of an hdf5 store (lzf: fast; gzip: smaller, readable everywhere).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, compression, quiet):
+def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, resume, exif_transpose,
+            max_pixels, compression, quiet):
     """Convert image folder SRC (ImageFolder layout) into store DST."""
     from .convert import convert as run_convert
+    from .source import DEFAULT_MAX_PIXELS
 
     _sigterm_as_interrupt()
     options = {}
@@ -62,11 +70,11 @@ def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, com
         options["compression"] = compression
     try:
         result = run_convert(src, dst, format=fmt, static=static, workers=workers, overwrite=overwrite,
-                             on_error=on_error, shard_size=parse_bytes(shard_size), **options, progress=not quiet,
-                             log=lambda msg: click.echo(msg, err=True))
+                             on_error=on_error, shard_size=parse_bytes(shard_size), resume=resume, **options,
+                             exif_transpose=exif_transpose, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
+                             progress=not quiet, log=lambda msg: click.echo(msg, err=True))
     except KeyboardInterrupt:
-        click.echo(f"interrupted: stopped the workers and removed the partial store; {dst} was not "
-                   "written", err=True)
+        click.echo(f"interrupted: stopped the workers; {dst} was not written", err=True)
         sys.exit(130)
     except (DlstoreError, ValueError, OSError) as exc:
         _fail(exc)
@@ -127,6 +135,19 @@ def info(store):
     click.echo(f"skipped   {len(skipped)}")
     for entry in skipped[:20]:
         click.echo(f"  {entry.get('path')}: {entry.get('reason')}")
+
+
+@main.command()
+@click.argument("store", type=click.Path(exists=True))
+@click.option("--deep", is_flag=True, help="Also re-read every sample and check its shape.")
+def verify(store, deep):
+    """Check STORE's manifest and data checksums; exit 1 if anything is wrong."""
+    from .verify import verify_store
+
+    report = verify_store(store, deep=deep)
+    click.echo(str(report))
+    if not report.ok:
+        sys.exit(1)
 
 
 @main.command()

@@ -11,6 +11,8 @@ the store is complete.
 from __future__ import annotations
 
 import collections
+import hashlib
+import json
 import multiprocessing
 import os
 import signal
@@ -29,7 +31,7 @@ from . import formats
 from .errors import ConversionInterrupted, DecodeError, SourceError
 from .formats._common import DestinationLock, check_destination, publish, remove_path, staging_path
 from .manifest import dumps, make_manifest
-from .source import Source, pil_loader, scan
+from .source import DEFAULT_MAX_PIXELS, Source, pil_loader, scan
 from .transforms import StaticSpec, apply_static, describe, output_shape, parse_static
 from .tuning import usable_cpus
 
@@ -98,23 +100,29 @@ def disk_usage(path: Path) -> int:
 def _init_worker() -> None:
     # Ctrl-C goes to the whole process group; the parent handles it and stops the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A forked worker inherits the parent's Python SIGTERM handler (the CLI's); the pool stops
+    # broken workers with SIGTERM, which must kill them, not raise inside them.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
-def decode_sample(path: str, spec: StaticSpec) -> np.ndarray:
-    """Decode one file and apply the static spec: the stored uint8 CHW array."""
-    img = pil_loader(path)
+def decode_sample(path: str, spec: StaticSpec, decode: dict[str, Any] | None = None) -> np.ndarray:
+    """Decode one file and apply the static spec: the stored uint8 CHW array.
+
+    ``decode`` holds ``pil_loader`` options (``exif_transpose``, ``max_pixels``).
+    """
+    img = pil_loader(path, **(decode or {}))
     try:
         return apply_static(img, spec)
     except (OSError, ValueError) as exc:
         raise DecodeError(path, f"static transform failed ({type(exc).__name__}: {exc})") from exc
 
 
-def _decode_chunk(paths: list[str], spec: StaticSpec) -> list[np.ndarray | str]:
+def _decode_chunk(paths: list[str], spec: StaticSpec, decode: dict[str, Any]) -> list[np.ndarray | str]:
     """Decoded arrays, or the error text for files that failed (the parent decides what to do)."""
     out: list[np.ndarray | str] = []
     for path in paths:
         try:
-            out.append(decode_sample(path, spec))
+            out.append(decode_sample(path, spec, decode))
         except DecodeError as exc:
             out.append(exc.reason)
     return out
@@ -126,12 +134,13 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _decoded(paths: list[str], spec: StaticSpec, workers: int) -> Iterator[np.ndarray | str]:
+def _decoded(paths: list[str], spec: StaticSpec, decode: dict[str, Any],
+             workers: int) -> Iterator[np.ndarray | str]:
     """Yield decode results in the order of ``paths``."""
     chunks = [paths[i:i + _CHUNK] for i in range(0, len(paths), _CHUNK)]
     if workers <= 1:
         for chunk in chunks:
-            yield from _decode_chunk(chunk, spec)
+            yield from _decode_chunk(chunk, spec, decode)
         return
     window = 4 * workers
     with ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=_init_worker) as pool:
@@ -139,14 +148,14 @@ def _decoded(paths: list[str], spec: StaticSpec, workers: int) -> Iterator[np.nd
         todo = iter(chunks)
         try:
             for chunk in todo:
-                pending.append(pool.submit(_decode_chunk, chunk, spec))
+                pending.append(pool.submit(_decode_chunk, chunk, spec, decode))
                 if len(pending) >= window:
                     break
             while pending:
                 results = pending.popleft().result()
                 next_chunk = next(todo, None)
                 if next_chunk is not None:
-                    pending.append(pool.submit(_decode_chunk, next_chunk, spec))
+                    pending.append(pool.submit(_decode_chunk, next_chunk, spec, decode))
                 yield from results
         except BrokenProcessPool as exc:
             raise ConversionInterrupted(
@@ -159,6 +168,9 @@ def _decoded(paths: list[str], spec: StaticSpec, workers: int) -> Iterator[np.nd
 
 # --- the conversion ----------------------------------------------------------------------
 
+PROGRESS_NAME = "progress.json"
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -168,6 +180,9 @@ def convert(
     workers: int | None = None,
     overwrite: bool = False,
     on_error: str = "fail",
+    resume: bool = False,
+    exif_transpose: bool = False,
+    max_pixels: int | None = DEFAULT_MAX_PIXELS,
     shard_size: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
@@ -187,6 +202,12 @@ def convert(
         overwrite: replace an existing store at ``dst``.
         on_error: ``"fail"`` stops at the first undecodable file (naming it) and
             writes nothing; ``"skip"`` leaves it out and records it in the manifest.
+        resume: continue an interrupted conversion to ``dst`` from its last
+            completed data file (formats that checkpoint: shards), instead of
+            starting over. The result is identical to an uninterrupted run.
+        exif_transpose: apply EXIF orientation when decoding (torchvision does not;
+            off by default so pixels match your torchvision pipeline).
+        max_pixels: refuse larger images (decompression-bomb guard; PIL's limit by default).
         shard_size: target bytes per data file (shards format), default 1 GiB.
         progress: show a tqdm progress bar.
         log: called with warnings (e.g. empty class folders); default: ignored.
@@ -199,9 +220,12 @@ def convert(
         SourceError / DecodeError: the folder or a file is unusable (nothing is written).
         StoreExistsError: ``dst`` exists and ``overwrite`` is False.
         StoreBusyError: another conversion to ``dst`` is running.
+        ConversionInterrupted: a worker died; KeyboardInterrupt: interrupted. A
+            resumable partial conversion is kept next to ``dst`` (``.NAME.dlstore-tmp``).
     """
     if on_error not in ON_ERROR:
         raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+    log = log or (lambda message: None)
     dst = Path(dst)
     fmt = format or formats.format_for_destination(dst)
     module = formats.get_format(fmt)
@@ -209,26 +233,36 @@ def convert(
     shape = output_shape(spec)
     check_destination(dst, overwrite)
     source = scan(src)
-    if source.empty_classes and log is not None:
+    if source.empty_classes:
         log(f"warning: {len(source.empty_classes)} class folder(s) hold no image and keep their "
             f"label index: {', '.join(source.empty_classes)}")
     workers = usable_cpus() if workers is None else max(0, int(workers))
     if shard_size is not None:
         format_options["shard_size"] = shard_size
+    decode = {"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels}
+    job = _Job(source=source, spec=spec, shape=shape, module=module, decode=decode, workers=workers,
+               on_error=on_error, options=format_options)
 
     lock = DestinationLock(dst)
     lock.acquire()
     try:
         staged = staging_path(dst)
-        remove_path(staged)  # left by a conversion that crashed
         start = time.perf_counter()
+        checkpoint = _load_checkpoint(staged, job, log) if resume else None
+        if checkpoint is None:
+            remove_path(staged)  # left by a conversion that crashed, or not resumable
         try:
-            count, skipped = _write(source, spec, shape, module, staged, workers, on_error,
-                                    progress, dst, format_options)
-        except BaseException:
-            remove_path(staged)
+            count, skipped = _run(job, staged, checkpoint, progress, dst.name)
+            publish(staged, dst, overwrite)
+        except (DecodeError, SourceError):
+            remove_path(staged)  # bad input: nothing worth resuming
             raise
-        publish(staged, dst, overwrite)
+        except BaseException:
+            if (staged / PROGRESS_NAME).is_file():
+                log(f"partial conversion kept in {staged}; run the same command with --resume to continue")
+            else:
+                remove_path(staged)
+            raise
         seconds = time.perf_counter() - start
     finally:
         lock.release()
@@ -239,37 +273,106 @@ def convert(
     )
 
 
-def _write(source: Source, spec: StaticSpec, shape, module, staged: Path, workers: int,
-           on_error: str, progress: bool, dst: Path, format_options: dict) -> tuple[int, list]:
-    writer = module.Writer(staged, shape=shape, **format_options)
-    skipped: list[dict[str, str]] = []
-    paths = [p for p, _ in source.samples]
+@dataclass
+class _Job:
+    """Everything that determines a conversion's output (and so must match to resume)."""
+
+    source: Source
+    spec: StaticSpec
+    shape: tuple[int, int, int] | None
+    module: Any
+    decode: dict[str, Any]
+    workers: int
+    on_error: str
+    options: dict[str, Any]
+
+    def fingerprint(self) -> dict[str, Any]:
+        listing = hashlib.sha256()
+        for path, label in self.source.samples:
+            listing.update(f"{os.path.relpath(path, self.source.root)}\0{label}\n".encode("utf-8", "surrogateescape"))
+        return {
+            "format": self.module.FORMAT, "format_version": self.module.FORMAT_VERSION,
+            "static": self.spec, "decode": self.decode, "on_error": self.on_error,
+            "options": {k: v for k, v in sorted(self.options.items())},
+            "source_root": os.path.abspath(self.source.root), "source_files": len(self.source),
+            "source_listing": listing.hexdigest(),
+        }
+
+
+def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dict[str, Any] | None:
+    """The checkpoint of an interrupted run with the same job, or None (start over)."""
+    if not hasattr(job.module.Writer, "resume"):
+        log(f"{job.module.FORMAT} conversions cannot resume; starting over")
+        return None
+    path = staged / PROGRESS_NAME
+    if not path.is_file():
+        log("nothing to resume (no interrupted conversion found); starting over")
+        return None
     try:
-        with tqdm(total=len(paths), unit="img", desc=f"convert {dst.name}", disable=not progress,
-                  dynamic_ncols=True) as bar:
-            for (path, label), result in zip(source.samples, _decoded(paths, spec, workers)):
+        checkpoint = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        log(f"{path} is unreadable; starting over")
+        return None
+    if checkpoint.get("job") != json.loads(json.dumps(job.fingerprint())):
+        raise SourceError(
+            f"{staged}: the interrupted conversion used other settings or another source listing; "
+            "rerun without --resume to start over (or with the original settings)")
+    log(f"resuming after {checkpoint['source_pos']} of {len(job.source)} files")
+    return checkpoint
+
+
+def _save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skipped: list) -> None:
+    state = {"job": job.fingerprint(), "source_pos": source_pos, "skipped": skipped,
+             "writer": writer.checkpoint()}
+    tmp = staged / (PROGRESS_NAME + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, staged / PROGRESS_NAME)
+
+
+def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: bool,
+         name: str) -> tuple[int, list[dict[str, str]]]:
+    """Decode, write and finish into ``staged``; return (sample count, skipped files)."""
+    source, module = job.source, job.module
+    if checkpoint is None:
+        writer = module.Writer(staged, shape=job.shape, **job.options)
+        start, skipped = 0, []
+    else:
+        writer = module.Writer.resume(staged, checkpoint["writer"], shape=job.shape, **job.options)
+        start, skipped = checkpoint["source_pos"], list(checkpoint["skipped"])
+    resumable = hasattr(writer, "checkpoint")
+    todo = source.samples[start:]
+    try:
+        with tqdm(total=len(source), initial=start, unit="img", desc=f"convert {name}",
+                  disable=not progress, dynamic_ncols=True) as bar:
+            results = _decoded([p for p, _ in todo], job.spec, job.decode, job.workers)
+            for pos, ((path, label), result) in enumerate(zip(todo, results), start=start):
                 if isinstance(result, str):
-                    if on_error == "fail":
+                    if job.on_error == "fail":
                         raise DecodeError(path, result + " (use --on-error skip to leave such files out)")
                     skipped.append({"path": os.path.relpath(path, source.root), "reason": result})
-                elif shape is not None and tuple(result.shape) != shape:
+                elif job.shape is not None and tuple(result.shape) != job.shape:
                     raise DecodeError(path, f"static spec produced shape {tuple(result.shape)}, "
-                                            f"expected {shape}")
-                else:
-                    writer.add(result, label)
+                                            f"expected {job.shape}")
+                elif writer.add(result, label) and resumable:
+                    _save_checkpoint(staged, job, writer, pos + 1, skipped)
                 bar.update(1)
-        count = len(paths) - len(skipped)
+        count = len(source) - len(skipped)
         if count == 0:
             raise SourceError(f"{source.root}: no file could be converted ({len(skipped)} skipped)")
         layout = writer.finish()
         manifest = make_manifest(
-            format=module.FORMAT, format_version=module.FORMAT_VERSION, count=count, shape=shape,
-            classes=source.classes, static=spec,
-            source={"root": os.path.abspath(source.root), "files": len(paths), "skipped": skipped,
-                    "empty_classes": source.empty_classes},
+            format=module.FORMAT, format_version=module.FORMAT_VERSION, count=count, shape=job.shape,
+            classes=source.classes, static=job.spec,
+            source={"root": os.path.abspath(source.root), "files": len(source), "skipped": skipped,
+                    "empty_classes": source.empty_classes, "decode": job.decode},
             checksums=writer.checksums, layout=layout,
         )
         writer.write_manifest(dumps(manifest))
+        if resumable:
+            (staged / PROGRESS_NAME).unlink(missing_ok=True)
     finally:
         writer.close()
     return count, skipped

@@ -70,13 +70,14 @@ def dumps(manifest: dict[str, Any]) -> str:
     return json.dumps(manifest, indent=1, sort_keys=True, ensure_ascii=False)
 
 
-def loads(text: str | bytes, where: str) -> dict[str, Any]:
+def loads(text: str | bytes, where: str, *, format: str | None = None,
+          max_format_version: int | None = None) -> dict[str, Any]:
     """Parse and validate a manifest read from ``where`` (named in errors)."""
     try:
         manifest = json.loads(text)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise StoreCorruptError(f"{where}: manifest is not valid JSON ({exc})") from exc
-    validate(manifest, where)
+    validate(manifest, where, format=format, max_format_version=max_format_version)
     return manifest
 
 

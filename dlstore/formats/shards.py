@@ -90,31 +90,34 @@ class ShardWriter:
     """Writes samples in order into a staging folder; see the module doc for the layout.
 
     Used by ``dlstore.convert``, which owns staging and publishing; a writer only
-    fills the folder it is given.
+    fills the folder it is given. A data file is a unit of resumption: ``add``
+    returns True when it completed one, and ``checkpoint()`` then describes the
+    writer's state so that ``ShardWriter.resume`` can continue from it.
     """
 
     format = FORMAT
     format_version = FORMAT_VERSION
+    _PARTIAL_LABELS = "labels.partial"  # int64 rows of completed files, appended at checkpoints
+    _PARTIAL_INDEX = "index.partial"
 
     def __init__(self, folder: Path, *, shape: tuple[int, int, int] | None,
-                 shard_size: int = DEFAULT_SHARD_SIZE, **_: Any):
+                 shard_size: int = DEFAULT_SHARD_SIZE, _create: bool = True, **_: Any):
         self.folder = Path(folder)
-        self.folder.mkdir(parents=True, exist_ok=False)
+        if _create:
+            self.folder.mkdir(parents=True, exist_ok=False)
         self.shape = shape
         self.shard_size = int(shard_size)
         self.labels: list[int] = []
         self.checksums: dict[str, str] = {}
         self._file: _HashingFile | None = None
         self._files: list[dict[str, Any]] = []
+        self._index: list[tuple[int, int, int, int, int]] = []
+        self._saved_rows = 0  # rows of labels/index already in the .partial files
         if shape is not None:
             self.sample_bytes = int(np.prod(shape))
             self.per_shard = max(1, self.shard_size // self.sample_bytes)
-        else:
-            self._index: list[tuple[int, int, int, int, int]] = []
 
-    def _roll(self) -> None:
-        """Close the current file (if any) and open the next."""
-        self._close_file()
+    def _open_next(self) -> None:
         n = len(self._files)
         if self.shape is not None:
             name = f"shard-{n:05d}.npy"
@@ -130,21 +133,65 @@ class ShardWriter:
             self.checksums[self._files[-1]["file"]] = self._file.close()
             self._file = None
 
-    def add(self, sample: np.ndarray, label: int) -> None:
-        """Append one uint8 CHW sample (C-contiguous) and its label."""
-        if self.shape is not None:
-            if tuple(sample.shape) != self.shape:
-                raise ValueError(f"sample shape {tuple(sample.shape)} != store shape {self.shape}")
-            if self._file is None or self._files[-1]["count"] == self.per_shard:
-                self._roll()
-        else:
-            if self._file is None or self._file.size >= self.shard_size:
-                self._roll()
+    def add(self, sample: np.ndarray, label: int) -> bool:
+        """Append one uint8 CHW sample and its label; True if this completed a data file."""
+        if self.shape is not None and tuple(sample.shape) != self.shape:
+            raise ValueError(f"sample shape {tuple(sample.shape)} != store shape {self.shape}")
+        if self._file is None:
+            self._open_next()
+        if self.shape is None:
             c, h, w = sample.shape
             self._index.append((len(self._files) - 1, self._file.size, c, h, w))
         self._file.write(memoryview(np.ascontiguousarray(sample)).cast("B"))
         self._files[-1]["count"] += 1
         self.labels.append(int(label))
+        full = (self._files[-1]["count"] == self.per_shard if self.shape is not None
+                else self._file.size >= self.shard_size)
+        if full:
+            self._close_file()
+        return full
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Persist labels/index of completed files; return the state ``resume`` needs.
+
+        Only called right after ``add`` returned True, so no data file is open.
+        """
+        rows = len(self.labels)
+        with open(self.folder / self._PARTIAL_LABELS, "ab") as f:
+            f.write(np.asarray(self.labels[self._saved_rows:], dtype=np.int64).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        if self.shape is None:
+            with open(self.folder / self._PARTIAL_INDEX, "ab") as f:
+                f.write(np.asarray(self._index[self._saved_rows:], dtype=np.int64).reshape(-1, 5).tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+        self._saved_rows = rows
+        return {"files": [dict(f) for f in self._files], "checksums": dict(self.checksums), "rows": rows}
+
+    @classmethod
+    def resume(cls, folder: Path, state: dict[str, Any], *, shape: tuple[int, int, int] | None,
+               **options: Any) -> ShardWriter:
+        """Reopen a staging folder at a checkpoint, dropping everything written after it."""
+        writer = cls(folder, shape=shape, _create=False, **options)
+        rows = int(state["rows"])
+        writer._files = [dict(f) for f in state["files"]]
+        writer.checksums = dict(state["checksums"])
+        keep = {f["file"] for f in writer._files} | {cls._PARTIAL_LABELS, cls._PARTIAL_INDEX}
+        for path in writer.folder.iterdir():
+            if path.name not in keep and path.name != "progress.json":
+                path.unlink()
+        labels = np.fromfile(writer.folder / cls._PARTIAL_LABELS, dtype=np.int64)
+        if len(labels) < rows:
+            raise StoreCorruptError(f"{folder}: checkpoint lists {rows} samples, found {len(labels)}")
+        writer.labels = labels[:rows].tolist()
+        _truncate(writer.folder / cls._PARTIAL_LABELS, rows * 8)
+        if shape is None:
+            index = np.fromfile(writer.folder / cls._PARTIAL_INDEX, dtype=np.int64).reshape(-1, 5)
+            writer._index = [tuple(row) for row in index[:rows].tolist()]
+            _truncate(writer.folder / cls._PARTIAL_INDEX, rows * 40)
+        writer._saved_rows = rows
+        return writer
 
     def finish(self) -> dict[str, Any]:
         """Complete the data files; return the manifest's ``layout`` (checksums in ``self.checksums``)."""
@@ -165,6 +212,8 @@ class ShardWriter:
             self._save("index.npy", index)
             layout.update(kind="variable", files=self._files, index="index.npy")
         self._save("labels.npy", np.array(self.labels, dtype=np.int64))
+        for name in (self._PARTIAL_LABELS, self._PARTIAL_INDEX):
+            (self.folder / name).unlink(missing_ok=True)
         return layout
 
     def _save(self, name: str, array: np.ndarray) -> None:
@@ -189,13 +238,18 @@ class ShardWriter:
             self._file = None
 
 
+def _truncate(path: Path, size: int) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(size)
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
     where = str(path / MANIFEST_NAME)
     try:
         text = (path / MANIFEST_NAME).read_bytes()
     except FileNotFoundError:
         raise StoreCorruptError(f"{path}: not a complete shards store (no {MANIFEST_NAME})") from None
-    return load_manifest_text(text, where)
+    return load_manifest_text(text, where, format=FORMAT, max_format_version=FORMAT_VERSION)
 
 
 def _load_npy(path: Path, mmap: bool) -> np.ndarray:
@@ -205,8 +259,9 @@ def _load_npy(path: Path, mmap: bool) -> np.ndarray:
         return np.load(path, mmap_mode="c" if mmap else None, allow_pickle=False)
     except FileNotFoundError:
         raise StoreCorruptError(f"{path}: missing data file named in the manifest") from None
-    except (ValueError, OSError) as exc:
-        raise StoreCorruptError(f"{path}: unreadable .npy file ({exc})") from exc
+    except Exception as exc:  # noqa: BLE001 - numpy's header parser raises ValueError, SyntaxError,
+        # tokenize.TokenError, EOFError, ... on damaged files; all mean the same to the user.
+        raise StoreCorruptError(f"{path}: unreadable .npy file ({type(exc).__name__}: {exc})") from exc
 
 
 class ShardReader(ForkSafe):
