@@ -382,30 +382,29 @@ class GPUDataset:
         label_bytes = n * 8
         self.needed_bytes = n * self._sample_bytes * itemsize + label_bytes
         uint8_bytes = n * self._sample_bytes + label_bytes
-        # Preload buffers on the device: the uploaded uint8 chunk and the float32 block it is
-        # converted through; on CPU, the host chunks (none for uint8, read straight into place).
+        # Preload buffers for float storage: on CUDA the uploaded uint8 chunk and the float32
+        # block it is converted through; on CPU the two host chunks and that block. uint8
+        # storage needs none: chunks go straight into place (CUDA: from pinned host memory).
         self._block = max(1, min(self.chunk_size, CONVERT_BLOCK_BYTES // self._sample_bytes))
-        float_work = self._block * self._sample_bytes * 4 if dtype != torch.uint8 else 0
-        if self.device.type == "cpu":
-            work = (2 * self.chunk_size * self._sample_bytes if dtype != torch.uint8 else 0) + float_work
-        else:
-            work = self.chunk_size * self._sample_bytes + float_work
+        chunks = (2 if self.device.type == "cpu" else 1) * self.chunk_size * self._sample_bytes
+        float_work = chunks + self._block * self._sample_bytes * 4
+        work = float_work if dtype != torch.uint8 else 0
         free, keep = _free_memory(self.device, headroom)
         limit = free if max_memory is None else (int(max_memory) if free is None else min(int(max_memory), free))
         self.available_bytes = limit
 
-        def fits(nbytes: int) -> bool:
-            return limit is None or nbytes + work <= limit
+        def fits(nbytes: int, buffers: int) -> bool:
+            return limit is None or nbytes + buffers <= limit
 
-        if fits(self.needed_bytes):
+        if fits(self.needed_bytes, work):
             self.mode = "preload"
-        elif on_overflow == "uint8" and fits(uint8_bytes):
+        elif on_overflow == "uint8" and fits(uint8_bytes, 0):
             self.mode = "uint8"
         elif on_overflow == "stream":
             self.mode = "stream"
         else:
             raise DeviceMemoryError(self._overflow_message(
-                name, n, itemsize, uint8_bytes, work, limit, max_memory, keep, on_overflow))
+                name, n, uint8_bytes, work, limit, max_memory, keep, on_overflow))
 
         self.data: torch.Tensor | None = None
         self.targets: torch.Tensor = torch.empty(0, dtype=torch.int64)
@@ -430,21 +429,22 @@ class GPUDataset:
 
     # --- construction helpers -------------------------------------------------------------
 
-    def _overflow_message(self, name: Any, n: int, itemsize: int, uint8_bytes: int, work: int,
+    def _overflow_message(self, name: Any, n: int, uint8_bytes: int, work: int,
                           limit: int, max_memory: int | None, keep: int, on_overflow: str) -> str:
         c, h, w = self.shape
         dtype_name = str(self.dtype).removeprefix("torch.")
         where = (f"max_memory={_human(limit)}" if max_memory is not None and limit == max_memory
                  else f"{_human(limit)} free on {self.device} after keeping {_human(keep)} headroom")
         lines = [
-            f"{name}: {n:,} samples of {c}x{h}x{w} {dtype_name} need {_human(self.needed_bytes)} "
-            f"(+ {_human(work)} of preload buffers) on {self.device}, but only {where}.",
+            f"{name}: {n:,} samples of {c}x{h}x{w} {dtype_name} need {_human(self.needed_bytes)}"
+            + (f" (+ {_human(work)} of preload buffers)" if work else "")
+            + f" on {self.device}, but only {where}.",
         ]
         if on_overflow == "uint8":
             lines.append(f"Even uint8 (on_overflow='uint8') needs {_human(uint8_bytes)}.")
         lines.append("Options:")
         if on_overflow != "uint8" and self.dtype != torch.uint8:
-            fit = "fits" if uint8_bytes + work <= limit else "does not fit either"
+            fit = "fits" if uint8_bytes <= limit else "does not fit either"
             lines.append(f"  on_overflow='uint8'   keep uint8 on the device, convert per batch "
                          f"({_human(uint8_bytes)}: {fit})")
         lines.append("  on_overflow='stream'  read batches from the store through pinned memory")
@@ -518,8 +518,10 @@ class GPUDataset:
                     self._convert_into(host, target, workspace)
                 continue
             with torch.cuda.stream(side):
-                staged = host.to(self.device, non_blocking=True)
-                self._convert_into(staged, target, workspace)
+                if workspace is None:
+                    target.copy_(host, non_blocking=True)
+                else:
+                    self._convert_into(host.to(self.device, non_blocking=True), target, workspace)
             # The host chunk goes back to the reader once its copy is done; meanwhile the
             # reader thread has been filling the next one.
             side.synchronize()
