@@ -364,6 +364,9 @@ class ShardReader(ForkSafe):
         if self.kind != "fixed":
             raise ValueError(f"{self.path}: get_batch needs a fixed-shape store")
         indices = np.asarray(indices, dtype=np.int64)
+        if len(indices) and (indices.min() < 0 or indices.max() >= self.count):
+            bad = indices[(indices < 0) | (indices >= self.count)][0]
+            raise IndexError(f"index {bad} out of range for a store of {self.count} samples")
         if out is None:
             out = np.empty((len(indices), *self.shape), dtype=np.uint8)
         shard_no = indices // self.per_shard
@@ -371,7 +374,9 @@ class ShardReader(ForkSafe):
         for s in np.unique(shard_no):
             selected = shard_no == s
             if selected.all():
-                np.take(self._maps[s], local, axis=0, out=out)
+                # mode="clip" (indices checked above): with the default "raise" numpy gathers
+                # into a hidden buffer and copies it to `out`, 2-4x slower for 224x224 samples
+                np.take(self._maps[s], local, axis=0, out=out, mode="clip")
             else:
                 where = np.nonzero(selected)[0]
                 out[where] = self._maps[s][local[where]]
