@@ -511,20 +511,26 @@ class GPUDataset:
         if self.data.dtype != torch.uint8:
             with torch.cuda.stream(side) if side is not None else nullcontext():
                 workspace = torch.empty((self._block, *self.shape), dtype=torch.float32, device=self.device)
-        for start, stop, host in _Prefetcher(bounds, self._read_chunk, depth=2):
-            target = self.data[start:stop]
-            if side is None:
-                if host.data_ptr() != target.data_ptr():
-                    self._convert_into(host, target, workspace)
-                continue
-            with torch.cuda.stream(side):
-                if workspace is None:
-                    target.copy_(host, non_blocking=True)
-                else:
-                    self._convert_into(host.to(self.device, non_blocking=True), target, workspace)
-            # The host chunk goes back to the reader once its copy is done; meanwhile the
-            # reader thread has been filling the next one.
-            side.synchronize()
+        prefetcher = _Prefetcher(bounds, self._read_chunk, depth=2)
+        try:
+            for start, stop, host in prefetcher:
+                target = self.data[start:stop]
+                if side is None:
+                    if host.data_ptr() != target.data_ptr():
+                        self._convert_into(host, target, workspace)
+                    continue
+                with torch.cuda.stream(side):
+                    if workspace is None:
+                        target.copy_(host, non_blocking=True)
+                    else:
+                        self._convert_into(host.to(self.device, non_blocking=True), target, workspace)
+                # The host chunk goes back to the reader once its copy is done; meanwhile the
+                # reader thread has been filling the next one.
+                side.synchronize()
+        finally:
+            prefetcher.close()
+            if side is not None:  # also on error: nothing may still write into freed memory
+                side.synchronize()
         if side is not None:
             torch.cuda.current_stream(self.device).wait_stream(side)
 
