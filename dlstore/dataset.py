@@ -39,6 +39,9 @@ from .transforms import (
 # Below this many pixels per sample numpy's strided copy flips faster than a torch flip
 # (per-call overhead dominates); above it torch's vectorised flip wins (measured, 2-core CPU).
 _TORCH_FLIP_MIN_PIXELS = 4096
+# Up to this many output pixels per sample the fused crop/flip runs vectorised (three passes,
+# no per-sample Python); above it a per-sample loop of single slice copies is faster.
+_VECTORISED_MAX_PIXELS = 64 * 64
 
 
 class StoreDataset(Dataset):
@@ -116,6 +119,12 @@ class StoreDataset(Dataset):
             if rest and isinstance(rest[0], BatchRandomHorizontalFlip):
                 self._fused_flip = rest.pop(0)
         self._batch_rest = rest
+        self._scratch: tuple[tuple, np.ndarray] | None = None   # padded buffer of the vectorised gather
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_scratch"] = None    # scratch memory is per process, never pickled to workers
+        return state
 
     def __len__(self) -> int:
         return len(self._labels)
@@ -223,26 +232,38 @@ class StoreDataset(Dataset):
         c, h, w = self.shape  # type: ignore[misc]
         # Draw in the order BatchCompose([crop, flip]) draws, so fused == unfused for one seed.
         th, tw = crop.size if crop is not None else (h, w)
+        padding = crop.padding if crop is not None else (0, 0, 0, 0)
+        fill = crop.fill if crop is not None else 0
         if crop is not None:
             params = crop.sample((b, c, h, w), generator=generator)
-            tops, lefts = params["top"].tolist(), params["left"].tolist()
-            pad_left, pad_top = crop.padding[0], crop.padding[1]
-            fill = crop.fill
+            tops, lefts = params["top"].numpy(), params["left"].numpy()
         else:
-            tops, lefts, pad_left, pad_top, fill = [0] * b, [0] * b, 0, 0, 0
-        flips = flip.sample((b, c, th, tw), generator=generator)["flip"].tolist() if flip is not None \
-            else [False] * b
-        out = torch.empty((b, c, th, tw), dtype=torch.uint8)
-        o = out.numpy()
+            tops = lefts = np.zeros(b, dtype=np.int64)
+        flips = flip.sample((b, c, th, tw), generator=generator)["flip"].numpy() if flip is not None \
+            else np.zeros(b, dtype=bool)
+        if th * tw <= _VECTORISED_MAX_PIXELS and hasattr(self.reader, "get_batch"):
+            return self._gather_windows(idx, tops, lefts, flips, (th, tw), padding, fill)
+        return self._gather_loop(idx, tops, lefts, flips, (th, tw), padding, fill)
+
+    def _gather_loop(self, idx: np.ndarray, tops: np.ndarray, lefts: np.ndarray, flips: np.ndarray,
+                     size: tuple[int, int], padding: tuple[int, int, int, int], fill: int) -> torch.Tensor:
+        """Per sample, one slice copy from the reader's view into the batch (large images:
+        the copy dominates the Python overhead)."""
+        b = len(idx)
+        c, h, w = self.shape  # type: ignore[misc]
+        th, tw = size
+        o = np.empty((b, c, th, tw), dtype=np.uint8)
         torch_flip = th * tw >= _TORCH_FLIP_MIN_PIXELS
+        pad_left, pad_top = padding[0], padding[1]
         for j, view in enumerate(self.reader.get_many(idx.tolist())):
-            y, x = tops[j] - pad_top, lefts[j] - pad_left   # window origin in image coordinates
+            y, x = int(tops[j]) - pad_top, int(lefts[j]) - pad_left  # window origin in image coordinates
             sy0, sy1, sx0, sx1 = max(y, 0), min(y + th, h), max(x, 0), min(x + tw, w)
-            if sy1 <= sy0 or sx1 <= sx0:                    # window wholly in the padding
+            if sy1 <= sy0 or sx1 <= sx0:                              # window wholly in the padding
                 o[j] = fill
                 continue
             dy0, dy1, dx0, dx1 = sy0 - y, sy1 - y, sx0 - x, sx1 - x
-            if flips[j]:
+            flipped = bool(flips[j])
+            if flipped:
                 dx0, dx1 = tw - dx1, tw - dx0
             # padding: fill only the strips the image does not cover
             if dy0:
@@ -254,13 +275,48 @@ class StoreDataset(Dataset):
             if dx1 < tw:
                 o[j, :, dy0:dy1, dx1:] = fill
             src = view[:, sy0:sy1, sx0:sx1]
-            if not flips[j]:
+            if not flipped:
                 o[j, :, dy0:dy1, dx0:dx1] = src
             elif torch_flip and src.flags.writeable:
-                out[j, :, dy0:dy1, dx0:dx1] = torch.from_numpy(src).flip(-1)
+                o[j, :, dy0:dy1, dx0:dx1] = torch.from_numpy(src).flip(-1).numpy()
             else:
                 o[j, :, dy0:dy1, dx0:dx1] = src[..., ::-1]
-        return out
+        return torch.from_numpy(o)
+
+    def _gather_windows(self, idx: np.ndarray, tops: np.ndarray, lefts: np.ndarray, flips: np.ndarray,
+                        size: tuple[int, int], padding: tuple[int, int, int, int], fill: int) -> torch.Tensor:
+        """Vectorised (small images: no per-sample Python). The samples are gathered into a
+        padded scratch buffer, flipped ones flipped on the way; then one fancy index over a
+        strided view of every crop window copies each sample's window into the batch."""
+        b = len(idx)
+        c, h, w = self.shape  # type: ignore[misc]
+        th, tw = size
+        left, top, right, bottom = padding
+        ph, pw = h + top + bottom, w + left + right
+        key = (c, ph, pw, fill)
+        scratch = self._scratch
+        if scratch is None or scratch[0] != key or len(scratch[1]) < b:
+            scratch = (key, np.full((b, c, ph, pw), fill, dtype=np.uint8))   # border stays `fill`
+            self._scratch = scratch
+        buf = scratch[1]
+        # flipped samples go to the end of the buffer; pos[j] is where sample j went
+        order = np.argsort(flips, kind="stable")
+        n_plain = b - int(flips.sum())
+        pos = np.empty(b, dtype=np.int64)
+        pos[order] = np.arange(b)
+        # torch's copy_ into the strided interior is ~2x numpy's for short rows (measured)
+        interior = torch.from_numpy(buf)[:, :, top:top + h, left:left + w]
+        if n_plain:
+            interior[:n_plain].copy_(torch.from_numpy(self.reader.get_batch(idx[order[:n_plain]])))
+        if n_plain < b:
+            interior[n_plain:b].copy_(torch.from_numpy(self.reader.get_batch(idx[order[n_plain:]])).flip(-1))
+        # a flipped sample's window, read from its flipped image, starts at pw - tw - left
+        x = np.where(flips, pw - tw - lefts, lefts)
+        sb, sc, sh, sw = buf.strides
+        windows = np.lib.stride_tricks.as_strided(
+            buf, shape=(len(buf), ph - th + 1, pw - tw + 1, c, th, tw), strides=(sb, sh, sw, sc, sh, sw),
+            writeable=False)
+        return torch.from_numpy(windows[pos, tops, x])
 
     def __repr__(self) -> str:
         shape = "x".join(map(str, self.shape)) if self.shape else "variable"

@@ -168,10 +168,12 @@ def test_batch_ops_are_mapped_and_unmappable_ops_run_per_sample(cifar_store):
 
 
 @pytest.mark.parametrize("crop,padding,fill", [(32, 4, 0), (24, 0, 0), (28, (1, 6), 7), (32, 40, 3)])
-@pytest.mark.parametrize("torch_flip", [False, True])
-def test_fused_gather_equals_unfused_batch_ops(cifar_store, monkeypatch, crop, padding, fill, torch_flip):
+@pytest.mark.parametrize("kernel", ["windows", "loop", "loop-torch-flip"])
+def test_fused_gather_equals_unfused_batch_ops(cifar_store, monkeypatch, crop, padding, fill, kernel):
     dst, h = cifar_store
-    if torch_flip:
+    if kernel.startswith("loop"):
+        monkeypatch.setattr(dataset_module, "_VECTORISED_MAX_PIXELS", 0)
+    if kernel == "loop-torch-flip":
         monkeypatch.setattr(dataset_module, "_TORCH_FLIP_MIN_PIXELS", 0)
     c, f = BatchRandomCrop(crop, padding=padding, fill=fill), BatchRandomHorizontalFlip()
     ds = dlstore.open_dataset(dst, batch_transform=BatchCompose([c, f]))
