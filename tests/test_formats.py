@@ -208,6 +208,8 @@ def test_several_readers_of_one_lmdb_store_in_one_process(stores):
     del a
     c = dlstore.open_dataset(stores["lmdb"])
     assert torch.equal(b[2][0], c[2][0])
+    d = dlstore.open_dataset(stores["lmdb"] / "data.mdb")  # detection accepts the data file too
+    assert d.format == "lmdb" and torch.equal(d[2][0], c[2][0])
 
 
 # --- native readability: plain lmdb / h5py / numpy, no dlstore -----------------------------

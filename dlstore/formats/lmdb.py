@@ -207,6 +207,12 @@ class LmdbWriter:
 _ENVS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
 
+def _env_folder(path: str | os.PathLike) -> Path:
+    """The environment folder, also when given its ``data.mdb`` (as format detection allows)."""
+    path = Path(path)
+    return path.parent if path.name == "data.mdb" and path.is_file() else path
+
+
 def _data_file(path: Path) -> Path:
     data = path / "data.mdb"
     if not data.is_file():
@@ -251,7 +257,7 @@ def _get_required(txn: lmdb.Transaction, key: bytes, path: Path) -> bytes:
 
 def read_manifest(path: Path) -> dict[str, Any]:
     """The validated manifest of the LMDB store at ``path``."""
-    path = Path(path)
+    path = _env_folder(path)
     env = _shared_env(path, readahead=False)
     with env.begin() as txn:
         text = _get_required(txn, MANIFEST_KEY, path)
@@ -273,7 +279,7 @@ class LmdbReader(ForkSafe):
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
                  readahead: bool | None = None):
-        self.path = Path(path)
+        self.path = _env_folder(path)
         data = _data_file(self.path)
         self.readahead = _default_readahead(data) if readahead is None else bool(readahead)
         self._env: lmdb.Environment | None = None
