@@ -22,7 +22,7 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, get_worker_info
 
 from . import formats
 from .errors import StaticMismatchError, StoreCorruptError, TransformSpecError
@@ -226,7 +226,9 @@ class StoreDataset(Dataset):
         crop, flip = self._fused_crop, self._fused_flip
         if crop is None and flip is None:
             if hasattr(self.reader, "get_batch"):
-                return torch.from_numpy(self.reader.get_batch(idx))
+                out = _new_batch((len(idx), *self.shape))  # type: ignore[misc]
+                self.reader.get_batch(idx, out=out.numpy())
+                return out
             return _stack([torch.from_numpy(a) for a in self.reader.get_many(idx.tolist())], self.path)
         b = len(idx)
         c, h, w = self.shape  # type: ignore[misc]
@@ -252,7 +254,8 @@ class StoreDataset(Dataset):
         b = len(idx)
         c, h, w = self.shape  # type: ignore[misc]
         th, tw = size
-        o = np.empty((b, c, th, tw), dtype=np.uint8)
+        out = _new_batch((b, c, th, tw))
+        o = out.numpy()
         torch_flip = th * tw >= _TORCH_FLIP_MIN_PIXELS
         pad_left, pad_top = padding[0], padding[1]
         for j, view in enumerate(self.reader.get_many(idx.tolist())):
@@ -281,7 +284,7 @@ class StoreDataset(Dataset):
                 o[j, :, dy0:dy1, dx0:dx1] = torch.from_numpy(src).flip(-1).numpy()
             else:
                 o[j, :, dy0:dy1, dx0:dx1] = src[..., ::-1]
-        return torch.from_numpy(o)
+        return out
 
     def _gather_windows(self, idx: np.ndarray, tops: np.ndarray, lefts: np.ndarray, flips: np.ndarray,
                         size: tuple[int, int], padding: tuple[int, int, int, int], fill: int) -> torch.Tensor:
@@ -365,6 +368,17 @@ def _check_static(path: Path, manifest: dict[str, Any], hybrid: HybridTransform)
         f"transform's static part is {describe(wanted)!r}{detail}. Training on it would not see the data "
         f"the pipeline describes. Convert again with dlstore.convert(src, {str(path)!r}, static=hybrid, "
         f"overwrite=True), or open it with a hybrid whose static part is {describe(stored)!r}.")
+
+
+def _new_batch(shape: tuple[int, ...]) -> torch.Tensor:
+    """An uninitialised uint8 tensor for a batch. In a DataLoader worker it lives in shared
+    memory (allocated as torch's default_collate allocates it), so handing the batch to the
+    main process copies nothing; elsewhere it is ordinary memory."""
+    if get_worker_info() is None:
+        return torch.empty(shape, dtype=torch.uint8)
+    elem = torch.empty(0, dtype=torch.uint8)
+    storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device="cpu")
+    return elem.new(storage).resize_(*shape)
 
 
 def _stack(samples: list[torch.Tensor], path: Path) -> torch.Tensor:

@@ -261,3 +261,23 @@ def test_mapped_random_crop_pads_like_torchvision(make):
     assert isinstance(ds_ops[0], BatchRandomCrop) and ds_ops[0].padding == (1, 2, 3, 4)
     expected = torch.stack([t(s) for s in x])
     assert torch.equal(ds_ops[0](x), expected)
+
+
+def test_loader_worker_batches_equal_in_process_batches(cifar_store, monkeypatch):
+    dst, h = cifar_store
+    plain = dlstore.open_dataset(dst)
+    got = list(dlstore.loader(plain, 7, num_workers=2))
+    assert all(x.dtype == torch.uint8 for x, _ in got)
+    assert torch.equal(torch.cat([x for x, _ in got]), plain.read_batch(range(len(plain)))[0])
+    # per-sample loop kernel (as for large images), in forked workers writing to shared memory
+    monkeypatch.setattr(dataset_module, "_VECTORISED_MAX_PIXELS", 0)
+    ds = dlstore.open_dataset(dst, transform=HybridTransform(h.static_spec, [v2.RandomCrop(32, padding=4),
+                                                                           v2.RandomHorizontalFlip()]))
+    ref = dlstore.open_dataset(dst, batch_transform=BatchCompose([BatchRandomCrop(32, padding=4),
+                                                                  BatchRandomHorizontalFlip()]))
+    a = list(dlstore.loader(ds, 6, shuffle=True, num_workers=2, generator=_gen(3),
+                            multiprocessing_context="fork"))
+    b = list(dlstore.loader(ref, 6, shuffle=True, num_workers=2, generator=_gen(3),
+                            multiprocessing_context="fork"))
+    assert len(a) == 4
+    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
