@@ -210,6 +210,17 @@ def test_several_readers_of_one_lmdb_store_in_one_process(stores):
     assert torch.equal(b[2][0], c[2][0])
     d = dlstore.open_dataset(stores["lmdb"] / "data.mdb")  # detection accepts the data file too
     assert d.format == "lmdb" and torch.equal(d[2][0], c[2][0])
+    del b, c, d
+
+
+def test_lmdb_store_already_open_outside_dlstore_is_explained(stores):
+    env = lmdb.open(str(stores["lmdb"]), readonly=True, lock=False)
+    try:
+        with pytest.raises(RuntimeError, match="s.lmdb.*already has the environment open outside dlstore"):
+            dlstore.open_dataset(stores["lmdb"])
+    finally:
+        env.close()
+    assert dlstore.open_dataset(stores["lmdb"])[0][1] == 0
 
 
 # --- native readability: plain lmdb / h5py / numpy, no dlstore -----------------------------
@@ -297,6 +308,7 @@ def test_compression_refused_where_it_cannot_apply(varsize_folder, rgb_folder, t
 def test_lmdb_map_grows_past_its_initial_size(rgb_folder, tmp_path):
     # 24 samples of 3 KiB need ~130 KiB of pages; start with 64 KiB and commit 4 samples at a time.
     _convert(rgb_folder, tmp_path / "g.lmdb", map_size=1 << 16, batch_bytes=4 * 3072)
+    # The data file never exceeds the map: being larger than the initial map, the map grew.
     assert (tmp_path / "g.lmdb" / "data.mdb").stat().st_size > 1 << 16
     ds = dlstore.open_dataset(tmp_path / "g.lmdb")
     reference = datasets.ImageFolder(str(rgb_folder), transform=REFERENCE)

@@ -117,7 +117,7 @@ class LmdbWriter:
         # sync=False/metasync=False: one fsync at the end is enough, because the store only
         # becomes visible (by rename) after it; meminit stays on so unused page bytes are zeros.
         self._env: lmdb.Environment | None = lmdb.open(
-            str(self.folder), map_size=max(1 << 20, int(map_size)), subdir=True, sync=False,
+            str(self.folder), map_size=max(1 << 16, int(map_size)), subdir=True, sync=False,
             metasync=False, readahead=False, max_dbs=0)
 
     def add(self, sample: np.ndarray, label: int) -> None:
@@ -243,6 +243,10 @@ def _shared_env(path: Path, readahead: bool) -> lmdb.Environment:
             env = lmdb.open(str(path), subdir=True, readonly=True, lock=False, readahead=readahead,
                             max_readers=1, max_spare_txns=1)
         except lmdb.Error as exc:
+            if "already open" in str(exc):
+                raise RuntimeError(
+                    f"{path}: this process already has the environment open outside dlstore, and py-lmdb "
+                    "allows one open per process; close that lmdb.Environment first") from exc
             raise StoreCorruptError(f"{path}: cannot open the LMDB environment ({exc})") from exc
         _ENVS[key] = env
     return env
