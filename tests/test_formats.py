@@ -376,3 +376,16 @@ def test_damaged_hdf5_store_is_refused_naming_it(stores, tmp_path):
         del f.attrs["dlstore"]
     with pytest.raises(StoreCorruptError, match="broken.h5.*dlstore"):
         dlstore.open_dataset(broken)
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_batch_path_with_dynamic_transforms_matches_shards(fmt, stores):
+    """StoreDataset.get_batch (random crop + flip fused into the gather) on every reader."""
+    dynamic = v2.Compose([v2.RandomCrop(28, padding=2), v2.RandomHorizontalFlip()])
+    ds = dlstore.open_dataset(stores[fmt], transform=dynamic)
+    shards = dlstore.open_dataset(stores["shards"], transform=dynamic)
+    order = [5, 17, 0, 5, 23, 9]
+    images, labels = ds.get_batch(order, generator=torch.Generator().manual_seed(3))
+    ref_images, ref_labels = shards.get_batch(order, generator=torch.Generator().manual_seed(3))
+    assert images.shape == (6, 3, 28, 28)
+    assert torch.equal(images, ref_images) and torch.equal(labels, ref_labels)
