@@ -16,6 +16,7 @@ has no batch equivalent, then the batch transforms once per batch.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,9 @@ _TORCH_FLIP_MIN_PIXELS = 4096
 # Up to this many output pixels per sample the fused crop/flip runs vectorised (three passes,
 # no per-sample Python); above it a per-sample loop of single slice copies is faster.
 _VECTORISED_MAX_PIXELS = 64 * 64
+# Batch buffers of at least this size are recycled in the main process (see _new_batch).
+_POOL_MIN_BYTES = 4 << 20
+_POOL_SIZE = 4
 
 
 class StoreDataset(Dataset):
@@ -120,10 +124,12 @@ class StoreDataset(Dataset):
                 self._fused_flip = rest.pop(0)
         self._batch_rest = rest
         self._scratch: tuple[tuple, np.ndarray] | None = None   # padded buffer of the vectorised gather
+        self._pool: list[np.ndarray] = []                          # batch buffers, see _new_batch
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_scratch"] = None    # scratch memory is per process, never pickled to workers
+        state["_pool"] = []
         return state
 
     def __len__(self) -> int:
@@ -226,7 +232,7 @@ class StoreDataset(Dataset):
         crop, flip = self._fused_crop, self._fused_flip
         if crop is None and flip is None:
             if hasattr(self.reader, "get_batch"):
-                out = _new_batch((len(idx), *self.shape))  # type: ignore[misc]
+                out = self._new_batch((len(idx), *self.shape))  # type: ignore[misc]
                 self.reader.get_batch(idx, out=out.numpy())
                 return out
             return _stack([torch.from_numpy(a) for a in self.reader.get_many(idx.tolist())], self.path)
@@ -247,6 +253,37 @@ class StoreDataset(Dataset):
             return self._gather_windows(idx, tops, lefts, flips, (th, tw), padding, fill)
         return self._gather_loop(idx, tops, lefts, flips, (th, tw), padding, fill)
 
+    def _new_batch(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialised uint8 tensor for a batch.
+
+        In a DataLoader worker it lives in shared memory (allocated as torch's
+        default_collate allocates it), so handing it to the main process copies
+        nothing. In the main process it reuses a buffer that no tensor refers to
+        any more: a fresh allocation of a large batch (over glibc's 32 MiB mmap
+        limit, e.g. 256x3x224x224) is page-faulted and zeroed by the kernel on
+        first touch, which costs more than the copy itself (measured 5-10x).
+        """
+        if get_worker_info() is not None:
+            elem = torch.empty(0, dtype=torch.uint8)
+            storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device="cpu")
+            return elem.new(storage).resize_(*shape)
+        nbytes = int(np.prod(shape))
+        if nbytes < _POOL_MIN_BYTES:
+            return torch.empty(shape, dtype=torch.uint8)
+        pool = self._pool
+        for k in range(len(pool)):
+            # references: the list and getrefcount's argument. Any more: a batch tensor (or a
+            # view of one) handed out earlier still uses this memory.
+            if pool[k].nbytes == nbytes and sys.getrefcount(pool[k]) <= 2:
+                buf = pool.pop(k)
+                pool.append(buf)                             # most recently used last
+                return torch.from_numpy(buf.reshape(shape))
+        if len(pool) >= _POOL_SIZE:
+            pool.pop(0)                                      # forget the oldest; its user keeps it
+        buf = np.empty(nbytes, dtype=np.uint8)
+        pool.append(buf)
+        return torch.from_numpy(buf.reshape(shape))
+
     def _gather_loop(self, idx: np.ndarray, tops: np.ndarray, lefts: np.ndarray, flips: np.ndarray,
                      size: tuple[int, int], padding: tuple[int, int, int, int], fill: int) -> torch.Tensor:
         """Per sample, one slice copy from the reader's view into the batch (large images:
@@ -254,7 +291,7 @@ class StoreDataset(Dataset):
         b = len(idx)
         c, h, w = self.shape  # type: ignore[misc]
         th, tw = size
-        out = _new_batch((b, c, th, tw))
+        out = self._new_batch((b, c, th, tw))
         o = out.numpy()
         torch_flip = th * tw >= _TORCH_FLIP_MIN_PIXELS
         pad_left, pad_top = padding[0], padding[1]
@@ -368,17 +405,6 @@ def _check_static(path: Path, manifest: dict[str, Any], hybrid: HybridTransform)
         f"transform's static part is {describe(wanted)!r}{detail}. Training on it would not see the data "
         f"the pipeline describes. Convert again with dlstore.convert(src, {str(path)!r}, static=hybrid, "
         f"overwrite=True), or open it with a hybrid whose static part is {describe(stored)!r}.")
-
-
-def _new_batch(shape: tuple[int, ...]) -> torch.Tensor:
-    """An uninitialised uint8 tensor for a batch. In a DataLoader worker it lives in shared
-    memory (allocated as torch's default_collate allocates it), so handing the batch to the
-    main process copies nothing; elsewhere it is ordinary memory."""
-    if get_worker_info() is None:
-        return torch.empty(shape, dtype=torch.uint8)
-    elem = torch.empty(0, dtype=torch.uint8)
-    storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device="cpu")
-    return elem.new(storage).resize_(*shape)
 
 
 def _stack(samples: list[torch.Tensor], path: Path) -> torch.Tensor:

@@ -281,3 +281,28 @@ def test_loader_worker_batches_equal_in_process_batches(cifar_store, monkeypatch
                             multiprocessing_context="fork"))
     assert len(a) == 4
     assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+
+
+@pytest.mark.parametrize("kernel", ["plain", "loop"])
+def test_batch_buffers_are_reused_only_when_nothing_refers_to_them(cifar_store, monkeypatch, kernel):
+    dst, h = cifar_store
+    monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(dataset_module, "_VECTORISED_MAX_PIXELS", 0)
+    ds = dlstore.open_dataset(dst) if kernel == "plain" else \
+        dlstore.open_dataset(dst, transform=HybridTransform(h.static_spec, [v2.RandomCrop(32, padding=4)]))
+    reference = dlstore.open_dataset(dst)
+    idx_a, idx_b = [0, 1, 2, 3], [20, 21, 22, 23]
+    a = ds.get_batch(idx_a, generator=_gen(0))[0]
+    a_copy, a_ptr = a.clone(), a.data_ptr()
+    view = a[1:3]
+    del a
+    b = ds.get_batch(idx_b, generator=_gen(1))[0]
+    c = ds.get_batch(idx_b, generator=_gen(2))[0]
+    assert torch.equal(view, a_copy[1:3]), "a batch still in use was overwritten"
+    assert len({a_ptr, b.data_ptr(), c.data_ptr()}) == 3
+    if kernel == "plain":
+        assert torch.equal(b, reference.read_batch(idx_b)[0])
+    ptr = b.data_ptr()
+    del b
+    d = ds.get_batch(idx_b, generator=_gen(3))[0]
+    assert d.data_ptr() == ptr, "a free buffer was not reused"
