@@ -26,6 +26,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, get_worker_info
 
 from . import formats
+from .codecs import DecodingReader
 from .errors import StaticMismatchError, StoreCorruptError, TransformSpecError
 from .transforms import (
     BatchRandomCrop,
@@ -82,6 +83,8 @@ class StoreDataset(Dataset):
         self.format = formats.detect_format(self.path)
         self.reader = formats.get_format(self.format).Reader(self.path)
         self.manifest: dict[str, Any] = self.reader.manifest
+        if self.manifest["sample"]["encoding"] != "raw":  # JPEG/PNG records, decoded with PIL on read
+            self.reader = DecodingReader(self.reader)
         self.classes: list[str] = list(self.manifest["classes"])
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         labels = np.asarray(self.reader.labels, dtype=np.int64)
@@ -94,7 +97,8 @@ class StoreDataset(Dataset):
                 f"{n_classes} classes")
         self._labels = labels
         self.targets: list[int] = labels.tolist()
-        shape = self.manifest["sample"]["shape"]
+        sample = self.manifest["sample"]
+        shape = sample["shape"] if sample["encoding"] == "raw" else sample.get("decoded_shape")
         self.shape: tuple[int, int, int] | None = tuple(shape) if shape is not None else None
         self.hybrid: HybridTransform | None = None
         if isinstance(transform, HybridTransform):
@@ -296,6 +300,7 @@ class StoreDataset(Dataset):
         torch_flip = th * tw >= _TORCH_FLIP_MIN_PIXELS
         pad_left, pad_top = padding[0], padding[1]
         for j, view in enumerate(self.reader.get_many(idx.tolist())):
+            view = np.asarray(view)   # a plain ndarray: slicing a np.memmap runs Python code
             y, x = int(tops[j]) - pad_top, int(lefts[j]) - pad_left  # window origin in image coordinates
             sy0, sy1, sx0, sx1 = max(y, 0), min(y + th, h), max(x, 0), min(x + tw, w)
             if sy1 <= sy0 or sx1 <= sx0:                              # window wholly in the padding

@@ -475,14 +475,23 @@ class BatchRandomCrop(BatchTransform):
 
         if any(self.padding):
             images = F.pad(images, list(self.padding), fill=self.fill, padding_mode=self.padding_mode)
-        b, c = images.shape[:2]
+        images = images.contiguous()
+        b, c, ph, pw = images.shape
         th, tw = self.size
+        # A strided view of every crop window, (B, Y, X, C, th, tw); indexing its first three
+        # dims copies one window per sample, whole (C, th, tw) blocks at a time.
+        sb, sc, sh, sw = images.stride()
+        shape, strides = (b, ph - th + 1, pw - tw + 1, c, th, tw), (sb, sh, sw, sc, sh, sw)
+        top, left = params["top"], params["left"]
+        if images.device.type == "cpu" and images.dtype != torch.bfloat16 and not images.requires_grad:
+            # numpy's fancy indexing copies the blocks ~5x faster than torch's on CPU (measured)
+            a = images.numpy()
+            windows = np.lib.stride_tricks.as_strided(
+                a, shape=shape, strides=[s * a.itemsize for s in strides], writeable=False)
+            return torch.from_numpy(windows[np.arange(b), top.cpu().numpy(), left.cpu().numpy()])
+        windows = images.as_strided(shape, strides)
         device = images.device
-        rows = params["top"].to(device)[:, None] + torch.arange(th, device=device)   # (B, th)
-        cols = params["left"].to(device)[:, None] + torch.arange(tw, device=device)  # (B, tw)
-        return images[torch.arange(b, device=device)[:, None, None, None],
-                      torch.arange(c, device=device)[None, :, None, None],
-                      rows[:, None, :, None], cols[:, None, None, :]]
+        return windows[torch.arange(b, device=device), top.to(device), left.to(device)]
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         return self.size  # type: ignore[return-value]
