@@ -306,3 +306,24 @@ def test_batch_buffers_are_reused_only_when_nothing_refers_to_them(cifar_store, 
     del b
     d = ds.get_batch(idx_b, generator=_gen(3))[0]
     assert d.data_ptr() == ptr, "a free buffer was not reused"
+
+
+@pytest.mark.parametrize("suffix", [".shards", ".lmdb", ".h5"])
+@pytest.mark.parametrize("kernel", ["windows", "loop"])
+def test_hybrid_batch_path_on_every_format(folder, tmp_path, monkeypatch, suffix, kernel):
+    if kernel == "loop":
+        monkeypatch.setattr(dataset_module, "_VECTORISED_MAX_PIXELS", 0)
+        monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
+    h = split_transforms(v2.Compose([v2.Resize(20), v2.CenterCrop(16), v2.RandomCrop(16, padding=3),
+                                     v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)]))
+    dlstore.convert(folder, tmp_path / f"s{suffix}", static=h, workers=0, progress=False)
+    ds = dlstore.open_dataset(tmp_path / f"s{suffix}", transform=h)
+    plain = dlstore.open_dataset(tmp_path / f"s{suffix}")
+    idx = [3, 0, 17, 9, 9, 22]
+    raw, labels = plain.read_batch(idx)
+    expected = BatchCompose(ds.batch_ops)(raw, _gen(5))
+    got, got_labels = ds.get_batch(idx, generator=_gen(5))
+    assert torch.equal(got, expected) and torch.equal(got_labels, labels)
+    assert torch.equal(plain.get_batch(idx)[0], raw)
+    batches = list(dlstore.loader(ds, 10, shuffle=True, num_workers=2))
+    assert sorted(torch.cat([y for _, y in batches]).tolist()) == sorted(ds.targets)
