@@ -21,8 +21,9 @@ prefetch):
    restart cost is reported from the measured start-up time, and
    ``persistent_workers=True`` is recommended for any worker count > 0).
 6. Confirmation: the winner, its strongest rival with another worker count and
-   the baseline are measured once more; the decision uses the mean of every
-   measurement of each (rates drift on a shared machine).
+   the baseline are measured once more; the decision uses the best measurement
+   of each (rates drift on a shared machine, and interference only slows a
+   run down).
 
 Each trial starts a fresh DataLoader, discards the start-up and the first
 ``num_workers + 1`` batches (every worker's first batch pays its set-up), then
@@ -34,7 +35,6 @@ from __future__ import annotations
 
 import math
 import os
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -422,13 +422,16 @@ class TuneResult(dict):
         return dict(self)
 
     def rate(self, kwargs: dict[str, Any]) -> float:
-        """Mean batches/s over every trial of exactly these kwargs (0.0 if never measured)."""
+        """Best batches/s over every trial of exactly these kwargs (0.0 if never measured).
+
+        The best, not the mean: interference from other work only slows a run down.
+        """
         rates = [t.batches_per_s for t in self.trials if t.kwargs == dict(kwargs)]
-        return statistics.mean(rates) if rates else 0.0
+        return max(rates) if rates else 0.0
 
     @property
     def speedup(self) -> float:
-        """Mean measured batches/s of the recommendation over that of ``num_workers=0``."""
+        """Best measured batches/s of the recommendation over that of ``num_workers=0``."""
         return self.rate(self.best.kwargs) / self.rate(self.baseline.kwargs)
 
     def to_json(self) -> dict[str, Any]:
@@ -530,8 +533,10 @@ def tune(
     cpus = cpus or cpu_info()
     candidates = _worker_candidates(cpus.usable, max_workers)
     deadline = time.perf_counter() + budget
-    # Planned trials: baseline, coarse workers, up to 2 refinements, 3 prefetch, pin, persistent.
-    planned = 1 + len(candidates) + 2 + 3 + (1 if cuda else 0) + 1 + 3
+    # Two rounds of the coarse sweep need ~0.5 s a trial at least; one round otherwise.
+    rounds = 2 if budget >= 2 * (1 + len(candidates)) * 0.5 + 8 else 1
+    # Planned trials: sweep, up to 2 refinements, 3 prefetch, pin, persistent, 3 confirmations.
+    planned = rounds * (1 + len(candidates)) + 2 + 3 + (1 if cuda else 0) + 1 + 3
     trials: list[Trial] = []
     notes: list[str] = []
     skipped: list[str] = []
@@ -561,100 +566,98 @@ def tune(
         return loader_kwargs(batch_size, workers, prefetch_factor=prefetch, pin_memory=pin,
                              persistent_workers=persistent)
 
-    baseline = run(config(0), "baseline")
-    assert baseline is not None  # the first trial always runs
-    best = baseline
-    by_workers: dict[int, Trial] = {0: baseline}
+    def rate(kwargs: dict[str, Any]) -> float:
+        # The best of every measurement of these kwargs: other work on the machine only ever
+        # slows a measurement down, so the best run is the least disturbed one.
+        return max(t.batches_per_s for t in trials if t.kwargs == kwargs)
 
-    for workers in candidates:  # 2. coarse sweep, ascending: more workers must earn their cost
-        trial = run(config(workers), "workers")
-        if trial is None:
-            break
-        by_workers[workers] = trial
-        if _better(trial, best, noise):
-            best = trial
-    # Refine between the best and its measured neighbours.
-    measured = sorted(by_workers)
-    if best.num_workers > 0:
-        i = measured.index(best.num_workers)
-        for neighbour in (measured[i - 1] if i > 0 else None, measured[i + 1] if i + 1 < len(measured) else None):
-            if neighbour is None:
-                continue
-            mid = (best.num_workers + neighbour) // 2
-            if mid in by_workers or mid < 1:
-                continue
-            trial = run(config(mid), "refine")
-            if trial is None:
+    def pick(pool: Iterable[dict[str, Any]]) -> dict[str, Any]:
+        # The cheapest setting within the noise margin of the fastest: more workers and
+        # deeper queues must earn their memory by a clear margin.
+        pool = list(pool)
+        top = max(rate(k) for k in pool)
+        return min((k for k in pool if rate(k) >= top / (1 + noise)),
+                   key=lambda k: (int(k.get("num_workers", 0)), int(k.get("prefetch_factor") or 0),
+                                  bool(k.get("pin_memory")), not k.get("persistent_workers", True)))
+
+    def measured() -> list[dict[str, Any]]:
+        unique: list[dict[str, Any]] = []
+        for t in trials:
+            if t.kwargs not in unique:
+                unique.append(t.kwargs)
+        return unique
+
+    # 1-2. baseline and the coarse workers sweep, twice round-robin when the budget allows,
+    # so a burst of outside load hits one measurement of a setting, not its only one.
+    sweep = [0] + candidates
+    for _ in range(rounds):
+        for workers in sweep:
+            if run(config(workers), "baseline" if workers == 0 else "workers") is None:
                 break
-            by_workers[mid] = trial
-            if _better(trial, best, noise) or (mid < best.num_workers and
-                                               trial.batches_per_s >= best.batches_per_s * (1 - noise / 2)):
-                best = trial
+    baseline = trials[0]
+    best = pick(measured())
+    # Refine between the best worker count and its measured neighbours.
+    counts = sorted({int(k["num_workers"]) for k in measured()})
+    best_workers = int(best["num_workers"])
+    if best_workers > 0:
+        i = counts.index(best_workers)
+        for neighbour in (counts[i - 1] if i > 0 else None, counts[i + 1] if i + 1 < len(counts) else None):
+            mid = (best_workers + neighbour) // 2 if neighbour is not None else 0
+            if mid >= 1 and mid not in counts and run(config(mid), "refine") is None:
+                break
+        best = pick(measured())
 
     # 3. prefetch around the best worker count; when workers=0 won, around the best worker
     # count anyway if it came close (a deeper queue may tip the balance), else not at all.
-    with_workers = max((t for t in trials if t.num_workers > 0), key=lambda t: t.batches_per_s, default=None)
-    if with_workers is not None and with_workers.batches_per_s >= 0.7 * best.batches_per_s:
-        local = with_workers
-        for prefetch in (1, 4, 8):
-            trial = run(config(local.num_workers, prefetch=prefetch), "prefetch")
-            if trial is None:
-                break
-            cheaper = prefetch < local.prefetch_factor
-            if _better(trial, local, noise) or (cheaper and trial.batches_per_s >= local.batches_per_s * (1 - noise / 2)):
-                local = trial
-        if local is not with_workers and (best.num_workers == 0 and _better(local, best, noise)
-                                          or best.num_workers > 0):
-            best = local
+    with_workers = [k for k in measured() if int(k["num_workers"]) > 0]
+    if with_workers:
+        local = pick(with_workers)
+        if rate(local) >= 0.7 * rate(best):
+            for prefetch in (1, 4, 8):
+                if run(config(int(local["num_workers"]), prefetch=prefetch), "prefetch") is None:
+                    break
+        best = pick(measured())
 
     if cuda:  # 4. pin_memory: on by default for CUDA; check that it pays
-        k = dict(best.kwargs, pin_memory=False)
-        trial = run(k, "pin")
-        if trial is not None and trial.batches_per_s >= best.batches_per_s * (1 - noise / 2):
-            best = trial
+        run(dict(best, pin_memory=not best.get("pin_memory")), "pin")
+        best = pick(measured())
 
     persist_note = ""
-    if best.num_workers > 0:  # 5. persistent_workers
-        window_batches = best.batches
-        if window_batches >= batches_per_epoch:
-            trial = run(dict(best.kwargs, persistent_workers=False), "persistent")
-            if trial is not None and _better(trial, best, noise):
-                best = trial
+    if int(best["num_workers"]) > 0:  # 5. persistent_workers
+        last = [t for t in trials if t.kwargs == best][-1]
+        if last.batches >= batches_per_epoch:
+            run(dict(best, persistent_workers=False), "persistent")
+            best = pick(measured())
         else:
             persist_note = (f"persistent_workers=True keeps the workers between epochs: saves their "
-                            f"start-up (~{best.startup_s:.2f} s measured) once per epoch of "
-                            f"{batches_per_epoch} batches (~{batches_per_epoch / best.batches_per_s:.1f} s)")
+                            f"start-up (~{last.startup_s:.2f} s measured) once per epoch of "
+                            f"{batches_per_epoch} batches (~{batches_per_epoch / rate(best):.1f} s)")
 
-    # 6. confirm: rates drift on a shared machine, so re-measure the winner, its strongest rival
-    # (best other worker count) and the baseline, and decide on the mean of all measurements.
-    def rate(kwargs: dict[str, Any]) -> float:
-        return statistics.mean(t.batches_per_s for t in trials if t.kwargs == kwargs)
-
-    rivals = [t for t in trials if t.num_workers != best.num_workers]
-    finalists = [best.kwargs]
+    # 6. confirm: re-measure the winner, its strongest rival with another worker count and the
+    # baseline, and decide among them on all their measurements.
+    finalists = [best]
+    rivals = [k for k in measured() if k["num_workers"] != best["num_workers"]]
     if rivals:
-        finalists.append(max(rivals, key=lambda t: rate(t.kwargs)).kwargs)
+        finalists.append(max(rivals, key=rate))
     if baseline.kwargs not in finalists:
         finalists.append(baseline.kwargs)
-    confirmed = [run(kwargs, "confirm") for kwargs in finalists]
-    if any(t is not None for t in confirmed):
-        top = max(rate(k) for k in finalists)
-        # The cheapest finalist within half the noise margin of the fastest wins.
-        cost = lambda k: (int(k.get("num_workers", 0)), int(k.get("prefetch_factor") or 0))  # noqa: E731
-        winner = min((k for k in finalists if rate(k) >= top * (1 - noise / 2)), key=cost)
-        best = [t for t in trials if t.kwargs == winner][-1]
+    for kwargs in finalists:
+        run(kwargs, "confirm")
+    winner = pick(finalists)
+    best_trial = max((t for t in trials if t.kwargs == winner), key=lambda t: t.batches_per_s)
+    best = best_trial
     base_rate = rate(baseline.kwargs)
 
+    slower = [k for k in measured() if int(k["num_workers"]) > 0 and rate(k) < base_rate * (1 - noise)]
     for t in trials:
-        if t.num_workers > 0 and t.batches_per_s < base_rate * (1 - noise):
+        if t.kwargs in slower:
             t.note = (t.note + "; " if t.note else "") + "slower than workers=0"
-    slower = [t for t in trials if "slower than workers=0" in t.note]
     if slower:
-        notes.append(f"{len(slower)} of {len(trials)} settings were slower than num_workers=0 "
-                        f"(e.g. {_short(slower[0].kwargs)}): more processes are not free here")
+        notes.append(f"{len(slower)} of {len(measured())} settings were slower than num_workers=0 "
+                     f"at their best (e.g. {_short(slower[0])}): more processes are not free here")
     if skipped:
         notes.append(f"budget of {budget:g} s spent before {len(skipped)} planned trial(s) ran "
-                        f"(first: {skipped[0]}); give more --budget for a fuller search")
+                     f"(first: {skipped[0]}); give more --budget for a fuller search")
     batch_bytes = _batch_bytes(dataset, batch_size, loader_extra)
     in_flight = best.num_workers * max(best.prefetch_factor, 1) * batch_bytes
     limit = _memory_limit_bytes()
