@@ -54,9 +54,13 @@ def main() -> None:
               help="Refuse images with more pixels (default: PIL's decompression-bomb limit, ~89.5M).")
 @click.option("--compression", type=click.Choice(["none", "lzf", "gzip"]), default="none", show_default=True,
               help="Per-sample compression of an hdf5 store (lzf: fast; gzip: smaller, readable everywhere).")
+@click.option("--encoding", type=click.Choice(["raw", "jpeg", "png"]), default="raw", show_default=True,
+              help="Store samples as uint8 arrays (raw) or re-encoded after the static transforms.")
+@click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True,
+              help="JPEG quality with --encoding jpeg.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, resume, exif_transpose,
-            max_pixels, compression, quiet):
+            max_pixels, compression, encoding, quality, quiet):
     """Convert image folder SRC (ImageFolder layout) into store DST."""
     from .convert import convert as run_convert
     from .source import DEFAULT_MAX_PIXELS
@@ -72,6 +76,7 @@ def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, res
         result = run_convert(src, dst, format=fmt, static=static, workers=workers, overwrite=overwrite,
                              on_error=on_error, shard_size=parse_bytes(shard_size), resume=resume, **options,
                              exif_transpose=exif_transpose, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
+                             encoding=encoding, quality=quality,
                              progress=not quiet, log=lambda msg: click.echo(msg, err=True))
     except KeyboardInterrupt:
         click.echo(f"interrupted: stopped the workers; {dst} was not written", err=True)

@@ -10,6 +10,7 @@ Every format stores the same JSON document in its native place (shards:
       "count": 1281167,                 # number of samples
       "sample": {"dtype": "uint8", "layout": "CHW", "encoding": "raw",
                  "shape": [3, 224, 224]},           # null shape: variable-shape store
+                 # encoded stores ("jpeg"/"png") add "decoded_shape" and "quality"
       "classes": ["n01440764", ...],    # label i is classes[i]; [] when unlabelled (-1)
       "static": [{"op": "resize", ...}], # canonical static spec that produced the samples
       "source": {"root": "/data/train", "files": 1281167,
@@ -50,14 +51,20 @@ def make_manifest(
     checksums: dict[str, str],
     layout: dict[str, Any],
     encoding: str = "raw",
+    decoded_shape: tuple[int, int, int] | None = None,
+    quality: int | None = None,
 ) -> dict[str, Any]:
+    sample: dict[str, Any] = {"dtype": "uint8", "layout": "CHW", "encoding": encoding,
+                              "shape": None if shape is None else list(shape)}
+    if encoding != "raw":
+        sample["decoded_shape"] = None if decoded_shape is None else list(decoded_shape)
+        sample["quality"] = quality
     return {
         "dlstore_manifest": MANIFEST_VERSION,
         "format": format,
         "format_version": format_version,
         "count": count,
-        "sample": {"dtype": "uint8", "layout": "CHW", "encoding": encoding,
-                   "shape": None if shape is None else list(shape)},
+        "sample": sample,
         "classes": list(classes),
         "static": static,
         "source": source,
@@ -113,12 +120,16 @@ def validate(m: Any, where: str, *, format: str | None = None, max_format_versio
     _require(isinstance(sample, dict), where, "manifest has no 'sample' spec")
     _require(sample.get("dtype") == "uint8" and sample.get("layout") == "CHW", where,
              f"unsupported sample spec {sample!r} (expected uint8 CHW)")
-    _require(isinstance(sample.get("encoding"), str), where, "sample spec has no 'encoding'")
-    shape = sample.get("shape")
-    if shape is not None:
-        _require(isinstance(shape, list) and len(shape) == 3
-                 and all(_is_int(d) and 0 < d <= MAX_DIM for d in shape)
-                 and shape[0] in (1, 3), where, f"invalid sample shape {shape!r}")
+    _require(sample.get("encoding") in ("raw", "jpeg", "png"), where,
+             f"unknown sample encoding {sample.get('encoding')!r} (raw, jpeg, png); upgrade dlstore?")
+    for key in ("shape", "decoded_shape"):
+        shape = sample.get(key)
+        if shape is not None:
+            _require(isinstance(shape, list) and len(shape) == 3
+                     and all(_is_int(d) and 0 < d <= MAX_DIM for d in shape)
+                     and shape[0] in (1, 3), where, f"invalid sample {key} {shape!r}")
+    _require(sample["encoding"] == "raw" or sample.get("shape") is None, where,
+             "an encoded store must have variable-length records (shape null)")
     classes = m.get("classes")
     _require(isinstance(classes, list) and all(isinstance(c, str) for c in classes), where,
              "'classes' must be a list of names")

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from . import formats
+from . import codecs, formats
 from .errors import DlstoreError, StoreCorruptError
 from .formats._common import safe_member
 
@@ -70,9 +70,9 @@ def verify_store(path: str | os.PathLike, *, deep: bool = False) -> VerifyReport
     if report.format == "shards":
         _check_files(Path(path), manifest, report)
         if deep:
-            _check_samples(reader, manifest, report, digest=False)
+            _check_samples(reader, manifest, report, digest=False, decode=True)
     else:
-        _check_samples(reader, manifest, report, digest=True)
+        _check_samples(reader, manifest, report, digest=True, decode=deep)
     return report
 
 
@@ -115,9 +115,15 @@ def _sha256_file(path: Path) -> str:
     return h.hexdigest()
 
 
-def _check_samples(reader: Any, manifest: dict[str, Any], report: VerifyReport, *, digest: bool) -> None:
-    """Read every sample; check its shape; recompute the per-record checksums if asked."""
+def _check_samples(reader: Any, manifest: dict[str, Any], report: VerifyReport, *, digest: bool,
+                   decode: bool) -> None:
+    """Read every sample; check its shape; recompute the per-record checksums if asked.
+
+    With ``decode``, encoded (JPEG/PNG) samples are also decoded and their shape checked.
+    """
     shape = manifest["sample"]["shape"]
+    encoded = manifest["sample"]["encoding"] != "raw"
+    decoded_shape = manifest["sample"].get("decoded_shape")
     samples = hashlib.sha256()
     shapes = []
     bad_before = len(report.problems)
@@ -133,8 +139,17 @@ def _check_samples(reader: Any, manifest: dict[str, Any], report: VerifyReport, 
         shapes.append(sample.shape)
         if digest:
             samples.update(memoryview(sample).cast("B"))
+        if encoded and decode:
+            try:
+                image = codecs.decode(sample, where=f"sample {i}")
+            except StoreCorruptError as exc:
+                report.problem(f"sample {i}", str(exc))
+                continue
+            if decoded_shape is not None and list(image.shape) != decoded_shape:
+                report.problem(f"sample {i}", f"decodes to {tuple(image.shape)}, manifest says {tuple(decoded_shape)}")
     if len(report.problems) == bad_before:
-        report.checked.append(f"samples: {manifest['count']} read back with the recorded shape")
+        what = "read back and decoded" if encoded and decode else "read back with the recorded shape"
+        report.checked.append(f"samples: {manifest['count']} {what}")
     if not digest:
         return
     expected = manifest["checksums"]["files"]
