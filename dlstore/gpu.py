@@ -325,6 +325,7 @@ class GPUDataset:
             DeviceMemoryError: the data does not fit and ``on_overflow`` does not
                 allow a fallback (or the fallback does not fit either).
             ValueError: an invalid option.
+            TypeError: ``source`` is neither a path nor a dlstore dataset.
         """
         if on_overflow not in ON_OVERFLOW:
             raise ValueError(f"on_overflow must be one of {', '.join(map(repr, ON_OVERFLOW))}, "
@@ -335,7 +336,10 @@ class GPUDataset:
             raise ValueError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
         self.source = open_dataset(source) if isinstance(source, (str, os.PathLike)) else source
         name = getattr(self.source, "path", type(self.source).__name__)
-        shape = getattr(self.source, "shape", None)
+        if not hasattr(self.source, "shape") or not hasattr(self.source, "read_batch"):
+            raise TypeError(f"GPUDataset takes a store path or a dlstore dataset (open_dataset(path)), "
+                            f"got {type(source).__name__}")
+        shape = self.source.shape
         if shape is None:
             raise VariableShapeError(
                 f"{name}: samples have different shapes (a variable-shape store); GPUDataset "

@@ -121,6 +121,8 @@ def test_bad_options_are_refused(store):
         GPUDataset(store, CPU, chunk_size=0)
     with pytest.raises(ValueError, match="rank"):
         GPUDataset(store, CPU, rank=2, world_size=2)
+    with pytest.raises(TypeError, match="store path or a dlstore dataset"):
+        GPUDataset([torch.zeros(3, 4, 4)], CPU)
 
 
 def test_variable_shape_store_is_refused(tmp_path):
