@@ -27,7 +27,7 @@ import numpy as np
 
 from . import codecs, formats
 from .errors import DlstoreError, StoreCorruptError
-from .formats._common import safe_member
+from .formats._common import safe_member, sha256_file
 
 
 @dataclass
@@ -93,7 +93,7 @@ def _check_files(path: Path, manifest: dict[str, Any], report: VerifyReport) -> 
     for name, digest in sorted(expected.items()):
         try:
             member = safe_member(path, name)
-            actual = _sha256_file(member)
+            actual = sha256_file(member)
         except StoreCorruptError as exc:
             report.problem(name, str(exc))
             continue
@@ -106,13 +106,6 @@ def _check_files(path: Path, manifest: dict[str, Any], report: VerifyReport) -> 
     if len(report.problems) == bad_before:
         report.checked.append(f"checksums: {len(expected)} file(s) match")
 
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _check_samples(reader: Any, manifest: dict[str, Any], report: VerifyReport, *, digest: bool,

@@ -10,6 +10,7 @@ destination refuse instead of interleaving.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import os
 import shutil
 from pathlib import Path
@@ -128,3 +129,12 @@ class ForkSafe:
             state[name] = None
         state["_pid"] = None
         return state
+
+
+def sha256_file(path: Path) -> str:
+    """sha256 hex digest of a file's bytes, read in 4 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()

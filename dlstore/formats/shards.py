@@ -34,7 +34,7 @@ import numpy as np
 
 from ..errors import StoreCorruptError
 from ..manifest import loads as load_manifest_text
-from ._common import ForkSafe, safe_member
+from ._common import ForkSafe, safe_member, sha256_file
 
 FORMAT = "shards"
 FORMAT_VERSION = 1
@@ -77,13 +77,6 @@ class _HashingFile:
         self.f.close()
         return self.hash.hexdigest()
 
-
-def _sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 class ShardWriter:
@@ -205,7 +198,7 @@ class ShardWriter:
                     f.write(_npy_header(last["count"], self.shape))
                     f.flush()
                     os.fsync(f.fileno())
-                self.checksums[last["file"]] = _sha256_file(path)
+                self.checksums[last["file"]] = sha256_file(path)
             layout.update(kind="fixed", per_shard=self.per_shard, shards=self._files)
         else:
             index = np.array(self._index, dtype=np.int64).reshape(-1, 5)
@@ -222,7 +215,7 @@ class ShardWriter:
             np.save(f, array, allow_pickle=False)
             f.flush()
             os.fsync(f.fileno())
-        self.checksums[name] = _sha256_file(path)
+        self.checksums[name] = sha256_file(path)
 
     def write_manifest(self, text: str) -> None:
         path = self.folder / MANIFEST_NAME
