@@ -197,3 +197,22 @@ def test_damaged_manifest_is_a_clear_error(folder, tmp_path):
     (dst / "manifest.json").write_text("{not json")
     with pytest.raises(StoreCorruptError, match="not valid JSON"):
         dlstore.open_dataset(dst)
+
+
+def test_files_of_unequal_counts_are_indexed_by_their_starts(folder, tmp_path):
+    """A store assembled from several writers (e.g. one per rank) has short files mid-store."""
+    dst = tmp_path / "s.shards"
+    _convert(folder, dst, shard_size=16 * 16 * 3 * 4)  # files of 4,4,4,4,3 samples
+    expected = [dlstore.open_dataset(dst)[i][0].clone() for i in range(19)]
+    # split shard-00001 into two files of 2 samples: files of 4, 2, 2, 4, 4, 3
+    m = json.loads((dst / "manifest.json").read_text())
+    first = np.load(dst / "shard-00001.npy")
+    np.save(dst / "shard-00001.npy", first[:2])
+    np.save(dst / "shard-00001b.npy", first[2:])
+    m["layout"]["shards"][1:2] = [{"file": "shard-00001.npy", "count": 2}, {"file": "shard-00001b.npy", "count": 2}]
+    (dst / "manifest.json").write_text(json.dumps(m))
+    ds = dlstore.open_dataset(dst)
+    assert all(torch.equal(ds[i][0], expected[i]) for i in range(19))
+    order = [18, 5, 6, 4, 0, 7]
+    images, _ = ds.read_batch(order)
+    assert all(torch.equal(images[j], expected[i]) for j, i in enumerate(order))

@@ -291,6 +291,11 @@ class ShardReader(ForkSafe):
             raise StoreCorruptError(
                 f"{self.path}: manifest counts {sum(counts)} samples in its files but declares {self.count}")
         self._counts = counts
+        # First sample of each file. A single conversion writes `per_shard` samples per file
+        # but the last; stores assembled from several writers (one per rank) have a short
+        # file per part, so sample -> file goes through these starts unless the layout is uniform.
+        self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
+        self._uniform = self.kind == "fixed" and all(n == self.per_shard for n in counts[:-1])
         labels = _load_npy(safe_member(self.path, layout.get("labels", "labels.npy")), mmap=False)
         if labels.dtype != np.int64 or labels.shape != (self.count,):
             raise StoreCorruptError(
@@ -343,7 +348,10 @@ class ShardReader(ForkSafe):
         """Sample ``i`` as a uint8 (C, H, W) view into the memory map (no copy)."""
         self._ensure_open()
         if self.kind == "fixed":
-            return self._maps[i // self.per_shard][i % self.per_shard]
+            if self._uniform:
+                return self._maps[i // self.per_shard][i % self.per_shard]
+            s = int(np.searchsorted(self._starts, i, side="right")) - 1
+            return self._maps[s][i - self._starts[s]]
         file_no, offset, c, h, w = (int(v) for v in self.index[i])
         return self._maps[file_no][offset:offset + c * h * w].reshape(c, h, w)
 
@@ -362,8 +370,12 @@ class ShardReader(ForkSafe):
             raise IndexError(f"index {bad} out of range for a store of {self.count} samples")
         if out is None:
             out = np.empty((len(indices), *self.shape), dtype=np.uint8)
-        shard_no = indices // self.per_shard
-        local = indices % self.per_shard
+        if self._uniform:
+            shard_no = indices // self.per_shard
+            local = indices % self.per_shard
+        else:
+            shard_no = np.searchsorted(self._starts, indices, side="right") - 1
+            local = indices - self._starts[shard_no]
         for s in np.unique(shard_no):
             selected = shard_no == s
             if selected.all():
