@@ -423,16 +423,26 @@ def _stack(samples: list[torch.Tensor], path: Path) -> torch.Tensor:
 
 
 class _Batches(Dataset):
-    """Index lists in, ``StoreDataset.get_batch`` out: what ``loader`` iterates over."""
+    """Index lists in, ``StoreDataset.get_batch`` out: what ``loader`` iterates over.
 
-    def __init__(self, dataset: StoreDataset):
+    In the main process (``num_workers=0``) the random parameters come from the
+    loader's generator; in a worker from torch's default generator, which the
+    DataLoader seeds per worker from that same generator.
+    """
+
+    def __init__(self, dataset: StoreDataset, generator: torch.Generator | None):
         self.dataset = dataset
+        self.generator = generator
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, Any]:
-        return self.dataset.get_batch(indices)
+        generator = self.generator if get_worker_info() is None else None
+        return self.dataset.get_batch(indices, generator=generator)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"dataset": self.dataset, "generator": None}   # workers use their seeded default
 
 
 def _as_is(batch: Any) -> Any:
@@ -457,10 +467,10 @@ def loader(
 
     A ``BatchSampler`` yields index lists; each worker assembles a batch in one
     copy, runs the batch transforms once on it and returns ``(images, labels)``
-    tensors; no per-sample collate. Random parameters come from torch's default
-    generator of the process that reads, which the DataLoader seeds per worker
-    from ``generator`` (or from the global seed), so ``torch.manual_seed`` /
-    ``generator`` make epochs reproducible.
+    tensors; no per-sample collate. Random parameters come from ``generator``
+    with ``num_workers=0``, and in workers from torch's default generator, which
+    the DataLoader seeds per worker from ``generator`` (or from the global seed):
+    ``generator`` (or ``torch.manual_seed``) makes epochs reproducible.
 
     Args:
         dataset: a StoreDataset (``open_dataset``).
@@ -482,6 +492,6 @@ def loader(
     if num_workers > 0:
         options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
                        multiprocessing_context=multiprocessing_context)
-    return DataLoader(_Batches(dataset), sampler=BatchSampler(sampler, batch_size, drop_last),
+    return DataLoader(_Batches(dataset, generator), sampler=BatchSampler(sampler, batch_size, drop_last),
                       batch_size=None, num_workers=num_workers, collate_fn=_as_is, pin_memory=pin_memory,
                       worker_init_fn=worker_init_fn, generator=generator, **options)

@@ -327,3 +327,15 @@ def test_hybrid_batch_path_on_every_format(folder, tmp_path, monkeypatch, suffix
     assert torch.equal(plain.get_batch(idx)[0], raw)
     batches = list(dlstore.loader(ds, 10, shuffle=True, num_workers=2))
     assert sorted(torch.cat([y for _, y in batches]).tolist()) == sorted(ds.targets)
+
+
+def test_loader_in_process_draws_from_its_generator(cifar_store):
+    dst, h = cifar_store
+    ds = dlstore.open_dataset(dst, transform=h)
+    torch.manual_seed(1)
+    a = list(dlstore.loader(ds, 8, shuffle=True, generator=_gen(0)))
+    torch.manual_seed(2)      # the global RNG does not matter
+    b = list(dlstore.loader(ds, 8, shuffle=True, generator=_gen(0)))
+    c = list(dlstore.loader(ds, 8, shuffle=True, generator=_gen(1)))
+    assert all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+    assert not all(torch.equal(xa, xc) for (xa, _), (xc, _) in zip(a, c))
