@@ -463,12 +463,13 @@ class TuneResult(dict):
 
 
 def _worker_candidates(usable: int, max_workers: int | None) -> list[int]:
-    """Coarse sweep: powers of two below ``usable``, ``usable`` itself, and a little over."""
+    """Coarse sweep: powers of two below ``usable``, ``usable`` itself and a little over it;
+    with ``max_workers``, capped there, or extended to it by powers of two when it is higher."""
     over = usable + max(1, usable // 4)
     top = over if max_workers is None else max(1, max_workers)
-    out = {n for n in (1, 2, 4, 8, 16, 32, 64, 128) if n < usable}
-    out |= {usable, over}
-    return sorted(n for n in out if 1 <= n <= top) or [1]
+    out = {n for n in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n < max(usable, top)}
+    out |= {usable, over, top}
+    return sorted(n for n in out if 1 <= n <= top and (n <= over or n & (n - 1) == 0 or n == top))
 
 
 def _better(candidate: Trial, incumbent: Trial, noise: float) -> bool:

@@ -17,6 +17,7 @@ from dlstore.demo import make_image_folder
 from dlstore.tuning import (
     _cgroup_cpu_limit,
     _physical_cores,
+    _worker_candidates,
     cpu_info,
     loader_kwargs,
     measure_throughput,
@@ -93,6 +94,17 @@ def test_physical_cores_from_cpuinfo_and_sysfs(tmp_path):
 
 
 # --------------------------------------------------------------------------- tune
+
+
+@pytest.mark.parametrize("usable, max_workers, expected", [
+    (2, None, [1, 2, 3]),              # up to the usable CPUs and a little over
+    (16, None, [1, 2, 4, 8, 16, 20]),  # coarse: powers of two
+    (16, 8, [1, 2, 4, 8]),             # capped
+    (2, 8, [1, 2, 3, 4, 8]),           # extended on request
+    (1, None, [1, 2]),
+])
+def test_worker_candidates(usable, max_workers, expected):
+    assert _worker_candidates(usable, max_workers) == expected
 
 
 class SleepyDataset(Dataset):
