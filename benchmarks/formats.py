@@ -52,6 +52,22 @@ def epoch(dataset) -> int:
     return sum(len(y) for _, y in loader)
 
 
+def _fix_malloc() -> None:
+    """Stop glibc from returning freed batch-sized blocks to the OS after every batch.
+
+    By default glibc serves an allocation above a dynamic threshold with a fresh mmap
+    and trims the heap on free, so a new 9.6 MB batch can page-fault on every page,
+    every batch (measured: up to ~35 us of kernel time per sample, varying with the
+    allocation history of the process). Fixing the thresholds removes that variance.
+    """
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    if not (libc.mallopt(m_mmap_threshold, 32 << 20) and libc.mallopt(m_trim_threshold, 256 << 20)):
+        raise RuntimeError("mallopt failed: --fixed-malloc needs glibc")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=300, help="JPEGs to generate (10 classes)")
@@ -61,12 +77,17 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=None, help="conversion processes (default: usable CPUs)")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch intra-op threads (default 1, what each DataLoader worker uses)")
+    parser.add_argument("--fixed-malloc", action="store_true",
+                        help="fix glibc's mmap/trim thresholds (32 MiB / 256 MiB) before measuring, "
+                             "as MALLOC_MMAP_THRESHOLD_/MALLOC_TRIM_THRESHOLD_ would")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "formats.json"))
     args = parser.parse_args()
     # The collate copy (torch.stack) is the largest cost of a store epoch; with several
     # intra-op threads on a small machine shared with other processes it slowed ~10x
     # (threads spin at barriers while descheduled). DataLoader workers run 1 thread each.
     torch.set_num_threads(args.threads)
+    if args.fixed_malloc:
+        _fix_malloc()
 
     rows: dict[str, dict] = {}
     with tempfile.TemporaryDirectory(prefix="dlstore-bench-") as tmp:
@@ -108,7 +129,8 @@ def main() -> None:
         del loaders
 
     base = rows["ImageFolder"]["read"]["median"]
-    print(f"{count} JPEGs 500x375 -> {STATIC}; read: DataLoader batch 64, shuffled, num_workers=0; "
+    print(f"{count} JPEGs 500x375 -> {STATIC}; read: DataLoader batch 64, shuffled, num_workers=0, "
+          f"{args.threads} torch thread(s), {'fixed' if args.fixed_malloc else 'default'} malloc thresholds; "
           f"median, min, max over {args.repeats} rounds (a run: 1 epoch of ImageFolder, {args.store_epochs} of a store)")
     print(f"{'':14s} {'convert s':>9s} {'size MiB':>9s} {'samples/s':>10s} {'min':>9s} {'max':>9s} "
           f"{'vs ImageFolder':>15s} {'per round':>13s} {'per CPU-s':>10s} {'CPU ratio':>9s}")
@@ -127,7 +149,8 @@ def main() -> None:
         "benchmark": "formats", "machine": machine_info(),
         "data": {"images": count, "source_size": [375, 500], "static": STATIC, "sample_bytes": 3 * 224 * 224,
                  "loader": {"batch_size": 64, "shuffle": True, "num_workers": 0}, "repeats": args.repeats,
-                 "store_epochs_per_run": args.store_epochs, "torch_threads": torch.get_num_threads()},
+                 "store_epochs_per_run": args.store_epochs, "torch_threads": torch.get_num_threads(),
+                 "fixed_malloc": args.fixed_malloc},
         "results": rows, "targets": TARGETS,
     })
     print(f"wrote {path}")

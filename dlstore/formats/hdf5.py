@@ -364,14 +364,17 @@ class Hdf5Reader(ForkSafe):
         return out
 
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
-        """Samples ``indices`` in that order, read in file order."""
-        if self.shape is not None:
-            return list(self.get_batch(indices))
+        """Samples ``indices`` in that order, read in file order, each its own array."""
         self._ensure_open()
         indices = [int(i) for i in indices]
         out: list[np.ndarray | None] = [None] * len(indices)
         for k in sorted(range(len(indices)), key=indices.__getitem__):
-            out[k] = self._read_variable(indices[k])
+            if self.shape is None:
+                out[k] = self._read_variable(indices[k])
+            else:
+                sample = np.empty(self.shape, dtype=np.uint8)
+                self._read_fixed(indices[k], sample)
+                out[k] = sample
         return out
 
     def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -355,9 +355,12 @@ class LmdbReader(ForkSafe):
             return np.frombuffer(value, dtype=np.uint8).reshape(shape).copy()
 
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
-        """Samples ``indices``, in that order, read in one transaction."""
-        if self.shape is not None:
-            return list(self.get_batch(indices))
+        """Samples ``indices``, in that order, read in one transaction.
+
+        Each sample is its own array (not a view of one batch block): a sample kept
+        by the caller pins only its own memory, and in DataLoader epochs this measured
+        slightly faster than one block plus views.
+        """
         self._ensure_open()
         out = []
         with self._env.begin(buffers=True) as txn:
