@@ -3,6 +3,7 @@
 The public API, re-exported; nothing else happens here.
 """
 
+from .bench import BenchReport, run_bench
 from .convert import ConvertResult, convert
 from .dataset import StoreDataset, loader, open_dataset
 from .errors import (
@@ -37,6 +38,7 @@ from .tuning import cpu_info, tune
 __version__ = "0.1.0"
 
 __all__ = [
+    "BenchReport",
     "BatchCompose",
     "BatchCutout",
     "BatchNormalize",
@@ -68,5 +70,6 @@ __all__ = [
     "parse_static",
     "split_transforms",
     "profile_loader",
+    "run_bench",
     "tune",
 ]
