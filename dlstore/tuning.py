@@ -13,7 +13,9 @@ prefetch):
 1. ``num_workers=0``: the baseline every other row is compared with.
 2. ``num_workers`` coarse sweep: 1, 2, 4, ... up to the usable CPUs, plus the
    usable count and a little over it (oversubscription sometimes helps when
-   workers wait on I/O); then the midpoints next to the best.
+   workers wait on I/O), twice round-robin when the budget allows; if the best is
+   the highest count tried, doubling it while that pays (up to 4x the usable
+   CPUs); then the midpoints next to the best.
 3. ``prefetch_factor`` 1, 4, 8 around the best worker count (2 was measured).
 4. ``pin_memory`` on and off, only when the target device is CUDA.
 5. ``persistent_workers`` off, only when an epoch is short enough that the
@@ -597,6 +599,15 @@ def tune(
                 break
     baseline = trials[0]
     best = pick(measured())
+    # The best at the top of the range: the trend may go on (e.g. workers that wait on I/O, or
+    # a busy machine where more processes get more CPU time), so double while it pays.
+    top_count = candidates[-1]
+    while (max_workers is None and int(best["num_workers"]) == top_count
+           and top_count < 4 * cpus.usable):
+        top_count = min(2 * top_count, 4 * cpus.usable)
+        if run(config(top_count), "extend") is None:
+            break
+        best = pick(measured())
     # Refine between the best worker count and its measured neighbours.
     counts = sorted({int(k["num_workers"]) for k in measured()})
     best_workers = int(best["num_workers"])
