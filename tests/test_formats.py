@@ -351,6 +351,19 @@ def test_damaged_lmdb_store_is_refused_naming_it(stores, tmp_path):
         dlstore.open_dataset(broken)
 
 
+def test_truncated_stores_are_refused_not_crashing(stores, tmp_path):
+    lm = tmp_path / "cut.lmdb"
+    shutil.copytree(stores["lmdb"], lm)
+    data = lm / "data.mdb"
+    data.write_bytes(data.read_bytes()[: data.stat().st_size // 2])  # reading past EOF of a map: SIGBUS
+    with pytest.raises(StoreCorruptError, match="cut.lmdb.*truncated"):
+        dlstore.open_dataset(lm)
+    h5 = tmp_path / "cut.h5"
+    h5.write_bytes(stores["hdf5"].read_bytes()[:-5000])
+    with pytest.raises(StoreCorruptError, match="cut.h5"):
+        dlstore.open_dataset(h5)
+
+
 def test_damaged_hdf5_store_is_refused_naming_it(stores, tmp_path):
     broken = tmp_path / "broken.h5"
     shutil.copy(stores["hdf5"], broken)
