@@ -283,6 +283,8 @@ class LmdbReader(ForkSafe):
         manifest: the already-read manifest (read from the store if None).
         readahead: OS readahead on the data file; default: True if the file is
             smaller than half the physical memory, else False (see the module doc).
+            Readers of one store in one process share one environment (py-lmdb
+            allows a single open per process); the first one's setting applies.
     """
 
     format = FORMAT
