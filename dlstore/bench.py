@@ -534,7 +534,7 @@ class BenchReport:
         return rows
 
     _STORE_HEAD = ["format", "encoding", "size MiB", "B/sample", "vs source", "convert s", "images/s"]
-    _READ_HEAD = ["format", "order", "workers", "cache", "samples/s", "spread", "MB/s", "p50 ms", "p95 ms",
+    _READ_HEAD = ["format", "order", "workers", "cache", "samples/s", "spread", "steady/s", "MB/s", "p50 ms", "p95 ms",
                   "resident", "% disk", "vs ImageFolder"]
 
     def _read_rows(self) -> list[list[str]]:
@@ -543,7 +543,9 @@ class BenchReport:
             sps = r["samples_per_s"]
             rows.append([
                 r["format"], r["order"], str(r["workers"]), r["cache"] + ("" if r["verified"] else "?"),
-                f"{sps['median']:,.0f}", f"{sps['spread'] * 100:.0f}%", f"{r['mb_per_s']['median']:,.1f}",
+                f"{sps['median']:,.0f}", f"{sps['spread'] * 100:.0f}%",
+                "-" if r["steady_samples_per_s"] is None else f"{r['steady_samples_per_s']['median']:,.0f}",
+                f"{r['mb_per_s']['median']:,.1f}",
                 f"{r['batch_latency_ms']['p50']:.1f}", f"{r['batch_latency_ms']['p95']:.1f}",
                 f"{max(r['resident_at_start']):.2f}" if r["cache"] == "cold" else f"{min(r['resident_at_start']):.2f}",
                 "-" if r.get("disk_fraction") is None else f"{r['disk_fraction'] * 100:.0f}%",
@@ -556,10 +558,7 @@ class BenchReport:
         lines = [f"{k:9s} {v}" for k, v in self._header()] + [""]
         lines += _text_table(self._STORE_HEAD, self._store_rows()) + [""]
         lines += _text_table(self._READ_HEAD, self._read_rows())
-        lines += ["", "samples/s: median over rounds; spread: (max-min)/median; resident: fraction of the "
-                      "store's pages in the page cache when the run started (cold: max, warm: min); "
-                      "% disk: MB/s of the store's bytes over the raw sequential read bandwidth; "
-                      "'?' after cache: not verified"]
+        lines += ["", _LEGEND]
         lines += ["", self.recommendation["text"]]
         lines += [f"note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -571,10 +570,7 @@ class BenchReport:
         lines += ["", f"**{self.recommendation['text']}**", "", "## Stores", ""]
         lines += _md_table(self._STORE_HEAD, self._store_rows())
         lines += ["", "## Reads", "",
-                  "samples/s: median over rounds (spread = (max-min)/median); MB/s counts the store's bytes on "
-                  "disk; p50/p95: per-batch latency; resident: fraction of the store's pages cached when the run "
-                  "started (cold: max over runs, warm: min); % disk: cold MB/s over the raw sequential read "
-                  "bandwidth; vs ImageFolder: same order, workers and cache; '?' after cache: not verified.", ""]
+                  _LEGEND, ""]
         lines += _md_table(self._READ_HEAD, self._read_rows())
         if self.notes:
             lines += ["", "## Notes", ""] + [f"- {n}" for n in self.notes]
@@ -600,6 +596,13 @@ class BenchReport:
         written["md"] = out / "report.md"
         written["md"].write_text(self.markdown())
         return written
+
+
+_LEGEND = ("samples/s: one pass over the data, median over rounds; spread: (max-min)/median; steady/s: "
+           "after each worker's first batch (which pays per-epoch set-up); MB/s: samples/s x the store's "
+           "bytes/sample on disk; p50/p95: per-batch latency; resident: fraction of the store's pages in the "
+           "page cache when the run started (cold: max over rounds, warm: min); % disk: cold MB/s over the raw "
+           "sequential read bandwidth; vs ImageFolder: same order, workers and cache; '?' after cache: not verified")
 
 
 def _text_table(head: list[str], rows: list[list[str]]) -> list[str]:
@@ -765,17 +768,18 @@ def _read_once(open_dataset: Callable[[], Any], files: list[Path], *, store: boo
     startup = t0 - start
     if gate is not None:
         gate.go.set()
-    gaps, seen, last = [], 0, t0
+    gaps, sizes, last = [], [], t0
     try:
         for batch in it:
             now = time.perf_counter()
             gaps.append(now - last)
             last = now
-            seen += len(batch[1])
+            sizes.append(len(batch[1]))
     finally:
         del it, loader, dataset  # unmap the store before the next eviction
         gc.collect()
-    return {"samples": seen, "seconds": last - t0, "startup_s": startup, "batch_s": gaps,
+    return {"samples": sum(sizes), "seconds": last - t0, "startup_s": startup, "batch_s": gaps, "batch_sizes": sizes,
+            "workers": workers,
             "resident": resident}
 
 
@@ -1034,6 +1038,20 @@ def run_bench(
                        created=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 
+def _steady(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """samples/s after every worker's first batch (which pays opening the store, first-touch
+    page faults and shared-memory set-up once per epoch with non-persistent workers); None
+    when a run has no batch beyond those."""
+    rates = []
+    for r in runs:
+        skip = max(r["workers"], 1)
+        if len(r["batch_s"]) <= skip:
+            return None
+        seconds = sum(r["batch_s"][skip:])
+        rates.append(sum(r["batch_sizes"][skip:]) / seconds if seconds > 0 else math.inf)
+    return _stats(rates)
+
+
 def _summarise(runs: dict[tuple, list[dict[str, Any]]], stores: dict[str, dict[str, Any]], disk: dict[str, Any],
                variants: list[Variant]) -> list[dict[str, Any]]:
     reads = []
@@ -1053,6 +1071,7 @@ def _summarise(runs: dict[tuple, list[dict[str, Any]]], stores: dict[str, dict[s
             "mb_per_s": _stats([x * per_sample / 1e6 for x in rates]),
             "batch_latency_ms": {"p50": float(np.percentile(gaps_ms, 50)), "p95": float(np.percentile(gaps_ms, 95)),
                                  "max": float(gaps_ms.max()), "batches": int(len(gaps_ms))},
+            "steady_samples_per_s": _steady(rs),
             "seconds": [r["seconds"] for r in rs], "startup_s": _stats([r["startup_s"] for r in rs]),
             "resident_at_start": resident, "verified": verified,
             "disk_fraction": None, "vs_imagefolder": None, "vs_imagefolder_runs": None,

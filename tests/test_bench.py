@@ -169,6 +169,8 @@ def test_read_measurements_are_positive_and_consistent(bench_run):
         assert len(sps["runs"]) == 2 and 0 < sps["min"] <= sps["median"] <= sps["max"]
         per_sample = report.stores[r["format"]]["bytes_per_sample"]
         assert r["mb_per_s"]["median"] == pytest.approx(sps["median"] * per_sample / 1e6)
+        steady = r["steady_samples_per_s"]  # after the first of 3 batches
+        assert len(steady["runs"]) == 2 and steady["median"] > 0
         lat = r["batch_latency_ms"]
         assert 0 < lat["p50"] <= lat["p95"] <= lat["max"] and lat["batches"] == 6
         assert all(0.0 <= x <= 1.0 for x in r["resident_at_start"])
