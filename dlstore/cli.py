@@ -131,8 +131,10 @@ def info(store):
         click.echo(f"classes   {len(ds.classes)}: {shown}{more}")
     else:
         click.echo("classes   none (unlabelled, label -1)")
-    click.echo(f"sample    {shape} {m['sample']['dtype']} {m['sample']['layout']}, "
-               f"encoding {m['sample']['encoding']}")
+    encoding = m["sample"]["encoding"]
+    if m["sample"].get("quality"):
+        encoding += f" (quality {m['sample']['quality']})"
+    click.echo(f"sample    {shape} {m['sample']['dtype']} {m['sample']['layout']}, encoding {encoding}")
     click.echo(f"static    {describe(m['static'])}")
     click.echo(f"size      {_human_bytes(size)} ({size / max(m['count'], 1):,.0f} B/sample)")
     click.echo(f"source    {source.get('root')} ({source.get('files')} files)")
