@@ -27,7 +27,7 @@ start-up is excluded (warm-up) and reported apart. Each configuration is
 measured ``--repeats`` times, round-robin, over ``--seconds`` each; the median
 and spread are printed and written as JSON.
 
-    python benchmarks/tune.py [--images 600] [--budget 20] [--repeats 5] [--seconds 1.5]
+    python benchmarks/tune.py [--images 600] [--budget 40] [--repeats 5] [--seconds 1.5]
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--images", type=int, default=600)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--budget", type=float, default=20.0, help="tune() budget per pipeline, seconds")
+    parser.add_argument("--budget", type=float, default=40.0, help="tune() budget per pipeline, seconds")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=1.5, help="measurement window per run")
     parser.add_argument("--cases", default="store,store+rrc,imagefolder")

@@ -23,9 +23,9 @@ prefetch):
    restart cost is reported from the measured start-up time, and
    ``persistent_workers=True`` is recommended for any worker count > 0).
 6. Confirmation: the winner, its strongest rival with another worker count and
-   the baseline are measured once more; the decision uses the best measurement
-   of each (rates drift on a shared machine, and interference only slows a
-   run down).
+   the baseline are measured once more; the decision uses the mean of the
+   measurements of each (rates drift on a shared machine; interleaving gives
+   the contenders the same conditions).
 
 Each trial starts a fresh DataLoader, discards the start-up and the first
 ``num_workers + 1`` batches (every worker's first batch pays its set-up), then
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import os
+import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable
@@ -424,16 +425,13 @@ class TuneResult(dict):
         return dict(self)
 
     def rate(self, kwargs: dict[str, Any]) -> float:
-        """Best batches/s over every trial of exactly these kwargs (0.0 if never measured).
-
-        The best, not the mean: interference from other work only slows a run down.
-        """
+        """Mean batches/s over every trial of exactly these kwargs (0.0 if never measured)."""
         rates = [t.batches_per_s for t in self.trials if t.kwargs == dict(kwargs)]
-        return max(rates) if rates else 0.0
+        return statistics.mean(rates) if rates else 0.0
 
     @property
     def speedup(self) -> float:
-        """Best measured batches/s of the recommendation over that of ``num_workers=0``."""
+        """Mean measured batches/s of the recommendation over that of ``num_workers=0``."""
         return self.rate(self.best.kwargs) / self.rate(self.baseline.kwargs)
 
     def to_json(self) -> dict[str, Any]:
@@ -570,9 +568,10 @@ def tune(
                              persistent_workers=persistent)
 
     def rate(kwargs: dict[str, Any]) -> float:
-        # The best of every measurement of these kwargs: other work on the machine only ever
-        # slows a measurement down, so the best run is the least disturbed one.
-        return max(t.batches_per_s for t in trials if t.kwargs == kwargs)
+        # The mean of every measurement of these kwargs. Not the best: on a busy machine one
+        # setting may get a lucky quiet window the others never had; the round-robin sweep
+        # and the confirmation give the contenders the same number of interleaved runs.
+        return statistics.mean(t.batches_per_s for t in trials if t.kwargs == kwargs)
 
     def pick(pool: Iterable[dict[str, Any]]) -> dict[str, Any]:
         # The cheapest setting within the noise margin of the fastest: more workers and
@@ -646,7 +645,7 @@ def tune(
                             f"{batches_per_epoch} batches (~{batches_per_epoch / rate(best):.1f} s)")
 
     # 6. confirm: re-measure the winner, its strongest rival with another worker count and the
-    # baseline, and decide among them on all their measurements.
+    # baseline, and decide among them on the mean of all their measurements.
     finalists = [best]
     rivals = [k for k in measured() if k["num_workers"] != best["num_workers"]]
     if rivals:
@@ -666,7 +665,7 @@ def tune(
             t.note = (t.note + "; " if t.note else "") + "slower than workers=0"
     if slower:
         notes.append(f"{len(slower)} of {len(measured())} settings were slower than num_workers=0 "
-                     f"at their best (e.g. {_short(slower[0])}): more processes are not free here")
+                     f"on average (e.g. {_short(slower[0])}): more processes are not free here")
     if skipped:
         notes.append(f"budget of {budget:g} s spent before {len(skipped)} planned trial(s) ran "
                      f"(first: {skipped[0]}); give more --budget for a fuller search")
