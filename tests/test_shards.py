@@ -216,3 +216,9 @@ def test_files_of_unequal_counts_are_indexed_by_their_starts(folder, tmp_path):
     order = [18, 5, 6, 4, 0, 7]
     images, _ = ds.read_batch(order)
     assert all(torch.equal(images[j], expected[i]) for j, i in enumerate(order))
+
+
+def test_compression_is_refused_for_shards(folder, tmp_path):
+    with pytest.raises(ValueError, match="compression applies to hdf5"):
+        _convert(folder, tmp_path / "s.shards", compression="gzip")
+    assert not list(tmp_path.iterdir())

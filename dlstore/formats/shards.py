@@ -94,7 +94,11 @@ class ShardWriter:
     _PARTIAL_INDEX = "index.partial"
 
     def __init__(self, folder: Path, *, shape: tuple[int, int, int] | None,
-                 shard_size: int = DEFAULT_SHARD_SIZE, _create: bool = True, **_: Any):
+                 shard_size: int = DEFAULT_SHARD_SIZE, compression: str | None = "none",
+                 _create: bool = True, **_: Any):
+        if compression not in (None, "none"):
+            raise ValueError(f"compression={compression!r}: shards stores are memory-mapped raw arrays; "
+                             "compression applies to hdf5 stores only (or use encoding='jpeg'/'png')")
         self.folder = Path(folder)
         if _create:
             self.folder.mkdir(parents=True, exist_ok=False)
