@@ -544,7 +544,8 @@ class BenchReport:
             rows.append([
                 r["format"], r["order"], str(r["workers"]), r["cache"] + ("" if r["verified"] else "?"),
                 f"{sps['median']:,.0f}", f"{sps['spread'] * 100:.0f}%",
-                "-" if r["steady_samples_per_s"] is None else f"{r['steady_samples_per_s']['median']:,.0f}",
+                "-" if r["steady_samples_per_s"] is None or r["cache"] == "cold"
+                else f"{r['steady_samples_per_s']['median']:,.0f}",
                 f"{r['mb_per_s']['median']:,.1f}",
                 f"{r['batch_latency_ms']['p50']:.1f}", f"{r['batch_latency_ms']['p95']:.1f}",
                 f"{max(r['resident_at_start']):.2f}" if r["cache"] == "cold" else f"{min(r['resident_at_start']):.2f}",
@@ -599,7 +600,8 @@ class BenchReport:
 
 
 _LEGEND = ("samples/s: one pass over the data, median over rounds; spread: (max-min)/median; steady/s: "
-           "after each worker's first batch (which pays per-epoch set-up); MB/s: samples/s x the store's "
+           "after each worker's first batch (which pays per-epoch set-up), warm runs only (cold, readahead during "
+           "the first batches fetches much of a small store); MB/s: samples/s x the store's "
            "bytes/sample on disk; p50/p95: per-batch latency; resident: fraction of the store's pages in the "
            "page cache when the run started (cold: max over rounds, warm: min); % disk: cold MB/s over the raw "
            "sequential read bandwidth; vs ImageFolder: same order, workers and cache; '?' after cache: not verified")
@@ -762,25 +764,28 @@ def _read_once(open_dataset: Callable[[], Any], files: list[Path], *, store: boo
                           batch_size=batch_size, seed=seed, gate=gate)
     start = time.perf_counter()
     it = iter(loader)
-    if gate is not None:
-        gate.wait_ready(workers)
-    t0 = time.perf_counter()
-    startup = t0 - start
-    if gate is not None:
-        gate.go.set()
-    gaps, sizes, last = [], [], t0
+    gaps: list[float] = []
+    sizes: list[int] = []
     try:
+        if gate is not None:
+            try:
+                gate.wait_ready(workers)
+            finally:
+                t0 = time.perf_counter()
+                gate.go.set()  # also on failure: no worker stays parked at the gate
+        else:
+            t0 = time.perf_counter()
+        last = t0
         for batch in it:
             now = time.perf_counter()
             gaps.append(now - last)
             last = now
             sizes.append(len(batch[1]))
     finally:
-        del it, loader, dataset  # unmap the store before the next eviction
+        del it, loader, dataset  # shut the workers down and unmap the store before the next eviction
         gc.collect()
-    return {"samples": sum(sizes), "seconds": last - t0, "startup_s": startup, "batch_s": gaps, "batch_sizes": sizes,
-            "workers": workers,
-            "resident": resident}
+    return {"samples": sum(sizes), "seconds": last - t0, "startup_s": t0 - start, "batch_s": gaps,
+            "batch_sizes": sizes, "workers": workers, "resident": resident}
 
 
 def _read_files(files: list[Path]) -> None:
