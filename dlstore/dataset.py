@@ -78,10 +78,19 @@ class StoreDataset(Dataset):
         target_transform: Callable[[int], Any] | None = None,
         *,
         batch_transform: Callable[..., torch.Tensor] | None = None,
+        reader_options: dict[str, Any] | None = None,
     ):
         self.path = Path(path)
         self.format = formats.detect_format(self.path)
-        self.reader = formats.get_format(self.format).Reader(self.path)
+        module = formats.get_format(self.format)
+        try:
+            self.reader = module.Reader(self.path, **(reader_options or {}))
+        except TypeError as exc:
+            if not reader_options:
+                raise
+            raise ValueError(f"{self.path}: reader_options {sorted(reader_options)} do not apply to "
+                             f"{self.format} stores ({exc}); lmdb takes readahead=, hdf5 takes "
+                             "chunk_cache_bytes=") from None
         self.manifest: dict[str, Any] = self.reader.manifest
         if self.manifest["sample"]["encoding"] != "raw":  # JPEG/PNG records, decoded with PIL on read
             self.reader = DecodingReader(self.reader)
@@ -383,6 +392,7 @@ def open_dataset(
     target_transform: Callable[[int], Any] | None = None,
     *,
     batch_transform: Callable[..., torch.Tensor] | None = None,
+    reader_options: dict[str, Any] | None = None,
 ) -> StoreDataset:
     """Open a store written by ``dlstore convert`` as a map-style Dataset.
 
@@ -394,6 +404,9 @@ def open_dataset(
         target_transform: applied to each int label.
         batch_transform: ``t(images, generator=None)`` run once per (B, C, H, W)
             batch by ``get_batch`` / ``dlstore.loader``, after ``transform``.
+        reader_options: passed to the format's Reader: ``{"readahead": False}`` for
+            LMDB (default: on when the store is under half the RAM),
+            ``{"chunk_cache_bytes": N}`` for HDF5.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
@@ -402,7 +415,7 @@ def open_dataset(
         StaticMismatchError: ``transform`` is a hybrid whose static part differs from the store's.
     """
     return StoreDataset(path, transform=transform, target_transform=target_transform,
-                        batch_transform=batch_transform)
+                        batch_transform=batch_transform, reader_options=reader_options)
 
 
 def _check_static(path: Path, manifest: dict[str, Any], hybrid: HybridTransform) -> None:

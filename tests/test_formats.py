@@ -402,3 +402,12 @@ def test_batch_path_with_dynamic_transforms_matches_shards(fmt, stores):
     ref_images, ref_labels = shards.get_batch(order, generator=torch.Generator().manual_seed(3))
     assert images.shape == (6, 3, 28, 28)
     assert torch.equal(images, ref_images) and torch.equal(labels, ref_labels)
+
+
+def test_reader_options_reach_the_reader(rgb_folder, tmp_path):
+    dlstore.convert(rgb_folder, tmp_path / "s.lmdb", workers=0, progress=False)
+    dlstore.convert(rgb_folder, tmp_path / "s.shards", workers=0, progress=False)
+    assert dlstore.open_dataset(tmp_path / "s.lmdb", reader_options={"readahead": False}).reader.readahead is False
+    assert dlstore.open_dataset(tmp_path / "s.lmdb", reader_options={"readahead": True}).reader.readahead is True
+    with pytest.raises(ValueError, match="do not apply to shards stores"):
+        dlstore.open_dataset(tmp_path / "s.shards", reader_options={"readahead": False})
