@@ -385,3 +385,29 @@ def test_random_damage_raises_only_clear_errors(pristine, tmp_path_factory, stor
     except DlstoreError:
         pass  # the clear, named error we promise (StoreCorruptError and friends)
     verify_store(work, deep=True)  # reports, never raises
+
+
+def test_lmdb_conversion_resumes_from_its_last_committed_transaction(slow_folder, tmp_path):
+    dst = tmp_path / "s.lmdb"
+    options = dict(static="resize=48,center_crop=40", batch_bytes=30_000)  # a transaction per ~6 samples
+    script = (f"import dlstore; dlstore.convert({str(slow_folder)!r}, {str(dst)!r}, workers=1, progress=False, "
+              f"static={options['static']!r}, batch_bytes={options['batch_bytes']})")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    staged = tmp_path / ".s.lmdb.dlstore-tmp"
+    _wait_for(staged / "progress.json", proc)
+    time.sleep(0.3)  # let it commit a few transactions past the first checkpoint
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    assert not dst.exists() and (staged / "progress.json").is_file()
+    done = json.loads((staged / "progress.json").read_text())["source_pos"]
+    assert 0 < done < 240
+    messages = []
+    _convert(slow_folder, dst, resume=True, log=messages.append, **options)
+    assert any(f"resuming after {done} of 240" in m for m in messages)
+    _convert(slow_folder, tmp_path / "clean.lmdb", **options)
+    resumed, clean = dlstore.open_dataset(dst), dlstore.open_dataset(tmp_path / "clean.lmdb")
+    assert resumed.manifest["checksums"] == clean.manifest["checksums"]
+    assert resumed.targets == clean.targets
+    assert all(torch.equal(resumed[i][0], clean[i][0]) for i in range(len(clean)))
+    assert sorted(p.name for p in dst.iterdir()) == ["data.mdb", "lock.mdb"]
+    assert verify_store(dst).ok

@@ -120,8 +120,8 @@ class LmdbWriter:
             str(self.folder), map_size=max(1 << 16, int(map_size)), subdir=True, sync=False,
             metasync=False, readahead=False, max_dbs=0)
 
-    def add(self, sample: np.ndarray, label: int) -> None:
-        """Append one uint8 CHW sample and its label."""
+    def add(self, sample: np.ndarray, label: int) -> bool:
+        """Append one uint8 CHW sample and its label; True if this committed a transaction."""
         if sample.dtype != np.uint8 or sample.ndim != 3:
             raise ValueError(f"sample must be a uint8 (C, H, W) array, got {sample.dtype} {sample.shape}")
         if self.shape is not None and tuple(sample.shape) != self.shape:
@@ -138,6 +138,8 @@ class LmdbWriter:
             self.shapes.append(tuple(int(d) for d in sample.shape))
         if self._pending_bytes >= self.batch_bytes:
             self._flush()
+            return True
+        return False
 
     def _put(self, items: list[tuple[bytes, bytes]], append: bool) -> None:
         """Commit ``items`` in one transaction, growing the map until they fit."""
@@ -158,9 +160,83 @@ class LmdbWriter:
             self._pending = []
             self._pending_bytes = 0
 
+    # Resumption: a committed transaction is a unit. At a checkpoint the environment is synced
+    # and the labels (and shapes) of the committed samples are appended to files next to it.
+    _PARTIAL = {"labels": "labels.partial", "shapes": "shapes.partial"}
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Make the committed samples durable; return the state ``resume`` needs.
+
+        Only called right after ``add`` returned True, so nothing is pending.
+        """
+        self._env.sync(True)
+        rows = self._count
+        saved = getattr(self, "_saved_rows", 0)
+        parts = {"labels": np.asarray(self.labels[saved:], dtype=INT_DTYPE)}
+        if self.shape is None:
+            parts["shapes"] = np.asarray(self.shapes[saved:], dtype=INT_DTYPE).reshape(-1, 3)
+        for name, values in parts.items():
+            with open(self.folder / self._PARTIAL[name], "ab") as f:
+                f.write(values.tobytes())
+                f.flush()
+                os.fsync(f.fileno())
+        self._saved_rows = rows
+        return {"rows": rows}
+
+    @classmethod
+    def resume(cls, folder: Path, state: dict[str, Any], *, shape: tuple[int, int, int] | None,
+               **options: Any) -> LmdbWriter:
+        """Reopen a staging environment at a checkpoint, dropping samples committed after it.
+
+        The running sha256 of the samples cannot be saved, so it is recomputed by reading
+        the kept samples back once (sequentially).
+        """
+        folder = Path(folder)
+        rows = int(state["rows"])
+        writer = cls.__new__(cls)
+        writer.folder = folder
+        writer.shape = shape
+        writer.batch_bytes = max(1, int(options.get("batch_bytes", DEFAULT_BATCH_BYTES)))
+        writer.checksums = {}
+        writer._hash = hashlib.sha256()
+        writer._pending, writer._pending_bytes = [], 0
+        if not (folder / "data.mdb").is_file():
+            raise StoreCorruptError(f"{folder}: nothing to resume (no data.mdb)")
+        writer._env = lmdb.open(str(folder), map_size=max(1 << 16, int(options.get("map_size", DEFAULT_MAP_SIZE))),
+                                subdir=True, sync=False, metasync=False, readahead=False, max_dbs=0)
+        with writer._env.begin(write=True) as txn:
+            cursor = txn.cursor()
+            if cursor.set_range(sample_key(rows)):
+                while cursor.key()[:1].isdigit():
+                    if not cursor.delete():
+                        break
+            for i in range(rows):
+                value = txn.get(sample_key(i))
+                if value is None:
+                    raise StoreCorruptError(f"{folder}: sample {i} missing before the checkpoint")
+                writer._hash.update(value)
+        arrays = {}
+        for name, width in (("labels", 1), ("shapes", 3)):
+            if name == "shapes" and shape is not None:
+                continue
+            path = folder / cls._PARTIAL[name]
+            values = np.fromfile(path, dtype=INT_DTYPE) if path.is_file() else np.zeros(0, INT_DTYPE)
+            if len(values) < rows * width:
+                raise StoreCorruptError(f"{path}: holds fewer than the checkpoint's {rows} rows")
+            with open(path, "r+b") if path.is_file() else open(path, "wb") as f:
+                f.truncate(rows * width * INT_DTYPE.itemsize)
+            arrays[name] = values[: rows * width]
+        writer.labels = arrays["labels"].tolist()
+        writer.shapes = [tuple(r) for r in arrays["shapes"].reshape(-1, 3).tolist()] if shape is None else []
+        writer._count = rows
+        writer._saved_rows = rows
+        return writer
+
     def finish(self) -> dict[str, Any]:
         """Commit the remaining samples, labels and shapes; return the manifest's ``layout``."""
         self._flush()
+        for name in self._PARTIAL.values():
+            (self.folder / name).unlink(missing_ok=True)
         labels = np.asarray(self.labels, dtype=INT_DTYPE).tobytes()
         items = [(LABELS_KEY, labels)]
         self.checksums["samples"] = self._hash.hexdigest()
