@@ -282,6 +282,9 @@ def evict(paths: str | os.PathLike | Iterable[str | os.PathLike], *, drop_caches
         PermissionError: ``drop_caches`` without the right to write /proc/sys/vm/drop_caches.
     """
     files = _expand(paths)
+    if not hasattr(os, "posix_fadvise"):
+        raise OSError("evicting files from the page cache needs posix_fadvise (Linux); measure a warm "
+                      "cache only (--cache warm) on this system")
     if drop_caches and not can_drop_caches():
         raise PermissionError("/proc/sys/vm/drop_caches is writable by root only; run as root, or leave "
                               "drop_caches off (posix_fadvise eviction needs no privileges)")
@@ -807,9 +810,12 @@ def _prepare_images(src: str | os.PathLike | None, folder: Path, samples: int,
     from .source import scan
 
     if src is None:
-        classes = 8 if samples >= 8 else 1
-        per_class = max(1, -(-samples // classes))
+        classes = min(8, samples)
+        per_class = -(-samples // classes)
         make_image_folder(folder, classes=classes, per_class=per_class)
+        # exactly `samples` images: drop the last image of as many classes as there are too many
+        for c in range(classes * per_class - samples):
+            (folder / f"class_{c:02d}" / f"img_{per_class - 1:04d}.jpg").unlink()
         described = {"source": "built-in demo (synthetic 500x375 JPEGs, quality 90)"}
     else:
         source = scan(src)

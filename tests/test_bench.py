@@ -236,3 +236,19 @@ def test_cli_bench_reports_bad_settings(tmp_path):
     result = CliRunner().invoke(main, ["bench", "--dir", str(tmp_path), "--formats", "shards,zarr"])
     assert result.exit_code == 2
     assert "unknown format 'zarr'" in result.output
+
+
+def test_plot_when_matplotlib_is_installed(bench_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    report, _, _ = bench_run
+    written = report.write(tmp_path)
+    assert written["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_folder_has_exactly_the_samples_asked_for(tmp_path):
+    report = run_bench(workdir=tmp_path, formats="shards", static=STATIC, workers=0, cache="warm",
+                       orders="sequential", batch_size=8, samples=11, repeats=1, disk_test_bytes=1 << 20,
+                       progress=False)
+    assert report.data["samples"] == 11 and report.data["classes"] == 8
+    assert report.reads[0]["samples"] == 11 and report.reads[0]["batches"] == 2
+    assert report.recommendation["format"] == "shards" and report.recommendation["vs_imagefolder"] is None
