@@ -754,10 +754,10 @@ def _make_loader(dataset: Any, *, store: bool, shuffle: bool, workers: int, batc
                       worker_init_fn=gate)
 
 
-def _read_once(open_dataset: Callable[[], Any], files: list[Path], *, store: bool, cache: str, order: str,
+def _read_once(opener: Callable[[], Any], files: list[Path], *, store: bool, cache: str, order: str,
                workers: int, batch_size: int, seed: int, drop_caches: bool) -> dict[str, Any]:
     """One timed pass over a dataset; evicts its files first when ``cache == "cold"``."""
-    dataset = open_dataset()  # before the eviction: reads the manifest/labels, maps no data
+    dataset = opener()  # before the eviction: reads the manifest/labels, maps no data
     if cache == "cold":
         resident = evict(files, drop_caches=drop_caches)
     else:
@@ -842,6 +842,88 @@ def _prepare_images(src: str | os.PathLike | None, folder: Path, samples: int,
     return described
 
 
+def _convert_all(variants: list[Variant], images: Path, work: Path, data: dict[str, Any], *,
+                 spec: list[dict[str, Any]], quality: int, workers: int | None, bar: Any,
+                 log: Callable[[str], None]) -> tuple[dict[str, dict[str, Any]], dict[str, Path]]:
+    """Convert ``images`` to every store variant; (per-name store facts, per-name path to read)."""
+    from .convert import convert, decode_sample, disk_usage
+
+    # Decode one image here first: imports and kernel set-up are then paid before the timed
+    # conversions (and inherited by forked decode workers), not by whichever format goes first.
+    decode_sample(str(store_files(images)[0]), spec)
+    stores: dict[str, dict[str, Any]] = {}
+    paths: dict[str, Path] = {}
+    for v in variants:
+        if not v.is_store:
+            paths[v.name] = images
+            stores[v.name] = {"format": "imagefolder", "encoding": "source files", "path": str(images),
+                              "bytes": data["bytes"], "files": data["files"], "convert": None}
+            continue
+        bar.set_postfix_str(f"convert {v.name}")
+        dst = work / f"bench-{v.name.replace('+', '-')}{_SUFFIX[v.format]}"
+        options: dict[str, Any] = {}
+        if v.encoding != "raw":
+            options["encoding"] = v.encoding
+            if v.encoding == "jpeg":
+                options["quality"] = quality
+        result = convert(images, dst, format=v.format, static=spec, workers=workers, overwrite=True,
+                         progress=False, log=log, **options)
+        paths[v.name] = dst
+        stores[v.name] = {"format": v.format, "encoding": v.encoding, "path": str(dst), "bytes": disk_usage(dst),
+                          "files": len(store_files(dst)),
+                          "convert": {"seconds": result.seconds, "images_per_s": result.rate,
+                                      "workers": result.workers, "runs": 1}}
+        if v.encoding == "jpeg":
+            stores[v.name]["quality"] = quality
+        bar.update()
+    for st in stores.values():
+        st["bytes_per_sample"] = st["bytes"] / data["samples"]
+        st["size_vs_source"] = st["bytes"] / data["bytes"]
+    return stores, paths
+
+
+def _measure(variants: list[Variant], cells: list[tuple], paths: dict[str, Path], images: Path, *,
+             spec: list[dict[str, Any]], caches: list[str], repeats: int, batch_size: int, drop_caches: bool,
+             bar: Any) -> dict[tuple, list[dict[str, Any]]]:
+    """Every cell once per round, ``repeats`` rounds per cache state; cell -> its runs."""
+    from .dataset import open_dataset
+
+    files = {name: store_files(p) for name, p in paths.items()}
+
+    def opener(v: Variant) -> Callable[[], Any]:
+        if v.is_store:
+            return lambda: open_dataset(paths[v.name])
+        return lambda: _imagefolder(images, spec)
+
+    # Fetch one sample of each in this process: lazily imported modules (numpy's, torchvision's)
+    # are then loaded before DataLoader workers fork, so no worker's first batch pays for them.
+    for v in variants:
+        warm_up = opener(v)()
+        if v.is_store:
+            warm_up.get_batch([0])
+        else:
+            warm_up[0]
+        del warm_up
+    gc.collect()
+    runs: dict[tuple, list[dict[str, Any]]] = {cell: [] for cell in cells}
+    for c in caches:
+        if c == "warm":
+            # Cold runs cached what a read touches; read every file whole, so "warm" means all of
+            # the store is cached (a reader may never touch some pages, e.g. free LMDB pages).
+            for v in variants:
+                if resident_fraction(files[v.name]) < WARM_RESIDENT_MIN:
+                    bar.set_postfix_str(f"warm-up {v.name}")
+                    _read_files(files[v.name])
+        for r in range(repeats):
+            for cell in (x for x in cells if x[3] == c):
+                v, o, w, _ = cell
+                bar.set_postfix_str(f"{c} {v.name} {o} workers={w} round {r + 1}/{repeats}")
+                runs[cell].append(_read_once(opener(v), files[v.name], store=v.is_store, cache=c, order=o,
+                                             workers=w, batch_size=batch_size, seed=r, drop_caches=drop_caches))
+                bar.update()
+    return runs
+
+
 def run_bench(
     src: str | os.PathLike | None = None,
     *,
@@ -897,8 +979,6 @@ def run_bench(
     import torch
     from tqdm.auto import tqdm
 
-    from .convert import convert, decode_sample, disk_usage
-    from .dataset import open_dataset
     from .transforms import describe, output_shape, parse_static
     from .tuning import usable_cpus
 
@@ -946,72 +1026,10 @@ def run_bench(
                          "eviction: its bandwidth may be the page cache's (a filesystem that ignores "
                          "posix_fadvise, e.g. tmpfs); try --drop-caches as root")
 
-        # Decode one image here first: imports and kernel set-up are then paid before the timed
-        # conversions (and inherited by forked decode workers), not by whichever format goes first.
-        decode_sample(str(store_files(images)[0]), spec)
-        stores: dict[str, dict[str, Any]] = {}
-        paths: dict[str, Path] = {}
-        for v in variants:
-            if not v.is_store:
-                paths[v.name] = images
-                stores[v.name] = {"format": "imagefolder", "encoding": "source files", "path": str(images),
-                                  "bytes": data["bytes"], "files": data["files"], "convert": None}
-                continue
-            bar.set_postfix_str(f"convert {v.name}")
-            dst = work / f"bench-{v.name.replace('+', '-')}{_SUFFIX[v.format]}"
-            options: dict[str, Any] = {}
-            if v.encoding != "raw":
-                options["encoding"] = v.encoding
-                if v.encoding == "jpeg":
-                    options["quality"] = quality
-            result = convert(images, dst, format=v.format, static=spec, workers=convert_workers, overwrite=True,
-                             progress=False, log=log, **options)
-            paths[v.name] = dst
-            size = disk_usage(dst)
-            stores[v.name] = {"format": v.format, "encoding": v.encoding, "path": str(dst), "bytes": size,
-                              "files": len(store_files(dst)),
-                              "convert": {"seconds": result.seconds, "images_per_s": result.rate,
-                                          "workers": result.workers, "runs": 1}}
-            if v.encoding == "jpeg":
-                stores[v.name]["quality"] = quality
-            bar.update()
-        for st in stores.values():
-            st["bytes_per_sample"] = st["bytes"] / data["samples"]
-            st["size_vs_source"] = st["bytes"] / data["bytes"]
-        files = {name: store_files(p) for name, p in paths.items()}
-        # Fetch one sample of each in this process: lazily imported modules (numpy's, torchvision's)
-        # are then loaded before DataLoader workers fork, so no worker's first batch pays for them.
-        for v in variants:
-            warm_up = open_dataset(paths[v.name]) if v.is_store else _imagefolder(images, spec)
-            if v.is_store:
-                warm_up.get_batch([0])
-            else:
-                warm_up[0]
-            del warm_up
-        gc.collect()
-
-        def opener(v: Variant) -> Callable[[], Any]:
-            if v.is_store:
-                return lambda: open_dataset(paths[v.name])
-            return lambda: _imagefolder(images, spec)
-
-        runs: dict[tuple, list[dict[str, Any]]] = {cell: [] for cell in cells}
-        for c in caches:
-            if c == "warm":
-                # Cold runs cached what a read touches; read every file whole, so "warm" means all of
-                # the store is cached (a reader may never touch some pages, e.g. free LMDB pages).
-                for v in variants:
-                    if resident_fraction(files[v.name]) < WARM_RESIDENT_MIN:
-                        bar.set_postfix_str(f"warm-up {v.name}")
-                        _read_files(files[v.name])
-            for r in range(repeats):
-                for cell in (x for x in cells if x[3] == c):
-                    v, o, w, _ = cell
-                    bar.set_postfix_str(f"{c} {v.name} {o} workers={w} round {r + 1}/{repeats}")
-                    runs[cell].append(_read_once(opener(v), files[v.name], store=v.is_store, cache=c, order=o,
-                                                 workers=w, batch_size=batch_size, seed=r,
-                                                 drop_caches=drop_caches))
-                    bar.update()
+        stores, paths = _convert_all(variants, images, work, data, spec=spec, quality=quality,
+                                     workers=convert_workers, bar=bar, log=log)
+        runs = _measure(variants, cells, paths, images, spec=spec, caches=caches, repeats=repeats,
+                        batch_size=batch_size, drop_caches=drop_caches, bar=bar)
     finally:
         bar.close()
         torch.set_num_threads(threads)
