@@ -396,6 +396,8 @@ def bench(src, workdir, formats, static, workers, batch_size, cache, orders, sam
     except (DlstoreError, ValueError, OSError) as exc:
         _fail(exc)
     click.echo(report.table())
+    if keep:
+        click.echo(f"kept the images and stores in {report.settings['workdir']}")
     click.echo("wrote " + ", ".join(str(p) for p in written.values()))
 
 

@@ -252,3 +252,21 @@ def test_demo_folder_has_exactly_the_samples_asked_for(tmp_path):
     assert report.data["samples"] == 11 and report.data["classes"] == 8
     assert report.reads[0]["samples"] == 11 and report.reads[0]["batches"] == 2
     assert report.recommendation["format"] == "shards" and report.recommendation["vs_imagefolder"] is None
+
+
+def test_flat_source_folder_is_read_as_one_class(tmp_path):
+    import shutil
+
+    from dlstore.demo import make_image_folder
+
+    labelled = make_image_folder(tmp_path / "labelled", classes=2, per_class=3, size=(36, 36))
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    for f in store_files(labelled):
+        shutil.copyfile(f, flat / f"{f.parent.name}-{f.name}")
+    report = run_bench(flat, workdir=tmp_path / "disk", formats="imagefolder,shards", static=STATIC, workers=0,
+                       cache="warm", orders="random", batch_size=4, samples=0, repeats=1,
+                       disk_test_bytes=1 << 20, progress=False)
+    assert (report.data["samples"], report.data["classes"]) == (6, 1)
+    assert report.data["source"] == str(flat.resolve())
+    assert {r["format"]: r["samples"] for r in report.reads} == {"imagefolder": 6, "shards": 6}
