@@ -328,7 +328,8 @@ def disk_bandwidth(folder: str | os.PathLike, *, size: int = DEFAULT_DISK_TEST_B
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f".dlstore-disk-test-{os.getpid()}.bin"
     rng = np.random.default_rng(0)
-    block = rng.integers(0, 256, size=min(size, _IO_BLOCK), dtype=np.uint8)
+    block = rng.integers(0, 256, size=_IO_BLOCK, dtype=np.uint8)
+    stamps = block.view(np.uint64)[::512]  # the first 8 bytes of every 4 KiB page
     reads: list[float] = []
     resident: list[float] = []
     try:
@@ -336,8 +337,8 @@ def disk_bandwidth(folder: str | os.PathLike, *, size: int = DEFAULT_DISK_TEST_B
         with open(path, "wb", buffering=0) as f:
             left = size
             while left > 0:
-                # new bytes per block, so a compressing or deduplicating filesystem cannot cheat
-                block[:8] = np.frombuffer(left.to_bytes(8, "little"), dtype=np.uint8)
+                # random bytes, and no two pages alike: compression and deduplication cannot help
+                stamps[:] = np.arange(len(stamps), dtype=np.uint64) + np.uint64(left)
                 left -= f.write(memoryview(block)[:min(left, len(block))])
             os.fsync(f.fileno())
         write_s = time.perf_counter() - start
@@ -357,7 +358,7 @@ def disk_bandwidth(folder: str | os.PathLike, *, size: int = DEFAULT_DISK_TEST_B
                 os.close(fd)
     finally:
         path.unlink(missing_ok=True)
-    return {"file_bytes": size, "block_bytes": len(block), "write_mb_s": size / write_s / 1e6,
+    return {"file_bytes": size, "block_bytes": _IO_BLOCK, "write_mb_s": size / write_s / 1e6,
             "read_mb_s": _stats(reads), "resident_after_eviction": resident,
             "cold_verified": max(resident) <= COLD_RESIDENT_MAX}
 
