@@ -911,10 +911,9 @@ def _measure(variants: list[Variant], cells: list[tuple], paths: dict[str, Path]
         if c == "warm":
             # Cold runs cached what a read touches; read every file whole, so "warm" means all of
             # the store is cached (a reader may never touch some pages, e.g. free LMDB pages).
+            bar.set_postfix_str("warm-up: reading every file")
             for v in variants:
-                if resident_fraction(files[v.name]) < WARM_RESIDENT_MIN:
-                    bar.set_postfix_str(f"warm-up {v.name}")
-                    _read_files(files[v.name])
+                _read_files(files[v.name])
         for r in range(repeats):
             for cell in (x for x in cells if x[3] == c):
                 v, o, w, _ = cell
