@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import tempfile
@@ -66,6 +67,14 @@ def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, res
     from .source import DEFAULT_MAX_PIXELS
 
     _sigterm_as_interrupt()
+    from .distributed import env_world_size, init_from_env
+
+    # Under torchrun (WORLD_SIZE > 1) every rank runs this command: join a gloo group, convert a part each.
+    rank = int(os.environ.get("RANK", "0")) if env_world_size() > 1 else 0
+    try:
+        started_group = init_from_env()
+    except (RuntimeError, ValueError) as exc:
+        _fail(RuntimeError(f"cannot join the torchrun process group ({exc})"))
     options = {}
     if compression != "none":
         if (fmt or formats.SUFFIXES.get(Path(dst).suffix.lower())) != "hdf5":
@@ -82,8 +91,17 @@ def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, res
         click.echo(f"interrupted: stopped the workers; {dst} was not written", err=True)
         sys.exit(130)
     except (DlstoreError, ValueError, OSError) as exc:
+        if env_world_size() > 1:
+            click.echo(f"error: [rank {rank}] {exc}", err=True)
+            sys.exit(2)
         _fail(exc)
-    click.echo(str(result))
+    finally:
+        if started_group:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    if rank == 0:
+        click.echo(str(result))
 
 
 def parse_bytes(text: str) -> int:

@@ -198,6 +198,7 @@ def convert(
     shard_size: int | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
+    distributed: bool | None = None,
     **format_options: Any,
 ) -> ConvertResult:
     """Convert an image folder (torchvision ImageFolder layout) into a store.
@@ -227,6 +228,14 @@ def convert(
         shard_size: target bytes per data file (shards format), default 1 GiB.
         progress: show a tqdm progress bar.
         log: called with warnings (e.g. empty class folders); default: ignored.
+        distributed: convert on every rank of the initialised ``torch.distributed``
+            process group (each rank decodes a contiguous range with its own
+            ``workers`` processes; rank 0 scans and assembles; see
+            ``dlstore.distributed``). None (default): when a group of 2+ ranks is
+            initialised; False: this process alone. Every rank must call ``convert``
+            with the same arguments; the destination must be on a filesystem all
+            ranks share. ``workers`` defaults to the CPUs divided by the ranks on
+            this node (``LOCAL_WORLD_SIZE``).
         **format_options: passed to the format's Writer (e.g. HDF5 ``compression``).
 
     Returns:
@@ -251,17 +260,35 @@ def convert(
     module = formats.get_format(fmt)
     spec = parse_static(static)
     shape = output_shape(spec)
+    if shard_size is not None:
+        format_options["shard_size"] = shard_size
+    decode = {"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels}
+    codec = (encoding, int(quality))
+    from .distributed import active_group
+
+    group = active_group(distributed)
+    if group is not None:
+        from .distributed import convert_distributed
+
+        if workers is None:
+            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or group.size()
+            workers = max(1, usable_cpus() // local)
+        part_workers = max(0, int(workers))
+
+        def job_for(part: Source) -> _Job:
+            return _Job(source=part, spec=spec, shape=shape, module=module, decode=decode, workers=part_workers,
+                        on_error=on_error, options=format_options, codec=codec)
+
+        return convert_distributed(group, src, dst, module=module, job_for=job_for, overwrite=overwrite,
+                                   resume=resume, progress=progress, log=log)
     check_destination(dst, overwrite)
     source = scan(src)
     if source.empty_classes:
         log(f"warning: {len(source.empty_classes)} class folder(s) hold no image and keep their "
             f"label index: {', '.join(source.empty_classes)}")
     workers = usable_cpus() if workers is None else max(0, int(workers))
-    if shard_size is not None:
-        format_options["shard_size"] = shard_size
-    decode = {"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels}
     job = _Job(source=source, spec=spec, shape=shape, module=module, decode=decode, workers=workers,
-               on_error=on_error, options=format_options, codec=(encoding, int(quality)))
+               on_error=on_error, options=format_options, codec=codec)
 
     lock = DestinationLock(dst)
     lock.acquire()
@@ -369,37 +396,59 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
         writer = module.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
         start, skipped = checkpoint["source_pos"], list(checkpoint["skipped"])
     resumable = hasattr(writer, "checkpoint")
-    todo = source.samples[start:]
     try:
         with tqdm(total=len(source), initial=start, unit="img", desc=f"convert {name}",
                   disable=not progress, dynamic_ncols=True) as bar:
-            results = _decoded([p for p, _ in todo], job.spec, job.decode, job.codec, job.workers)
-            for pos, ((path, label), result) in enumerate(zip(todo, results), start=start):
-                if isinstance(result, str):
-                    if job.on_error == "fail":
-                        raise DecodeError(path, result + " (use --on-error skip to leave such files out)")
-                    skipped.append({"path": os.path.relpath(path, source.root), "reason": result})
-                elif job.record_shape is not None and tuple(result.shape) != job.record_shape:
-                    raise DecodeError(path, f"static spec produced shape {tuple(result.shape)}, "
-                                            f"expected {job.shape}")
-                elif writer.add(result, label) and resumable:
-                    _save_checkpoint(staged, job, writer, pos + 1, skipped)
-                bar.update(1)
+            _feed(job, writer, start, skipped, bar,
+                  (lambda pos: _save_checkpoint(staged, job, writer, pos, skipped)) if resumable else None)
         count = len(source) - len(skipped)
         if count == 0:
             raise SourceError(f"{source.root}: no file could be converted ({len(skipped)} skipped)")
-        layout = writer.finish()
-        manifest = make_manifest(
-            format=module.FORMAT, format_version=module.FORMAT_VERSION, count=count, shape=job.record_shape,
-            classes=source.classes, static=job.spec, encoding=job.codec[0], decoded_shape=job.shape,
-            quality=job.codec[1] if job.codec[0] == "jpeg" else None,
-            source={"root": os.path.abspath(source.root), "files": len(source), "skipped": skipped,
-                    "empty_classes": source.empty_classes, "decode": job.decode},
-            checksums=writer.checksums, layout=layout,
-        )
-        writer.write_manifest(dumps(manifest))
+        _finish(job, writer, count, skipped, files=len(source))
         if resumable:
             (staged / PROGRESS_NAME).unlink(missing_ok=True)
     finally:
         writer.close()
     return count, skipped
+
+
+def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, str]], bar: Any,
+          on_file_done: Callable[[int], None] | None = None,
+          check: Callable[[], None] | None = None) -> None:
+    """Decode ``job.source.samples[start:]`` in order and add them to ``writer``.
+
+    ``on_file_done(pos)`` runs when the writer completes a data file (checkpoints);
+    ``check()`` runs every few hundred files and may raise to stop (distributed aborts).
+    """
+    source = job.source
+    todo = source.samples[start:]
+    results = _decoded([p for p, _ in todo], job.spec, job.decode, job.codec, job.workers)
+    for pos, ((path, label), result) in enumerate(zip(todo, results), start=start):
+        if isinstance(result, str):
+            if job.on_error == "fail":
+                raise DecodeError(path, result + " (use --on-error skip to leave such files out)")
+            skipped.append({"path": os.path.relpath(path, source.root), "reason": result})
+        elif job.record_shape is not None and tuple(result.shape) != job.record_shape:
+            raise DecodeError(path, f"static spec produced shape {tuple(result.shape)}, "
+                                    f"expected {job.shape}")
+        elif writer.add(result, label) and on_file_done is not None:
+            on_file_done(pos + 1)
+        bar.update(1)
+        if check is not None and pos % 256 == 255:
+            check()
+
+
+def _finish(job: _Job, writer: Any, count: int, skipped: list[dict[str, str]], *, files: int) -> dict[str, Any]:
+    """Complete ``writer`` and write its manifest; return the manifest."""
+    source, module = job.source, job.module
+    layout = writer.finish()
+    manifest = make_manifest(
+        format=module.FORMAT, format_version=module.FORMAT_VERSION, count=count, shape=job.record_shape,
+        classes=source.classes, static=job.spec, encoding=job.codec[0], decoded_shape=job.shape,
+        quality=job.codec[1] if job.codec[0] == "jpeg" else None,
+        source={"root": os.path.abspath(source.root), "files": files, "skipped": skipped,
+                "empty_classes": source.empty_classes, "decode": job.decode},
+        checksums=writer.checksums, layout=layout,
+    )
+    writer.write_manifest(dumps(manifest))
+    return manifest

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, SequentialSampler, get_worker_info
+from torch.utils.data.distributed import DistributedSampler
 
 from . import formats
 from .codecs import DecodingReader
@@ -466,6 +467,14 @@ class _Batches(Dataset):
         return {"dataset": self.dataset, "generator": None}   # workers use their seeded default
 
 
+class _EpochBatchSampler(BatchSampler):
+    """A BatchSampler that forwards ``set_epoch`` to a DistributedSampler inside (no-op otherwise)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+
+
 def _as_is(batch: Any) -> Any:
     return batch
 
@@ -483,6 +492,8 @@ def loader(
     prefetch_factor: int | None = None,
     multiprocessing_context: Any = None,
     worker_init_fn: Callable[[int], None] | None = None,
+    distributed: bool = False,
+    seed: int = 0,
 ) -> DataLoader:
     """A DataLoader that reads whole batches: one ``get_batch`` call per batch.
 
@@ -502,17 +513,31 @@ def loader(
         generator: seeds the order and the workers' random streams.
         pin_memory, persistent_workers, prefetch_factor, multiprocessing_context,
             worker_init_fn: as ``torch.utils.data.DataLoader``.
+        distributed: read this rank's share under an initialised ``torch.distributed``
+            group: a ``DistributedSampler`` (padded by repeating samples, or trimmed
+            with ``drop_last``) so every rank gets the same number of batches and DDP
+            never waits at the end of an epoch on a rank that ran out. Call
+            ``loader.sampler.set_epoch(epoch)`` before each epoch for a new shuffle.
+        seed: the distributed shuffle's seed; must be the same on every rank.
     """
     if not isinstance(dataset, StoreDataset):
         raise TypeError(f"dlstore.loader takes a StoreDataset (dlstore.open_dataset(path)), got "
                         f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
-    sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+    if distributed:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise ValueError("loader(distributed=True) needs an initialised torch.distributed process group "
+                             "(launch with torchrun and call torch.distributed.init_process_group first)")
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+    else:
+        sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
     options: dict[str, Any] = {}
     if num_workers > 0:
         options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
                        multiprocessing_context=multiprocessing_context)
-    return DataLoader(_Batches(dataset, generator), sampler=BatchSampler(sampler, batch_size, drop_last),
+    return DataLoader(_Batches(dataset, generator), sampler=_EpochBatchSampler(sampler, batch_size, drop_last),
                       batch_size=None, num_workers=num_workers, collate_fn=_as_is, pin_memory=pin_memory,
                       worker_init_fn=worker_init_fn, generator=generator, **options)
