@@ -23,9 +23,9 @@ prefetch):
    restart cost is reported from the measured start-up time, and
    ``persistent_workers=True`` is recommended for any worker count > 0).
 6. Confirmation: the winner, its strongest rival with another worker count and
-   the baseline are measured once more; the decision uses the mean of the
+   the baseline are measured once more; the decision uses the median of the
    measurements of each (rates drift on a shared machine; interleaving gives
-   the contenders the same conditions).
+   the contenders the same conditions, the median ignores one stalled run).
 
 Each trial starts a fresh DataLoader, discards the start-up and the first
 ``num_workers + 1`` batches (every worker's first batch pays its set-up), then
@@ -425,13 +425,13 @@ class TuneResult(dict):
         return dict(self)
 
     def rate(self, kwargs: dict[str, Any]) -> float:
-        """Mean batches/s over every trial of exactly these kwargs (0.0 if never measured)."""
+        """Median batches/s over every trial of exactly these kwargs (0.0 if never measured)."""
         rates = [t.batches_per_s for t in self.trials if t.kwargs == dict(kwargs)]
-        return statistics.mean(rates) if rates else 0.0
+        return statistics.median(rates) if rates else 0.0
 
     @property
     def speedup(self) -> float:
-        """Mean measured batches/s of the recommendation over that of ``num_workers=0``."""
+        """Median measured batches/s of the recommendation over that of ``num_workers=0``."""
         return self.rate(self.best.kwargs) / self.rate(self.baseline.kwargs)
 
     def to_json(self) -> dict[str, Any]:
@@ -568,10 +568,11 @@ def tune(
                              persistent_workers=persistent)
 
     def rate(kwargs: dict[str, Any]) -> float:
-        # The mean of every measurement of these kwargs. Not the best: on a busy machine one
-        # setting may get a lucky quiet window the others never had; the round-robin sweep
-        # and the confirmation give the contenders the same number of interleaved runs.
-        return statistics.mean(t.batches_per_s for t in trials if t.kwargs == kwargs)
+        # The median of every measurement of these kwargs. Not the best: on a busy machine one
+        # setting may get a lucky quiet window the others never had; not the mean: one stalled
+        # run would sink it. The round-robin sweep and the confirmation give the contenders the
+        # same number of interleaved runs (three for the finalists).
+        return statistics.median(t.batches_per_s for t in trials if t.kwargs == kwargs)
 
     def pick(pool: Iterable[dict[str, Any]]) -> dict[str, Any]:
         # The cheapest setting within the noise margin of the fastest: more workers and
@@ -645,7 +646,7 @@ def tune(
                             f"{batches_per_epoch} batches (~{batches_per_epoch / rate(best):.1f} s)")
 
     # 6. confirm: re-measure the winner, its strongest rival with another worker count and the
-    # baseline, and decide among them on the mean of all their measurements.
+    # baseline, and decide among them on the median of all their measurements.
     finalists = [best]
     rivals = [k for k in measured() if k["num_workers"] != best["num_workers"]]
     if rivals:
@@ -665,7 +666,7 @@ def tune(
             t.note = (t.note + "; " if t.note else "") + "slower than workers=0"
     if slower:
         notes.append(f"{len(slower)} of {len(measured())} settings were slower than num_workers=0 "
-                     f"on average (e.g. {_short(slower[0])}): more processes are not free here")
+                     f"at the median (e.g. {_short(slower[0])}): more processes are not free here")
     if skipped:
         notes.append(f"budget of {budget:g} s spent before {len(skipped)} planned trial(s) ran "
                      f"(first: {skipped[0]}); give more --budget for a fuller search")
