@@ -66,6 +66,8 @@ WARM_RESIDENT_MIN = 0.98
 _SUFFIX = {"shards": ".shards", "lmdb": ".lmdb", "hdf5": ".h5"}
 _IO_BLOCK = 8 << 20  # bytes per read/write call of the raw disk test
 _GATE_TIMEOUT = 120.0
+# steady-state rates need this many batches per worker beyond each worker's first
+STEADY_MIN_BATCHES = 8
 
 
 # --------------------------------------------------------------------------- machine
@@ -604,8 +606,8 @@ class BenchReport:
 
 
 _LEGEND = ("samples/s: one pass over the data, median over rounds; spread: (max-min)/median; steady/s: "
-           "after each worker's first batch (which pays per-epoch set-up), warm runs only (cold, readahead during "
-           "the first batches fetches much of a small store); MB/s: samples/s x the store's "
+           "after each worker's first batch (which pays per-epoch set-up), warm runs with 8+ further batches per "
+           "worker only (cold, readahead during the first batches fetches much of a small store); MB/s: samples/s x the store's "
            "bytes/sample on disk; p50/p95: per-batch latency; resident: fraction of the store's pages in the "
            "page cache when the run started (cold: max over rounds, warm: min); % disk: cold MB/s over the raw "
            "sequential read bandwidth; vs ImageFolder: same order, workers and cache; '?' after cache: not verified")
@@ -1069,12 +1071,16 @@ def run_bench(
 
 def _steady(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
     """samples/s after every worker's first batch (which pays opening the store, first-touch
-    page faults and shared-memory set-up once per epoch with non-persistent workers); None
-    when a run has no batch beyond those."""
+    page faults and shared-memory set-up once per epoch with non-persistent workers).
+
+    None unless every run has at least ``STEADY_MIN_BATCHES`` batches per worker beyond those:
+    batches prefetched while the first ones were made arrive at once and would inflate a
+    rate taken over a few batches.
+    """
     rates = []
     for r in runs:
         skip = max(r["workers"], 1)
-        if len(r["batch_s"]) <= skip:
+        if len(r["batch_s"]) - skip < STEADY_MIN_BATCHES * skip:
             return None
         seconds = sum(r["batch_s"][skip:])
         rates.append(sum(r["batch_sizes"][skip:]) / seconds if seconds > 0 else math.inf)
