@@ -671,6 +671,13 @@ def _best(reads: list[dict[str, Any]], name: str, order: str, cache: str) -> tup
     return best
 
 
+def _overlap(reads: list[dict[str, Any]], a: tuple, b: tuple) -> bool:
+    """Whether two cells' samples/s ranges (min..max over rounds) overlap."""
+    rows = {(r["format"], r["order"], r["workers"], r["cache"]): r["samples_per_s"] for r in reads}
+    ra, rb = rows[a], rows[b]
+    return ra["min"] <= rb["max"] and rb["min"] <= ra["max"]
+
+
 def _recommend(reads: list[dict[str, Any]], names: list[str], orders: list[str], caches: list[str],
                disk: dict[str, Any]) -> dict[str, Any]:
     cache = "cold" if "cold" in caches else caches[0]
@@ -695,8 +702,12 @@ def _recommend(reads: list[dict[str, Any]], names: list[str], orders: list[str],
             result["vs_imagefolder"] = rate / base
             text += f", {rate / base:,.1f}x ImageFolder ({base:,.0f} samples/s with num_workers={base_workers})"
     if len(ranked) > 1:
-        (second_rate, _), second = ranked[1]
-        text += f"; next: {second} ({rate / second_rate:.2f}x slower)" if second_rate > 0 else ""
+        (second_rate, second_workers), second = ranked[1]
+        if second_rate > 0:
+            tie = _overlap(reads, (name, order, workers, cache), (second, order, second_workers, cache))
+            result["tied_with"] = second if tie else None
+            text += f"; next: {second} ({rate / second_rate:.2f}x slower" + (
+                "; their ranges over rounds overlap: a tie in this run)" if tie else ")")
     if cache == "cold" and "warm" in caches:  # the answer when the data fits in the page cache
         (w_rate, w_workers), w_name = max(((_best(reads, n, order, "warm"), n) for n in stores),
                                           key=lambda t: t[0][0])

@@ -185,6 +185,7 @@ def test_read_measurements_are_positive_and_consistent(bench_run):
     best = max(report.cell(name, "random", 0, "cold")["samples_per_s"]["median"] for name in ALL[1:])
     assert rec["samples_per_s"] == best
     assert rec["format"] in rec["text"] and "ImageFolder" in rec["text"]
+    assert rec["tied_with"] in ALL[1:] or rec["tied_with"] is None
 
 
 def test_cold_runs_really_were_cold(bench_run):
