@@ -138,3 +138,15 @@ def sha256_file(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def batch_out(out: Any, n: int, shape: tuple[int, ...]) -> Any:
+    """The (n, *shape) uint8 array a reader's ``get_batch`` fills: ``out`` checked, or a new one."""
+    import numpy as np
+
+    if out is None:
+        return np.empty((n, *shape), dtype=np.uint8)
+    if out.shape != (n, *shape) or out.dtype != np.uint8 or not out.flags.c_contiguous:
+        raise ValueError(f"out must be a C-contiguous uint8 array of shape {(n, *shape)}, "
+                         f"got {out.dtype} {out.shape}")
+    return out

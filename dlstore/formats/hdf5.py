@@ -56,7 +56,7 @@ import numpy as np
 from ..errors import StoreCorruptError
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
-from ._common import ForkSafe
+from ._common import ForkSafe, batch_out
 
 FORMAT = "hdf5"
 FORMAT_VERSION = 1
@@ -383,10 +383,7 @@ class Hdf5Reader(ForkSafe):
             raise ValueError(f"{self.path}: get_batch needs a fixed-shape store")
         self._ensure_open()
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
-        if out is None:
-            out = np.empty((len(indices), *self.shape), dtype=np.uint8)
-        elif out.shape != (len(indices), *self.shape) or out.dtype != np.uint8 or not out.flags.c_contiguous:
-            raise ValueError(f"out must be a C-contiguous uint8 array of shape {(len(indices), *self.shape)}")
+        out = batch_out(out, len(indices), self.shape)
         for k in np.argsort(indices, kind="stable").tolist():
             self._read_fixed(int(indices[k]), out[k])
         return out
