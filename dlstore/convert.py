@@ -17,7 +17,8 @@ import multiprocessing
 import os
 import signal
 import time
-from collections.abc import Callable, Iterator
+import itertools
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
@@ -141,10 +142,11 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _decoded(paths: list[str], spec: StaticSpec, decode: dict[str, Any], codec: tuple[str, int],
+def _decoded(paths: Iterable[str], spec: StaticSpec, decode: dict[str, Any], codec: tuple[str, int],
              workers: int) -> Iterator[np.ndarray | str]:
-    """Yield decode results in the order of ``paths``."""
-    chunks = [paths[i:i + _CHUNK] for i in range(0, len(paths), _CHUNK)]
+    """Yield decode results in the order of ``paths`` (consumed lazily: no list of all chunks)."""
+    source = iter(paths)
+    chunks = iter(lambda: list(itertools.islice(source, _CHUNK)), [])
     # Import the decode-side torchvision kernels once here: forked workers share them instead
     # of each paying the import (seconds) on its first file.
     import torchvision.transforms.v2.functional  # noqa: F401
@@ -421,8 +423,9 @@ def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, str]], bar
     ``check()`` runs every few hundred files and may raise to stop (distributed aborts).
     """
     source = job.source
-    todo = source.samples[start:]
-    results = _decoded([p for p, _ in todo], job.spec, job.decode, job.codec, job.workers)
+    todo = itertools.islice(source.samples, start, None)
+    paths = (p for p, _ in itertools.islice(source.samples, start, None))
+    results = _decoded(paths, job.spec, job.decode, job.codec, job.workers)
     for pos, ((path, label), result) in enumerate(zip(todo, results), start=start):
         if isinstance(result, str):
             if job.on_error == "fail":

@@ -21,8 +21,13 @@ from __future__ import annotations
 
 import os
 import warnings
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import overload
+
+import numpy as np
 
 from PIL import Image, ImageOps
 
@@ -80,6 +85,77 @@ def _walk_images(folder: str) -> list[str]:
     return paths
 
 
+class SampleList(Sequence):
+    """``(path, label)`` pairs of a scanned folder, held compactly.
+
+    A list of tuples costs ~190 bytes per file (tuple, str object, list slot);
+    this holds the paths relative to ``root`` in one byte string plus int64
+    offsets and labels: ~16 bytes per file plus the relative path's bytes, so a
+    14M-file folder fits in under 1 GiB. Indexing gives ``(path, label)`` with the
+    full path (``root`` joined), like ImageFolder's ``samples``; slicing gives a
+    compact SampleList of its own (copying only its part).
+    """
+
+    def __init__(self, root: str, blob: bytes, offsets: np.ndarray, labels: np.ndarray):
+        self.root = root
+        self._blob = blob
+        self._offsets = offsets  # int64 (n + 1,): path i is blob[offsets[i]:offsets[i + 1]]
+        self._labels = labels  # int64 (n,)
+        self._prefix = os.path.join(root, "")
+
+    @classmethod
+    def build(cls, root: str, pairs: Sequence[tuple[str, int]] | Iterator[tuple[str, int]]) -> SampleList:
+        """From ``(full path, label)`` pairs whose paths start with ``root``."""
+        prefix = len(os.path.join(root, ""))
+        blob, ends, labels = bytearray(), array("q"), array("q")
+        for path, label in pairs:
+            blob += os.fsencode(path[prefix:])
+            ends.append(len(blob))
+            labels.append(label)
+        offsets = np.concatenate([np.zeros(1, np.int64), np.frombuffer(ends, dtype=np.int64)])
+        return cls(root, bytes(blob), offsets, np.frombuffer(labels, dtype=np.int64).copy())
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[str, int]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> SampleList: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return SampleList.build(self.root, (self[k] for k in range(start, stop, step)))
+            stop = max(start, stop)
+            a, b = int(self._offsets[start]), int(self._offsets[stop])
+            return SampleList(self.root, self._blob[a:b], self._offsets[start:stop + 1] - a,
+                              self._labels[start:stop].copy())
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sample {i} out of range for {n} samples")
+        a, b = int(self._offsets[i]), int(self._offsets[i + 1])
+        return self._prefix + os.fsdecode(self._blob[a:b]), int(self._labels[i])
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        prefix, blob = self._prefix, self._blob
+        offsets, labels = self._offsets.tolist(), self._labels.tolist()
+        for k, label in enumerate(labels):
+            yield prefix + os.fsdecode(blob[offsets[k]:offsets[k + 1]]), label
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SampleList):
+            return list(self) == list(other)
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"SampleList({len(self)} files under {self.root!r})"
+
+
 @dataclass
 class Source:
     """A scanned image folder: what will become the samples of a store, in order."""
@@ -87,7 +163,7 @@ class Source:
     root: str
     classes: list[str]
     class_to_idx: dict[str, int]
-    samples: list[tuple[str, int]]
+    samples: Sequence[tuple[str, int]]  # a SampleList from scan()
     empty_classes: list[str] = field(default_factory=list)
 
     @property
@@ -110,14 +186,17 @@ def scan(root: str | os.PathLike) -> Source:
     root_str = str(root_path)
     classes, class_to_idx = find_classes(root_str)
     if classes:
-        samples: list[tuple[str, int]] = []
         empty = []
-        for name in classes:
-            files = _walk_images(os.path.join(root_str, name))
-            if not files:
-                empty.append(name)
-            samples.extend((path, class_to_idx[name]) for path in files)
-        if not samples:
+
+        def pairs() -> Iterator[tuple[str, int]]:
+            for name in classes:  # one class folder's file list at a time
+                files = _walk_images(os.path.join(root_str, name))
+                if not files:
+                    empty.append(name)
+                yield from ((path, class_to_idx[name]) for path in files)
+
+        samples = SampleList.build(root_str, pairs())
+        if not len(samples):
             raise SourceError(
                 f"{root}: none of the {len(classes)} class folders holds an image "
                 f"(extensions: {', '.join(IMG_EXTENSIONS)})"
@@ -130,7 +209,7 @@ def scan(root: str | os.PathLike) -> Source:
             f"{root}: no class folders and no images (expected ROOT/CLASS/IMAGE, or a flat "
             f"folder of images; extensions: {', '.join(IMG_EXTENSIONS)})"
         )
-    return Source(root_str, [], {}, [(p, UNLABELLED) for p in flat], [])
+    return Source(root_str, [], {}, SampleList.build(root_str, ((p, UNLABELLED) for p in flat)), [])
 
 
 DEFAULT_MAX_PIXELS = Image.MAX_IMAGE_PIXELS  # PIL's decompression-bomb guard (~89.5 Mpx)

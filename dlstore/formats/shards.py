@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +35,7 @@ import numpy as np
 
 from ..errors import StoreCorruptError
 from ..manifest import loads as load_manifest_text
-from ._common import ForkSafe, safe_member, sha256_file
+from ._common import ForkSafe, batch_out, safe_member, sha256_file
 
 FORMAT = "shards"
 FORMAT_VERSION = 1
@@ -104,11 +105,12 @@ class ShardWriter:
             self.folder.mkdir(parents=True, exist_ok=False)
         self.shape = shape
         self.shard_size = int(shard_size)
-        self.labels: list[int] = []
+        # int64 arrays, not lists of Python objects: 8 (labels) + 40 (index) bytes per sample
+        self.labels = array("q")
         self.checksums: dict[str, str] = {}
         self._file: _HashingFile | None = None
         self._files: list[dict[str, Any]] = []
-        self._index: list[tuple[int, int, int, int, int]] = []
+        self._index = array("q")  # file number, byte offset, C, H, W of each sample, flat
         self._saved_rows = 0  # rows of labels/index already in the .partial files
         if shape is not None:
             self.sample_bytes = int(np.prod(shape))
@@ -138,7 +140,7 @@ class ShardWriter:
             self._open_next()
         if self.shape is None:
             c, h, w = sample.shape
-            self._index.append((len(self._files) - 1, self._file.size, c, h, w))
+            self._index.extend((len(self._files) - 1, self._file.size, c, h, w))
         self._file.write(memoryview(np.ascontiguousarray(sample)).cast("B"))
         self._files[-1]["count"] += 1
         self.labels.append(int(label))
@@ -155,12 +157,12 @@ class ShardWriter:
         """
         rows = len(self.labels)
         with open(self.folder / self._PARTIAL_LABELS, "ab") as f:
-            f.write(np.asarray(self.labels[self._saved_rows:], dtype=np.int64).tobytes())
+            f.write(np.frombuffer(self.labels, dtype=np.int64)[self._saved_rows:].tobytes())
             f.flush()
             os.fsync(f.fileno())
         if self.shape is None:
             with open(self.folder / self._PARTIAL_INDEX, "ab") as f:
-                f.write(np.asarray(self._index[self._saved_rows:], dtype=np.int64).reshape(-1, 5).tobytes())
+                f.write(np.frombuffer(self._index, dtype=np.int64)[5 * self._saved_rows:].tobytes())
                 f.flush()
                 os.fsync(f.fileno())
         self._saved_rows = rows
@@ -181,11 +183,11 @@ class ShardWriter:
         labels = np.fromfile(writer.folder / cls._PARTIAL_LABELS, dtype=np.int64)
         if len(labels) < rows:
             raise StoreCorruptError(f"{folder}: checkpoint lists {rows} samples, found {len(labels)}")
-        writer.labels = labels[:rows].tolist()
+        writer.labels = array("q", labels[:rows].astype(np.int64).tobytes())
         _truncate(writer.folder / cls._PARTIAL_LABELS, rows * 8)
         if shape is None:
             index = np.fromfile(writer.folder / cls._PARTIAL_INDEX, dtype=np.int64).reshape(-1, 5)
-            writer._index = [tuple(row) for row in index[:rows].tolist()]
+            writer._index = array("q", index[:rows].astype(np.int64).tobytes())
             _truncate(writer.folder / cls._PARTIAL_INDEX, rows * 40)
         writer._saved_rows = rows
         return writer
@@ -205,10 +207,10 @@ class ShardWriter:
                 self.checksums[last["file"]] = sha256_file(path)
             layout.update(kind="fixed", per_shard=self.per_shard, shards=self._files)
         else:
-            index = np.array(self._index, dtype=np.int64).reshape(-1, 5)
+            index = np.frombuffer(self._index, dtype=np.int64).reshape(-1, 5)
             self._save("index.npy", index)
             layout.update(kind="variable", files=self._files, index="index.npy")
-        self._save("labels.npy", np.array(self.labels, dtype=np.int64))
+        self._save("labels.npy", np.frombuffer(self.labels, dtype=np.int64))
         for name in (self._PARTIAL_LABELS, self._PARTIAL_INDEX):
             (self.folder / name).unlink(missing_ok=True)
         return layout
@@ -372,15 +374,16 @@ class ShardReader(ForkSafe):
         if len(indices) and (indices.min() < 0 or indices.max() >= self.count):
             bad = indices[(indices < 0) | (indices >= self.count)][0]
             raise IndexError(f"index {bad} out of range for a store of {self.count} samples")
-        if out is None:
-            out = np.empty((len(indices), *self.shape), dtype=np.uint8)
+        out = batch_out(out, len(indices), self.shape)
         if self._uniform:
             shard_no = indices // self.per_shard
             local = indices % self.per_shard
         else:
             shard_no = np.searchsorted(self._starts, indices, side="right") - 1
             local = indices - self._starts[shard_no]
-        for s in np.unique(shard_no):
+        # sorted(set(...)), not np.unique: the latter imports a numpy submodule on its first
+        # call (~50 ms), paid by every fresh DataLoader worker on its first batch
+        for s in sorted(set(shard_no.tolist())):
             selected = shard_no == s
             if selected.all():
                 # mode="clip" (indices checked above): with the default "raise" numpy gathers
