@@ -235,8 +235,9 @@ def convert(
             ``workers`` processes; rank 0 scans and assembles; see
             ``dlstore.distributed``). None (default): when a group of 2+ ranks is
             initialised; False: this process alone. Every rank must call ``convert``
-            with the same arguments; the destination must be on a filesystem all
-            ranks share. ``workers`` defaults to the CPUs divided by the ranks on
+            with the same arguments (calling it on one rank only would wait for the
+            others until the group's timeout: pass ``distributed=False`` there); the
+            destination must be on a filesystem all ranks share. ``workers`` defaults to the CPUs divided by the ranks on
             this node (``LOCAL_WORLD_SIZE``).
         **format_options: passed to the format's Writer (e.g. HDF5 ``compression``).
 
