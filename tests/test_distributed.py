@@ -235,3 +235,27 @@ def test_distributed_loader_needs_a_process_group(rgb_folder, tmp_path):
     convert(rgb_folder, store, static="center_crop=16", progress=False, workers=0)
     with pytest.raises(ValueError, match="process group"):
         loader(open_dataset(store), 4, distributed=True)
+
+
+# --- the compact file list the ranks receive ------------------------------------------------------
+
+def test_scanned_samples_are_compact_and_behave_like_a_list(rgb_folder):
+    import pickle
+
+    from torchvision.datasets import ImageFolder
+
+    from dlstore.source import scan
+
+    samples = scan(rgb_folder).samples
+    reference = [(os.path.normpath(p), y) for p, y in ImageFolder(str(rgb_folder)).samples]
+    as_list = [(os.path.normpath(p), y) for p, y in samples]
+    assert as_list == reference
+    assert samples[-1] == samples[len(samples) - 1] and samples[0][0] == as_list[0][0]
+    with pytest.raises(IndexError):
+        samples[len(samples)]
+    a, b = part_ranges(len(samples), 3)[1]
+    part = samples[a:b]
+    assert list(part) == list(samples)[a:b] and list(samples[::5]) == list(samples)[::5]
+    # a rank's slice pickles its own paths only, not the whole folder's
+    assert len(pickle.dumps(part)) < len(pickle.dumps(samples))
+    assert pickle.loads(pickle.dumps(part)) == part
