@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -104,8 +105,8 @@ class Hdf5Writer:
         self.path = Path(path)
         self.shape = shape
         self.compression = compression
-        self.labels: list[int] = []
-        self.shapes: list[tuple[int, int, int]] = []
+        self.labels = array("q")  # int64, not a list of Python ints: no per-sample objects
+        self.shapes = array("q")  # C, H, W of each sample, flat (variable-shape stores)
         self.checksums: dict[str, str] = {}
         self._hash = hashlib.sha256()
         self._count = 0
@@ -149,7 +150,7 @@ class Hdf5Writer:
             if self._count - self._written == len(self._block):
                 self._flush()
         else:
-            self.shapes.append(tuple(int(d) for d in sample.shape))
+            self.shapes.extend(int(d) for d in sample.shape)
             self._pending.append(sample.reshape(-1))
             self._pending_bytes += sample.size
             self._count += 1
@@ -170,7 +171,7 @@ class Hdf5Writer:
                 values[j] = flat
             self._images[start:end] = values
             self._shapes.resize(end, axis=0)
-            self._shapes[start:end] = np.asarray(self.shapes[start:end], dtype=INT_DTYPE)
+            self._shapes[start:end] = np.asarray(self.shapes[3 * start:3 * end], dtype=INT_DTYPE).reshape(-1, 3)
             self._pending = []
             self._pending_bytes = 0
         self._written = end

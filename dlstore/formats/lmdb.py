@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+from array import array
 import weakref
 from pathlib import Path
 from typing import Any
@@ -106,8 +107,8 @@ class LmdbWriter:
         self.folder = Path(folder)
         self.shape = shape
         self.batch_bytes = max(1, int(batch_bytes))
-        self.labels: list[int] = []
-        self.shapes: list[tuple[int, int, int]] = []
+        self.labels = array("q")  # int64, not a list of Python ints: no per-sample objects
+        self.shapes = array("q")  # C, H, W of each sample, flat (variable-shape stores)
         self.checksums: dict[str, str] = {}
         self._hash = hashlib.sha256()
         self._pending: list[tuple[bytes, bytes]] = []
@@ -135,7 +136,7 @@ class LmdbWriter:
         self._count += 1
         self.labels.append(int(label))
         if self.shape is None:
-            self.shapes.append(tuple(int(d) for d in sample.shape))
+            self.shapes.extend(int(d) for d in sample.shape)
         if self._pending_bytes >= self.batch_bytes:
             self._flush()
             return True
@@ -174,7 +175,7 @@ class LmdbWriter:
         saved = getattr(self, "_saved_rows", 0)
         parts = {"labels": np.asarray(self.labels[saved:], dtype=INT_DTYPE)}
         if self.shape is None:
-            parts["shapes"] = np.asarray(self.shapes[saved:], dtype=INT_DTYPE).reshape(-1, 3)
+            parts["shapes"] = np.asarray(self.shapes[3 * saved:], dtype=INT_DTYPE).reshape(-1, 3)
         for name, values in parts.items():
             with open(self.folder / self._PARTIAL[name], "ab") as f:
                 f.write(values.tobytes())
@@ -226,8 +227,8 @@ class LmdbWriter:
             with open(path, "r+b") if path.is_file() else open(path, "wb") as f:
                 f.truncate(rows * width * INT_DTYPE.itemsize)
             arrays[name] = values[: rows * width]
-        writer.labels = arrays["labels"].tolist()
-        writer.shapes = [tuple(r) for r in arrays["shapes"].reshape(-1, 3).tolist()] if shape is None else []
+        writer.labels = array("q", arrays["labels"].astype(np.int64).tobytes())
+        writer.shapes = array("q", arrays["shapes"].astype(np.int64).tobytes()) if shape is None else array("q")
         writer._count = rows
         writer._saved_rows = rows
         return writer

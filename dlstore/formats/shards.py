@@ -328,8 +328,10 @@ class ShardReader(ForkSafe):
             raise StoreCorruptError(f"{path}: index has out-of-range entries (first at sample {int(np.argmin(ok))})")
         ends = offset + c * h * w
         limits = np.asarray(sizes, dtype=np.int64)[file_no]
-        if (ends > limits).any():
-            bad = int(np.argmax(ends > limits))
+        # the float product catches damaged sizes whose int64 product wraps around
+        beyond = (ends > limits) | (offset + c.astype(np.float64) * h * w > limits)
+        if beyond.any():
+            bad = int(np.argmax(beyond))
             raise StoreCorruptError(f"{path}: sample {bad} lies beyond the end of {self.files[file_no[bad]].name}")
         self.index = index
 
