@@ -6,6 +6,7 @@ The public API, re-exported; nothing else happens here.
 from .bench import BenchReport, run_bench
 from .convert import ConvertResult, convert
 from .dataset import StoreDataset, loader, open_dataset
+from .distributed import DistributedError
 from .errors import (
     ConversionInterrupted,
     DecodeError,
@@ -50,6 +51,7 @@ __all__ = [
     "ConvertResult",
     "DecodeError",
     "DeviceMemoryError",
+    "DistributedError",
     "DlstoreError",
     "GPUDataset",
     "GPULoader",

@@ -135,6 +135,9 @@ def info(store):
         _fail(exc)
     m = ds.manifest
     size = disk_usage(Path(store))
+    virtual = m["layout"].get("virtual") if m["format"] == "hdf5" else None
+    if virtual and (Path(store).parent / virtual["folder"]).is_dir():  # per-rank files of a torchrun conversion
+        size += disk_usage(Path(store).parent / virtual["folder"])
     shape = "x".join(map(str, ds.shape)) if ds.shape else "variable (per-sample shapes)"
     source = m["source"]
     click.echo(f"store     {store}")
