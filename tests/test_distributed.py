@@ -77,10 +77,13 @@ def _convert_all(rank: int, src: str, dst_dir: str, kwargs: dict) -> dict:
     return results
 
 
-@pytest.mark.parametrize("variable", [False, True], ids=["fixed", "variable"])
-def test_distributed_conversion_equals_single_process(rgb_folder, varsize_folder, tmp_path, variable):
-    src = varsize_folder if variable else rgb_folder
-    kwargs = {"static": "" if variable else "resize=20,center_crop=16", "shard_size": 3000}
+@pytest.mark.parametrize("kind", ["fixed", "variable", "encoded"])
+def test_distributed_conversion_equals_single_process(rgb_folder, varsize_folder, tmp_path, kind):
+    variable = kind != "fixed"  # encoded records (PNG bytes) vary in length
+    src = varsize_folder if kind == "variable" else rgb_folder
+    kwargs = {"static": "" if kind == "variable" else "resize=20,center_crop=16", "shard_size": 3000}
+    if kind == "encoded":
+        kwargs["encoding"] = "png"
     results = run_ranks(_convert_all, str(src), str(tmp_path), kwargs, tmp_path=tmp_path)
     for rank, result in enumerate(results):
         assert "ok" in result, result.get("trace")
