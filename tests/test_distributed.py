@@ -262,3 +262,45 @@ def test_scanned_samples_are_compact_and_behave_like_a_list(rgb_folder):
     # a rank's slice pickles its own paths only, not the whole folder's
     assert len(pickle.dumps(part)) < len(pickle.dumps(samples))
     assert pickle.loads(pickle.dumps(part)) == part
+
+
+def test_a_rank_with_no_files_still_takes_part(tmp_path):
+    from dlstore.demo import make_image_folder
+
+    src = make_image_folder(tmp_path / "one", classes=1, per_class=1, size=(20, 20))  # rank 0's range is empty
+    results = run_ranks(_convert_all, str(src), str(tmp_path), {"static": "center_crop=16"}, tmp_path=tmp_path)
+    assert all("ok" in r for r in results), [r.get("trace") for r in results]
+    for fmt, suffix in SUFFIX.items():
+        convert(src, tmp_path / f"single{suffix}", static="center_crop=16", progress=False, workers=0)
+        assert _store_digest(tmp_path / f"dist{suffix}") == _store_digest(tmp_path / f"single{suffix}"), fmt
+        assert verify_store(tmp_path / f"dist{suffix}").ok
+
+
+def test_ranks_stop_converting_when_another_rank_has_failed(tmp_path):
+    """The failure marker another rank drops in the shared work folder stops this rank within 256 files."""
+    import io
+
+    from PIL import Image
+
+    from dlstore import formats
+    from dlstore.convert import _feed, _finish, _Job
+    from dlstore.demo import synthetic_image
+    from dlstore.distributed import _convert_part, _mark_failed
+    from dlstore.source import scan
+    from dlstore.transforms import parse_static
+
+    buf = io.BytesIO()
+    Image.fromarray(synthetic_image(0, 0, (8, 8))).save(buf, format="PNG")
+    (tmp_path / "src" / "c").mkdir(parents=True)
+    for i in range(300):
+        (tmp_path / "src" / "c" / f"{i:04d}.png").write_bytes(buf.getvalue())
+    job = _Job(source=scan(tmp_path / "src"), spec=parse_static(""), shape=None,
+               module=formats.get_format("shards"), decode={}, workers=0, on_error="fail", options={})
+    work = tmp_path / "work"
+    work.mkdir()
+    count, _ = _convert_part(job, work / "part-00000.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
+    assert count == 300  # no marker: the whole range
+    _mark_failed(work, 1)
+    with pytest.raises(DistributedError, match="rank 1 failed; rank 0 stopped"):
+        _convert_part(job, work / "part-00000b.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
+    assert not (work / "part-00000b.shards" / "manifest.json").exists()  # stopped mid-range, not at the end
