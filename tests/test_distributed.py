@@ -304,3 +304,19 @@ def test_ranks_stop_converting_when_another_rank_has_failed(tmp_path):
     with pytest.raises(DistributedError, match="rank 1 failed; rank 0 stopped"):
         _convert_part(job, work / "part-00000b.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
     assert not (work / "part-00000b.shards" / "manifest.json").exists()  # stopped mid-range, not at the end
+
+
+def test_hdf5_store_without_its_parts_folder_is_refused(rgb_folder, tmp_path):
+    results = run_ranks(_convert_one, str(rgb_folder), str(tmp_path / "s.h5"), {"static": "center_crop=16"},
+                        tmp_path=tmp_path)
+    assert all("ok" in r for r in results), results
+    open_dataset(tmp_path / "s.h5")
+    moved = tmp_path / "elsewhere"
+    moved.mkdir()
+    shutil.move(tmp_path / "s.h5", moved / "s.h5")  # the parts folder stays behind
+    from dlstore.errors import StoreCorruptError
+
+    with pytest.raises(StoreCorruptError, match="s.h5.parts"):
+        open_dataset(moved / "s.h5")
+    shutil.move(tmp_path / "s.h5.parts", moved / "s.h5.parts")
+    assert len(open_dataset(moved / "s.h5")) == 24 and verify_store(moved / "s.h5").ok

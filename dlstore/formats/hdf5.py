@@ -281,6 +281,8 @@ class Hdf5Reader(ForkSafe):
             layout = manifest["layout"]
             self.kind = layout.get("kind")
             images = self._dataset(f, "images")
+            if images.is_virtual:
+                self._check_virtual_sources(images)
             self.labels = self._int_dataset(f, "labels", (self.count,))
             if self.kind == "fixed":
                 self.shape: tuple[int, int, int] | None = tuple(manifest["sample"]["shape"])
@@ -304,6 +306,17 @@ class Hdf5Reader(ForkSafe):
         if chunk_cache_bytes is None:
             chunk_cache_bytes = 0 if self.kind == "fixed" else min(MAX_POINTER_CACHE, 16 * self.count + (1 << 20))
         self.chunk_cache_bytes = int(chunk_cache_bytes)
+
+    def _check_virtual_sources(self, images: h5py.Dataset) -> None:
+        # A store assembled by a distributed conversion maps /images onto per-rank files next to
+        # it; HDF5 reads a missing one as zeros, silently, so check that they are all there.
+        for source in images.virtual_sources():
+            name = Path(source.file_name)
+            if not (name if name.is_absolute() else self.path.parent / name).is_file():
+                raise StoreCorruptError(
+                    f"{self.path}: /images maps samples to {self.path.parent / name}, which is missing: the "
+                    f"store's per-rank files (the {name.parent} folder) must stay next to {self.path.name}; "
+                    "move or copy them together")
 
     def _dataset(self, f: h5py.File, name: str) -> h5py.Dataset:
         obj = f.get(name)
