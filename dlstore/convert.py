@@ -29,6 +29,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from . import formats
+from .distributed import active_group, convert_distributed
 from .errors import ConversionInterrupted, DecodeError, SourceError
 from .formats._common import DestinationLock, check_destination, publish, remove_path, staging_path
 from .manifest import dumps, make_manifest
@@ -267,12 +268,8 @@ def convert(
         format_options["shard_size"] = shard_size
     decode = {"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels}
     codec = (encoding, int(quality))
-    from .distributed import active_group
-
     group = active_group(distributed)
     if group is not None:
-        from .distributed import convert_distributed
-
         if workers is None:
             local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or group.size()
             workers = max(1, usable_cpus() // local)
