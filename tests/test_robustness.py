@@ -395,8 +395,7 @@ def test_lmdb_conversion_resumes_from_its_last_committed_transaction(slow_folder
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     staged = tmp_path / ".s.lmdb.dlstore-tmp"
     _wait_for(staged / "progress.json", proc)
-    time.sleep(0.3)  # let it commit a few transactions past the first checkpoint
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(signal.SIGINT)  # at once: a quiet machine converts the rest in well under a second
     proc.communicate(timeout=60)
     assert not dst.exists() and (staged / "progress.json").is_file()
     done = json.loads((staged / "progress.json").read_text())["source_pos"]
