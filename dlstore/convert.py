@@ -11,6 +11,7 @@ the store is complete.
 from __future__ import annotations
 
 import collections
+import functools
 import hashlib
 import json
 import multiprocessing
@@ -339,7 +340,9 @@ class _Job:
         """Shape of the records the writer stores: encoded records vary in length."""
         return self.shape if self.codec[0] == "raw" else None
 
-    def fingerprint(self) -> dict[str, Any]:
+    @functools.cached_property
+    def _fingerprint(self) -> dict[str, Any]:
+        # Computed once: it hashes the whole file listing, and every checkpoint records it.
         listing = hashlib.sha256()
         for path, label in self.source.samples:
             listing.update(f"{os.path.relpath(path, self.source.root)}\0{label}\n".encode("utf-8", "surrogateescape"))
@@ -350,6 +353,10 @@ class _Job:
             "source_root": os.path.abspath(self.source.root), "source_files": len(self.source),
             "source_listing": listing.hexdigest(),
         }
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What must match for ``--resume`` to continue this job (JSON-able)."""
+        return self._fingerprint
 
 
 def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dict[str, Any] | None:
