@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import functools
+import glob
 import hashlib
 import json
 import multiprocessing
@@ -185,6 +186,19 @@ def _decoded(paths: Iterable[str], spec: StaticSpec, decode: dict[str, Any], cod
 PROGRESS_NAME = "progress.json"
 
 
+def progress_path(staged: Path) -> Path:
+    """Where a resumable conversion keeps its checkpoint: inside a staging folder (shards,
+    LMDB), or beside a staging file (HDF5: ``.NAME.dlstore-tmp.progress.json``)."""
+    return staged / PROGRESS_NAME if staged.is_dir() else staged.with_name(f"{staged.name}.{PROGRESS_NAME}")
+
+
+def remove_staging(staged: Path) -> None:
+    """Remove a staging path and what a file-type writer keeps beside it (``NAME.*``)."""
+    remove_path(staged)
+    for sibling in staged.parent.glob(f"{glob.escape(staged.name)}.*"):
+        remove_path(sibling)
+
+
 def convert(
     src: str | os.PathLike,
     dst: str | os.PathLike,
@@ -298,18 +312,18 @@ def convert(
         start = time.perf_counter()
         checkpoint = _load_checkpoint(staged, job, log) if resume else None
         if checkpoint is None:
-            remove_path(staged)  # left by a conversion that crashed, or not resumable
+            remove_staging(staged)  # left by a conversion that crashed, or not resumable
         try:
             count, skipped = _run(job, staged, checkpoint, progress, dst.name)
             publish(staged, dst, overwrite)
         except (DecodeError, SourceError):
-            remove_path(staged)  # bad input: nothing worth resuming
+            remove_staging(staged)  # bad input: nothing worth resuming
             raise
         except BaseException:
-            if (staged / PROGRESS_NAME).is_file():
+            if progress_path(staged).is_file():
                 log(f"partial conversion kept in {staged}; run the same command with --resume to continue")
             else:
-                remove_path(staged)
+                remove_staging(staged)
             raise
         seconds = time.perf_counter() - start
     finally:
@@ -364,7 +378,7 @@ def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dic
     if not hasattr(job.module.Writer, "resume"):
         log(f"{job.module.FORMAT} conversions cannot resume; starting over")
         return None
-    path = staged / PROGRESS_NAME
+    path = progress_path(staged)
     if not path.is_file():
         log("nothing to resume (no interrupted conversion found); starting over")
         return None
@@ -384,12 +398,13 @@ def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dic
 def _save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skipped: list) -> None:
     state = {"job": job.fingerprint(), "source_pos": source_pos, "skipped": skipped,
              "writer": writer.checkpoint()}
-    tmp = staged / (PROGRESS_NAME + ".tmp")
+    path = progress_path(staged)
+    tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(state, f)
         f.flush()
         os.fsync(f.fileno())
-    os.replace(tmp, staged / PROGRESS_NAME)
+    os.replace(tmp, path)
 
 
 def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: bool,
@@ -413,7 +428,7 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
             raise SourceError(f"{source.root}: no file could be converted ({len(skipped)} skipped)")
         _finish(job, writer, count, skipped, files=len(source))
         if resumable:
-            (staged / PROGRESS_NAME).unlink(missing_ok=True)
+            progress_path(staged).unlink(missing_ok=True)
     finally:
         writer.close()
     return count, skipped

@@ -24,6 +24,7 @@ from torchvision.transforms import v2
 
 import dlstore
 from dlstore.cli import main as cli
+from dlstore.demo import make_image_folder
 from dlstore.errors import StoreCorruptError
 
 FORMATS = ["shards", "lmdb", "hdf5"]
@@ -411,3 +412,14 @@ def test_reader_options_reach_the_reader(rgb_folder, tmp_path):
     assert dlstore.open_dataset(tmp_path / "s.lmdb", reader_options={"readahead": True}).reader.readahead is True
     with pytest.raises(ValueError, match="do not apply to shards stores"):
         dlstore.open_dataset(tmp_path / "s.shards", reader_options={"readahead": False})
+
+
+@pytest.mark.parametrize("name", ["s.shards", "s.lmdb", "s.h5"])
+def test_variable_shape_store_whose_samples_share_one_size(tmp_path, name):
+    """No size-fixing op, but every image has the same size: blocks of equal-length records."""
+    src = make_image_folder(tmp_path / "same", classes=2, per_class=6, size=(30, 40))
+    dlstore.convert(src, tmp_path / name, static="resize=20", workers=0, progress=False, batch_bytes=5000)
+    ds = dlstore.open_dataset(tmp_path / name)
+    assert ds.shape is None and len(ds) == 12
+    reference = datasets.ImageFolder(str(src), transform=v2.Compose([v2.Resize(20), v2.PILToTensor()]))
+    assert all(torch.equal(ds[i][0], reference[i][0]) for i in range(len(ds)))

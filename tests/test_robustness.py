@@ -387,26 +387,32 @@ def test_random_damage_raises_only_clear_errors(pristine, tmp_path_factory, stor
     verify_store(work, deep=True)  # reports, never raises
 
 
-def test_lmdb_conversion_resumes_from_its_last_committed_transaction(slow_folder, tmp_path):
-    dst = tmp_path / "s.lmdb"
-    options = dict(static="resize=48,center_crop=40", batch_bytes=30_000)  # a transaction per ~6 samples
+@pytest.mark.parametrize("name, progress, files", [
+    ("s.lmdb", ".s.lmdb.dlstore-tmp/progress.json", ["data.mdb", "lock.mdb"]),
+    ("s.h5", ".s.h5.dlstore-tmp.progress.json", None),
+])
+def test_lmdb_and_hdf5_conversions_resume_from_their_last_written_block(slow_folder, tmp_path, name, progress,
+                                                                        files):
+    dst = tmp_path / name
+    options = dict(static="resize=48,center_crop=40", batch_bytes=30_000)  # a unit per ~6 samples
     script = (f"import dlstore; dlstore.convert({str(slow_folder)!r}, {str(dst)!r}, workers=1, progress=False, "
               f"static={options['static']!r}, batch_bytes={options['batch_bytes']})")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    staged = tmp_path / ".s.lmdb.dlstore-tmp"
-    _wait_for(staged / "progress.json", proc)
+    _wait_for(tmp_path / progress, proc)
     proc.send_signal(signal.SIGINT)  # at once: a quiet machine converts the rest in well under a second
     proc.communicate(timeout=60)
-    assert not dst.exists() and (staged / "progress.json").is_file()
-    done = json.loads((staged / "progress.json").read_text())["source_pos"]
+    assert not dst.exists() and (tmp_path / progress).is_file()
+    done = json.loads((tmp_path / progress).read_text())["source_pos"]
     assert 0 < done < 240
     messages = []
     _convert(slow_folder, dst, resume=True, log=messages.append, **options)
     assert any(f"resuming after {done} of 240" in m for m in messages)
-    _convert(slow_folder, tmp_path / "clean.lmdb", **options)
-    resumed, clean = dlstore.open_dataset(dst), dlstore.open_dataset(tmp_path / "clean.lmdb")
+    _convert(slow_folder, tmp_path / ("clean-" + name), **options)
+    resumed, clean = dlstore.open_dataset(dst), dlstore.open_dataset(tmp_path / ("clean-" + name))
     assert resumed.manifest["checksums"] == clean.manifest["checksums"]
     assert resumed.targets == clean.targets
     assert all(torch.equal(resumed[i][0], clean[i][0]) for i in range(len(clean)))
-    assert sorted(p.name for p in dst.iterdir()) == ["data.mdb", "lock.mdb"]
+    if files:
+        assert sorted(p.name for p in dst.iterdir()) == files
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "clean-" + name])  # no staging left
     assert verify_store(dst).ok

@@ -111,6 +111,7 @@ class Hdf5Writer:
         self._hash = hashlib.sha256()
         self._count = 0
         self._written = 0
+        self._saved_rows = 0  # labels already in the .labels.partial file (checkpoints)
         if self.path.exists():
             raise FileExistsError(f"{self.path}: staging file already exists")
         self._file: h5py.File | None = h5py.File(self.path, "w", libver=LIBVER)
@@ -121,34 +122,40 @@ class Hdf5Writer:
         elif compression == "lzf":
             filters = {"compression": "lzf"}
         if shape is not None:
-            self.sample_bytes = int(np.prod(shape))
-            self._block = np.empty((max(1, min(4096, batch_bytes // self.sample_bytes)), *shape), np.uint8)
             self._images = self._file.create_dataset(
                 "images", shape=(0, *shape), maxshape=(None, *shape), dtype=np.uint8,
                 chunks=(1, *shape), **filters)
         else:
-            self._pending: list[np.ndarray] = []
-            self._pending_bytes = 0
-            self._batch_bytes = max(1, int(batch_bytes))
             self._images = self._file.create_dataset(
                 "images", shape=(0,), maxshape=(None,), dtype=h5py.vlen_dtype(np.uint8), chunks=(VLEN_CHUNK,))
             self._shapes = self._file.create_dataset(
                 "shapes", shape=(0, 3), maxshape=(None, 3), dtype=INT_DTYPE, chunks=(VLEN_CHUNK, 3))
+        self._buffers(batch_bytes)
 
-    def add(self, sample: np.ndarray, label: int) -> None:
-        """Append one uint8 CHW sample and its label."""
+    def _buffers(self, batch_bytes: int) -> None:
+        if self.shape is not None:
+            self.sample_bytes = int(np.prod(self.shape))
+            self._block = np.empty((max(1, min(4096, batch_bytes // self.sample_bytes)), *self.shape), np.uint8)
+        else:
+            self._pending: list[np.ndarray] = []
+            self._pending_bytes = 0
+            self._batch_bytes = max(1, int(batch_bytes))
+
+    def add(self, sample: np.ndarray, label: int) -> bool:
+        """Append one uint8 CHW sample and its label; True if this wrote a block to the file."""
         if sample.dtype != np.uint8 or sample.ndim != 3:
             raise ValueError(f"sample must be a uint8 (C, H, W) array, got {sample.dtype} {sample.shape}")
+        if self.shape is not None and tuple(sample.shape) != self.shape:
+            raise ValueError(f"sample shape {tuple(sample.shape)} != store shape {self.shape}")
         sample = np.ascontiguousarray(sample)
         self._hash.update(memoryview(sample).cast("B"))
         self.labels.append(int(label))
         if self.shape is not None:
-            if tuple(sample.shape) != self.shape:
-                raise ValueError(f"sample shape {tuple(sample.shape)} != store shape {self.shape}")
             self._block[self._count - self._written] = sample
             self._count += 1
             if self._count - self._written == len(self._block):
                 self._flush()
+                return True
         else:
             self.shapes.extend(int(d) for d in sample.shape)
             self._pending.append(sample.reshape(-1))
@@ -156,6 +163,80 @@ class Hdf5Writer:
             self._count += 1
             if self._pending_bytes >= self._batch_bytes:
                 self._flush()
+                return True
+        return False
+
+    # Resumption: a written block is a unit. At a checkpoint the file is flushed and the
+    # labels of the written samples are appended to a file beside the staging file (the
+    # store itself only gets its `labels` dataset at the end).
+    def _labels_partial(self) -> Path:
+        return self.path.with_name(self.path.name + ".labels.partial")
+
+    def checkpoint(self) -> dict[str, Any]:
+        """Make the written samples durable; return the state ``resume`` needs.
+
+        Only called right after ``add`` returned True, so nothing is buffered.
+        """
+        self._file.flush()
+        with open(self.path, "rb+") as f:
+            os.fsync(f.fileno())
+        with open(self._labels_partial(), "ab") as f:
+            f.write(np.asarray(self.labels[self._saved_rows:self._written], dtype=INT_DTYPE).tobytes())
+            f.flush()
+            os.fsync(f.fileno())
+        self._saved_rows = self._written
+        return {"rows": self._written}
+
+    @classmethod
+    def resume(cls, path: Path, state: dict[str, Any], *, shape: tuple[int, int, int] | None,
+               batch_bytes: int = DEFAULT_BATCH_BYTES, **_: Any) -> Hdf5Writer:
+        """Reopen a staging file at a checkpoint, dropping samples written after it.
+
+        The running sha256 of the samples cannot be saved, so it is recomputed by reading
+        the kept samples back once, in order.
+        """
+        rows = int(state["rows"])
+        writer = cls.__new__(cls)
+        writer.path = Path(path)
+        writer.shape = shape
+        writer.checksums = {}
+        writer._hash = hashlib.sha256()
+        try:
+            writer._file = h5py.File(writer.path, "r+", libver=LIBVER)
+        except OSError as exc:
+            raise StoreCorruptError(f"{path}: the interrupted conversion's file cannot be reopened ({exc}); "
+                                    "rerun without --resume") from exc
+        writer._images = writer._file["images"]
+        writer.compression = writer._images.compression or "none"
+        if writer._images.shape[0] < rows:
+            writer.close()
+            raise StoreCorruptError(f"{path}: holds {writer._images.shape[0]} samples, checkpoint says {rows}")
+        writer._images.resize(rows, axis=0)
+        if shape is None:
+            writer._shapes = writer._file["shapes"]
+            writer._shapes.resize(rows, axis=0)
+            writer.shapes = array("q", writer._shapes[:rows].reshape(-1).tolist())
+        else:
+            writer.shapes = array("q")
+        step = max(1, (64 << 20) // int(np.prod(shape))) if shape is not None else 1024
+        for start in range(0, rows, step):
+            block = writer._images[start:min(rows, start + step)]
+            if shape is not None:
+                writer._hash.update(memoryview(np.ascontiguousarray(block)).cast("B"))
+            else:
+                for flat in block:
+                    writer._hash.update(memoryview(np.ascontiguousarray(flat)).cast("B"))
+        partial = writer._labels_partial()
+        labels = np.fromfile(partial, dtype=INT_DTYPE) if partial.is_file() else np.zeros(0, INT_DTYPE)
+        if len(labels) < rows:
+            writer.close()
+            raise StoreCorruptError(f"{partial}: holds fewer than the checkpoint's {rows} labels")
+        with open(partial, "r+b") as f:
+            f.truncate(rows * INT_DTYPE.itemsize)
+        writer.labels = array("q", labels[:rows].tolist())
+        writer._count = writer._written = writer._saved_rows = rows
+        writer._buffers(batch_bytes)
+        return writer
 
     def _flush(self) -> None:
         k = self._count - self._written
@@ -166,10 +247,11 @@ class Hdf5Writer:
         if self.shape is not None:
             self._images[start:end] = self._block[:k]
         else:
-            values = np.empty(k, dtype=object)
+            # One write per sample: an object array of equal-length samples is taken by h5py
+            # as a 2-D array and refused ("Can't broadcast (k, n) -> (k,)"), which happens
+            # whenever a block's samples have the same size.
             for j, flat in enumerate(self._pending):
-                values[j] = flat
-            self._images[start:end] = values
+                self._images[start + j] = flat
             self._shapes.resize(end, axis=0)
             self._shapes[start:end] = np.asarray(self.shapes[3 * start:3 * end], dtype=INT_DTYPE).reshape(-1, 3)
             self._pending = []
@@ -179,6 +261,7 @@ class Hdf5Writer:
     def finish(self) -> dict[str, Any]:
         """Write the remaining samples and the labels; return the manifest's ``layout``."""
         self._flush()
+        self._labels_partial().unlink(missing_ok=True)
         labels = np.asarray(self.labels, dtype=INT_DTYPE)
         self._file.create_dataset("labels", data=labels)
         self.checksums["samples"] = self._hash.hexdigest()

@@ -114,6 +114,7 @@ class LmdbWriter:
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
         self._count = 0
+        self._saved_rows = 0  # rows already in the .partial files (checkpoints)
         self.folder.mkdir(parents=True, exist_ok=False)
         # sync=False/metasync=False: one fsync at the end is enough, because the store only
         # becomes visible (by rename) after it; meminit stays on so unused page bytes are zeros.
@@ -172,7 +173,7 @@ class LmdbWriter:
         """
         self._env.sync(True)
         rows = self._count
-        saved = getattr(self, "_saved_rows", 0)
+        saved = self._saved_rows
         parts = {"labels": np.asarray(self.labels[saved:], dtype=INT_DTYPE)}
         if self.shape is None:
             parts["shapes"] = np.asarray(self.shapes[3 * saved:], dtype=INT_DTYPE).reshape(-1, 3)
