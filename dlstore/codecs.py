@@ -25,6 +25,7 @@ import numpy as np
 from PIL import Image
 
 from .errors import StoreCorruptError
+from .formats._common import batch_out
 
 ENCODINGS = ("raw", "jpeg", "png")
 _PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG"}
@@ -69,25 +70,23 @@ class DecodingReader:
     def __len__(self) -> int:
         return self.count
 
-    def get(self, i: int) -> np.ndarray:
-        sample = decode(self.raw.get(i), where=f"{self._where} sample {i}")
+    def _decoded(self, record: np.ndarray, i: int) -> np.ndarray:
+        sample = decode(record, where=f"{self._where} sample {i}")
         if self.shape is not None and sample.shape != self.shape:
             raise StoreCorruptError(f"{self._where} sample {i}: decodes to {sample.shape}, manifest says {self.shape}")
         return sample
 
+    def get(self, i: int) -> np.ndarray:
+        return self._decoded(self.raw.get(i), i)
+
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
         records = self.raw.get_many(indices)  # one transaction / one sorted read per batch
-        return [decode(r, where=f"{self._where} sample {i}") for r, i in zip(records, indices)]
+        return [self._decoded(r, i) for r, i in zip(records, indices)]
 
     def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if self.shape is None:
             raise ValueError(f"{self._where}: get_batch needs a store whose samples decode to one shape")
-        samples = self.get_many([int(i) for i in indices])
-        if out is None:
-            out = np.empty((len(samples), *self.shape), dtype=np.uint8)
-        for j, sample in enumerate(samples):
-            if sample.shape != self.shape:
-                raise StoreCorruptError(f"{self._where} sample {int(indices[j])}: decodes to {sample.shape}, "
-                                        f"manifest says {self.shape}")
+        out = batch_out(out, len(indices), self.shape)
+        for j, sample in enumerate(self.get_many([int(i) for i in indices])):
             out[j] = sample
         return out

@@ -22,6 +22,7 @@ import time
 import itertools
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -158,27 +159,61 @@ def _decoded(paths: Iterable[str], spec: StaticSpec, decode: dict[str, Any], cod
             yield from _decode_chunk(chunk, spec, decode, codec)
         return
     window = 4 * workers
-    with ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=_init_worker) as pool:
-        pending: collections.deque = collections.deque()
+    pool = ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=_init_worker)
+    pending: collections.deque = collections.deque()
+    broken = False
+    try:
         todo = iter(chunks)
+        for chunk in todo:
+            pending.append(pool.submit(_decode_chunk, chunk, spec, decode, codec))
+            if len(pending) >= window:
+                break
+        while pending:
+            results = _result(pending.popleft(), pool)
+            next_chunk = next(todo, None)
+            if next_chunk is not None:
+                pending.append(pool.submit(_decode_chunk, next_chunk, spec, decode, codec))
+            yield from results
+    except BrokenProcessPool as exc:
+        broken = True
+        raise ConversionInterrupted(
+            "a decode worker process died (killed, or out of memory); nothing was written to the "
+            "destination") from exc
+    finally:
+        for fut in pending:
+            fut.cancel()
+        if broken:
+            _abandon(pool)
+        else:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _result(future: Any, pool: ProcessPoolExecutor) -> list[np.ndarray | str]:
+    """``future.result()``, but a dead worker is noticed even when the pool does not notice.
+
+    CPython's pool can block for ever when a worker is killed in the middle of sending a
+    result (its manager thread waits for the rest of the message); so wait in slices and
+    check the workers' exit codes in between.
+    """
+    while True:
         try:
-            for chunk in todo:
-                pending.append(pool.submit(_decode_chunk, chunk, spec, decode, codec))
-                if len(pending) >= window:
-                    break
-            while pending:
-                results = pending.popleft().result()
-                next_chunk = next(todo, None)
-                if next_chunk is not None:
-                    pending.append(pool.submit(_decode_chunk, next_chunk, spec, decode, codec))
-                yield from results
-        except BrokenProcessPool as exc:
-            raise ConversionInterrupted(
-                "a decode worker process died (killed, or out of memory); nothing was written to the "
-                "destination") from exc
-        finally:
-            for fut in pending:
-                fut.cancel()
+            return future.result(timeout=2.0)
+        except FuturesTimeout:
+            workers = list(getattr(pool, "_processes", {}).values())
+            if any(p.exitcode is not None for p in workers):
+                raise BrokenProcessPool("a worker process exited while its task was pending") from None
+
+
+def _abandon(pool: ProcessPoolExecutor) -> None:
+    """Stop a broken pool without waiting on anything a dead worker left half-done."""
+    for process in list(getattr(pool, "_processes", {}).values()):
+        process.kill()
+    # With every worker gone, closing our copy of the result pipe's write end gives a manager
+    # thread stuck on a half-sent result EOF, so it can finish and be joined.
+    writer = getattr(getattr(pool, "_result_queue", None), "_writer", None)
+    if writer is not None:
+        writer.close()
+    pool.shutdown(wait=True, cancel_futures=True)
 
 
 # --- the conversion ----------------------------------------------------------------------
@@ -234,15 +269,16 @@ def convert(
         on_error: ``"fail"`` stops at the first undecodable file (naming it) and
             writes nothing; ``"skip"`` leaves it out and records it in the manifest.
         resume: continue an interrupted conversion to ``dst`` from its last
-            completed data file (formats that checkpoint: shards), instead of
-            starting over. The result is identical to an uninterrupted run.
+            completed unit (a shards data file, a committed LMDB transaction, a
+            written HDF5 block) instead of starting over. The result is identical
+            to an uninterrupted run (not for distributed conversions).
         exif_transpose: apply EXIF orientation when decoding (torchvision does not;
             off by default so pixels match your torchvision pipeline).
         max_pixels: refuse larger images (decompression-bomb guard; PIL's limit by default).
         encoding: ``"raw"`` (uint8 arrays, fastest to read), or ``"jpeg"`` / ``"png"``:
             each statically transformed sample stored encoded (5-15x smaller for
             JPEG) and decoded with PIL at read time.
-        quality: JPEG quality (1-95) for ``encoding="jpeg"``.
+        quality: JPEG quality (1-100; PIL advises at most 95) for ``encoding="jpeg"``.
         shard_size: target bytes per data file (shards format), default 1 GiB.
         progress: show a tqdm progress bar.
         log: called with warnings (e.g. empty class folders); default: ignored.

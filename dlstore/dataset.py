@@ -158,6 +158,17 @@ class StoreDataset(Dataset):
             raise IndexError(f"index {i} out of range for a store of {n} samples")
         return i
 
+    def _indices(self, indices: Sequence[int]) -> np.ndarray:
+        """``_index`` for a whole batch, vectorised: int64 array, negatives wrapped, range-checked."""
+        n = len(self._labels)
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        idx = np.where(idx < 0, idx + n, idx)
+        bad = (idx < 0) | (idx >= n)
+        if bad.any():
+            raise IndexError(f"index {int(np.asarray(indices).reshape(-1)[np.argmax(bad)])} out of range "
+                             f"for a store of {n} samples")
+        return idx
+
     def get_image(self, i: int) -> torch.Tensor:
         """Sample ``i`` as stored: uint8 (C, H, W), before any transform."""
         return torch.from_numpy(self.reader.get(self._index(i)))
@@ -178,7 +189,7 @@ class StoreDataset(Dataset):
         """Samples ``indices`` before transforms: a (B, C, H, W) uint8 tensor for a
         fixed-shape store (one gather, no per-sample tensors), else a list of
         (C, H, W) tensors; and the int64 labels."""
-        idx = np.fromiter((self._index(i) for i in indices), dtype=np.int64, count=len(indices))
+        idx = self._indices(indices)
         labels = torch.from_numpy(self._labels[idx])
         if self.shape is not None and hasattr(self.reader, "get_batch"):
             return torch.from_numpy(self.reader.get_batch(idx)), labels
@@ -192,8 +203,9 @@ class StoreDataset(Dataset):
         """
         if self.batch_transform is not None:
             batch, labels_t = self.get_batch(indices)
-            return list(zip(batch.unbind(0), labels_t.tolist()))
-        idx = [self._index(i) for i in indices]
+            labels_out = labels_t.tolist() if isinstance(labels_t, torch.Tensor) else list(labels_t)
+            return list(zip(batch.unbind(0), labels_out))
+        idx = self._indices(indices).tolist()
         images = [torch.from_numpy(a) for a in self.reader.get_many(idx)]
         labels = self._labels[idx].tolist()
         if self.transform is None and self.target_transform is None:
@@ -225,7 +237,7 @@ class StoreDataset(Dataset):
             (images, labels): a (B, C, H, W) tensor and an int64 (B,) tensor (a list
             if ``target_transform`` returns non-numbers).
         """
-        idx = np.fromiter((self._index(i) for i in indices), dtype=np.int64, count=len(indices))
+        idx = self._indices(indices)
         if self.shape is not None and not self.per_sample_ops:
             images = self._gather(idx, generator)
         else:

@@ -123,7 +123,7 @@ def _check_samples(reader: Any, manifest: dict[str, Any], report: VerifyReport, 
     for i in range(manifest["count"]):
         try:
             sample = np.ascontiguousarray(reader.get(i))
-        except (DlstoreError, OSError, ValueError, KeyError) as exc:
+        except (DlstoreError, OSError, ValueError, KeyError, IndexError) as exc:
             report.problem(f"sample {i}", f"unreadable ({exc})")
             continue
         if sample.dtype != np.uint8 or sample.ndim != 3 or (shape is not None and list(sample.shape) != shape):

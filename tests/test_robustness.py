@@ -416,3 +416,27 @@ def test_lmdb_and_hdf5_conversions_resume_from_their_last_written_block(slow_fol
         assert sorted(p.name for p in dst.iterdir()) == files
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "clean-" + name])  # no staging left
     assert verify_store(dst).ok
+
+def test_one_damaged_shard_fails_only_its_samples(small_folder, tmp_path):
+    dst = tmp_path / "s.shards"
+    _convert(small_folder, dst, static="resize=20,center_crop=16", shard_size=16 * 16 * 3 * 4)  # 4, 4, 4
+    data = (dst / "shard-00002.npy").read_bytes()
+    (dst / "shard-00002.npy").write_bytes(data[: len(data) // 2])
+    ds = dlstore.open_dataset(dst)
+    assert ds[0][0].shape == (3, 16, 16) and ds[7][0].shape == (3, 16, 16)
+    with pytest.raises(StoreCorruptError, match="shard-00002.npy"):
+        ds[8]
+    report = verify_store(dst, deep=True)
+    assert [where for where, _ in report.problems if where.startswith("sample")] == ["sample 8", "sample 9",
+                                                                                     "sample 10", "sample 11"]
+
+
+def test_manifest_counts_beyond_a_shard_are_refused(small_folder, tmp_path):
+    dst = tmp_path / "s.shards"
+    _convert(small_folder, dst, static="resize=20,center_crop=16")
+    m = json.loads((dst / "manifest.json").read_text())
+    m["layout"]["per_shard"] = 4  # the single shard holds 12
+    (dst / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(StoreCorruptError, match="out of range"):
+        dlstore.open_dataset(dst)
+    assert not verify_store(dst, deep=True).ok

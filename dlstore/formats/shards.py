@@ -296,6 +296,9 @@ class ShardReader(ForkSafe):
         if sum(counts) != self.count:
             raise StoreCorruptError(
                 f"{self.path}: manifest counts {sum(counts)} samples in its files but declares {self.count}")
+        if any(n < 0 or (self.kind == "fixed" and n > self.per_shard) for n in counts):
+            raise StoreCorruptError(f"{self.path}: manifest file counts {counts} are out of range "
+                                    f"(0..{self.per_shard if self.kind == 'fixed' else 'any'} per file)")
         self._counts = counts
         # First sample of each file. A single conversion writes `per_shard` samples per file
         # but the last; stores assembled from several writers (one per rank) have a short
@@ -309,7 +312,7 @@ class ShardReader(ForkSafe):
         self.labels = labels
         if self.kind == "variable":
             self._load_index(safe_member(self.path, layout.get("index", "index.npy")))
-        self._maps: list[np.ndarray] | None = None
+        self._maps: list[np.ndarray | None] | None = None
         self._pid = None
 
     def _load_index(self, path: Path) -> None:
@@ -336,18 +339,28 @@ class ShardReader(ForkSafe):
         self.index = index
 
     def _open(self) -> None:
+        # Each file is mapped the first time a sample in it is read: a worker touches only the
+        # files it needs, and one damaged file fails only the samples it holds.
+        self._maps = [None] * len(self.files)
+
+    def _map(self, k: int) -> np.ndarray:
+        arr = self._maps[k]
+        if arr is not None:
+            return arr
+        f = self.files[k]
         if self.kind == "fixed":
-            maps = []
-            for f, n in zip(self.files, self._counts):
-                arr = _load_npy(f, mmap=True)
-                if arr.dtype != np.uint8 or arr.shape != (n, *self.shape):
-                    raise StoreCorruptError(
-                        f"{f}: holds {arr.dtype} {arr.shape}, manifest expects uint8 {(n, *self.shape)}")
-                maps.append(arr)
+            arr = _load_npy(f, mmap=True)
+            n = self._counts[k]
+            if arr.dtype != np.uint8 or arr.shape != (n, *self.shape):
+                raise StoreCorruptError(
+                    f"{f}: holds {arr.dtype} {arr.shape}, manifest expects uint8 {(n, *self.shape)}")
         else:
-            maps = [np.memmap(f, dtype=np.uint8, mode="c") if f.stat().st_size else np.zeros(0, np.uint8)
-                    for f in self.files]
-        self._maps = maps
+            try:
+                arr = np.memmap(f, dtype=np.uint8, mode="c") if f.stat().st_size else np.zeros(0, np.uint8)
+            except FileNotFoundError:
+                raise StoreCorruptError(f"{f}: missing data file named in the manifest") from None
+        self._maps[k] = arr
+        return arr
 
     def __len__(self) -> int:
         return self.count
@@ -355,13 +368,15 @@ class ShardReader(ForkSafe):
     def get(self, i: int) -> np.ndarray:
         """Sample ``i`` as a uint8 (C, H, W) view into the memory map (no copy)."""
         self._ensure_open()
+        if not 0 <= i < self.count:
+            raise IndexError(f"index {i} out of range for a store of {self.count} samples")
         if self.kind == "fixed":
             if self._uniform:
-                return self._maps[i // self.per_shard][i % self.per_shard]
+                return self._map(i // self.per_shard)[i % self.per_shard]
             s = int(np.searchsorted(self._starts, i, side="right")) - 1
-            return self._maps[s][i - self._starts[s]]
+            return self._map(s)[i - self._starts[s]]
         file_no, offset, c, h, w = (int(v) for v in self.index[i])
-        return self._maps[file_no][offset:offset + c * h * w].reshape(c, h, w)
+        return self._map(file_no)[offset:offset + c * h * w].reshape(c, h, w)
 
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
         """Samples ``indices`` as views (no copy); the caller's collate does the one copy."""
@@ -385,15 +400,16 @@ class ShardReader(ForkSafe):
             local = indices - self._starts[shard_no]
         # sorted(set(...)), not np.unique: the latter imports a numpy submodule on its first
         # call (~50 ms), paid by every fresh DataLoader worker on its first batch
-        for s in sorted(set(shard_no.tolist())):
-            selected = shard_no == s
-            if selected.all():
-                # mode="clip" (indices checked above): with the default "raise" numpy gathers
-                # into a hidden buffer and copies it to `out`, 2-4x slower for 224x224 samples
-                np.take(self._maps[s], local, axis=0, out=out, mode="clip")
-            else:
-                where = np.nonzero(selected)[0]
-                out[where] = self._maps[s][local[where]]
+        shards = set(shard_no.tolist())
+        if len(shards) == 1:
+            # mode="clip" (indices checked above): with the default "raise" numpy gathers
+            # into a hidden buffer and copies it to `out`, 2-4x slower for 224x224 samples
+            np.take(self._map(shards.pop()), local, axis=0, out=out, mode="clip")
+        else:
+            # spread over several files: one copy per sample straight into `out` (a fancy-index
+            # gather per file would copy every sample twice)
+            for k, (s, j) in enumerate(zip(shard_no.tolist(), local.tolist())):
+                out[k] = self._map(s)[j]
         return out
 
 
