@@ -125,7 +125,8 @@ def parse_bytes(text: str) -> int:
 @click.argument("store", type=click.Path(exists=True))
 def info(store):
     """Describe STORE: samples, classes, shape, static transforms, size, skipped files."""
-    from .convert import _human_bytes, disk_usage
+    from .convert import disk_usage
+    from .units import human_bytes
     from .dataset import open_dataset
     from .transforms import describe
 
@@ -157,7 +158,7 @@ def info(store):
         encoding += f" (quality {m['sample']['quality']})"
     click.echo(f"sample    {shape} {m['sample']['dtype']} {m['sample']['layout']}, encoding {encoding}")
     click.echo(f"static    {describe(m['static'])}")
-    click.echo(f"size      {_human_bytes(size)} ({size / max(m['count'], 1):,.0f} B/sample)")
+    click.echo(f"size      {human_bytes(size)} ({size / max(m['count'], 1):,.0f} B/sample)")
     click.echo(f"source    {source.get('root')} ({source.get('files')} files)")
     skipped = source.get("skipped", [])
     click.echo(f"skipped   {len(skipped)}")

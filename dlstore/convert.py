@@ -40,6 +40,7 @@ from .codecs import ENCODINGS, encode
 from .source import DEFAULT_MAX_PIXELS, Source, pil_loader, scan
 from .transforms import StaticSpec, apply_static, describe, output_shape, parse_static
 from .tuning import usable_cpus
+from .units import human_bytes
 
 ON_ERROR = ("fail", "skip")
 _CHUNK = 8  # files per task: amortises inter-process overhead, keeps ordering latency low
@@ -72,7 +73,7 @@ class ConvertResult:
             f"  samples  {self.count} in {len(self.classes) or 'no'} classes"
             + ("" if self.classes else " (unlabelled, label -1)"),
             f"  shape    {shape} uint8, static: {describe(self.static)}",
-            f"  size     {_human_bytes(self.bytes)} ({self.bytes / max(self.count, 1):,.0f} B/sample)",
+            f"  size     {human_bytes(self.bytes)} ({self.bytes / max(self.count, 1):,.0f} B/sample)",
             f"  time     {self.seconds:.1f} s, {self.rate:,.0f} images/s with {self.workers} worker(s)",
         ]
         if self.empty_classes:
@@ -85,13 +86,6 @@ class ConvertResult:
                 lines.append(f"    ... and {len(self.skipped) - 20} more (all listed in the manifest)")
         return "\n".join(lines)
 
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def disk_usage(path: Path) -> int:
@@ -479,9 +473,10 @@ def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, str]], bar
     ``check()`` runs every few hundred files and may raise to stop (distributed aborts).
     """
     source = job.source
-    todo = itertools.islice(source.samples, start, None)
-    paths = (p for p, _ in itertools.islice(source.samples, start, None))
-    results = _decoded(paths, job.spec, job.decode, job.codec, job.workers)
+    # One walk over the listing, shared by the decoder (which reads a bounded window ahead)
+    # and the writer loop; tee buffers only that window.
+    todo, ahead = itertools.tee(itertools.islice(source.samples, start, None))
+    results = _decoded((p for p, _ in ahead), job.spec, job.decode, job.codec, job.workers)
     for pos, ((path, label), result) in enumerate(zip(todo, results), start=start):
         if isinstance(result, str):
             if job.on_error == "fail":

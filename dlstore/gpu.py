@@ -43,6 +43,7 @@ from .dataset import StoreDataset, open_dataset
 from .errors import DeviceMemoryError, StoreCorruptError, VariableShapeError
 from .transforms import BatchCompose, BatchTransform
 from .tuning import usable_cpus
+from .units import human_bytes
 
 ON_OVERFLOW = ("error", "uint8", "stream")
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -57,13 +58,6 @@ HEADROOM_FRACTION = 0.05
 
 BatchFn = Callable[..., torch.Tensor]
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
-        n /= 1024
-    return f"{n:.1f} TiB"  # pragma: no cover
 
 
 def _free_memory(device: torch.device, headroom: int | None) -> tuple[int | None, int]:
@@ -437,20 +431,20 @@ class GPUDataset:
                           limit: int, max_memory: int | None, keep: int, on_overflow: str) -> str:
         c, h, w = self.shape
         dtype_name = str(self.dtype).removeprefix("torch.")
-        where = (f"max_memory={_human(limit)}" if max_memory is not None and limit == max_memory
-                 else f"{_human(limit)} free on {self.device} after keeping {_human(keep)} headroom")
+        where = (f"max_memory={human_bytes(limit)}" if max_memory is not None and limit == max_memory
+                 else f"{human_bytes(limit)} free on {self.device} after keeping {human_bytes(keep)} headroom")
         lines = [
-            f"{name}: {n:,} samples of {c}x{h}x{w} {dtype_name} need {_human(self.needed_bytes)}"
-            + (f" (+ {_human(work)} of preload buffers)" if work else "")
+            f"{name}: {n:,} samples of {c}x{h}x{w} {dtype_name} need {human_bytes(self.needed_bytes)}"
+            + (f" (+ {human_bytes(work)} of preload buffers)" if work else "")
             + f" on {self.device}, but only {where}.",
         ]
         if on_overflow == "uint8":
-            lines.append(f"Even uint8 (on_overflow='uint8') needs {_human(uint8_bytes)}.")
+            lines.append(f"Even uint8 (on_overflow='uint8') needs {human_bytes(uint8_bytes)}.")
         lines.append("Options:")
         if on_overflow != "uint8" and self.dtype != torch.uint8:
             fit = "fits" if uint8_bytes <= limit else "does not fit either"
             lines.append(f"  on_overflow='uint8'   keep uint8 on the device, convert per batch "
-                         f"({_human(uint8_bytes)}: {fit})")
+                         f"({human_bytes(uint8_bytes)}: {fit})")
         lines.append("  on_overflow='stream'  read batches from the store through pinned memory")
         lines.append("  max_memory=BYTES / headroom=BYTES  change the budget; a smaller chunk_size "
                      "shrinks the preload buffers")
@@ -619,7 +613,7 @@ class GPUDataset:
         c, h, w = self.shape
         return (f"GPUDataset({len(self)} samples of {c}x{h}x{w}, mode={self.mode}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
-                f"nbytes={_human(self.nbytes)})")
+                f"nbytes={human_bytes(self.nbytes)})")
 
 
 def _per_sample(transform: Any) -> bool:

@@ -47,6 +47,8 @@ from typing import Any
 
 import torch
 
+from .units import human_bytes
+
 _CGROUP_ROOT = Path("/sys/fs/cgroup")
 
 # Two measurements within this fraction of each other are considered equal.
@@ -676,8 +678,8 @@ def tune(
     if best.num_workers and limit and in_flight > memory_warn_fraction * limit:
         notes.append(
             f"memory-heavy: {best.num_workers} workers x prefetch {best.prefetch_factor} x "
-            f"{_human(batch_bytes)} per batch = {_human(in_flight)} of batches in flight "
-            f"({in_flight / limit:.0%} of {_human(limit)} available"
+            f"{human_bytes(batch_bytes)} per batch = {human_bytes(in_flight)} of batches in flight "
+            f"({in_flight / limit:.0%} of {human_bytes(limit)} available"
             f"{', plus pinned copies' if best.kwargs.get('pin_memory') else ''}); "
             "lower prefetch_factor or num_workers if memory is short")
     if persist_note:
@@ -699,13 +701,6 @@ def _short(kwargs: dict[str, Any]) -> str:
     skip = {"batch_size"}
     return ", ".join(f"{k}={v}" for k, v in kwargs.items() if k not in skip)
 
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 def open_for_tuning(
