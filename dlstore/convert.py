@@ -494,15 +494,22 @@ def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, str]], bar
 
 def _finish(job: _Job, writer: Any, count: int, skipped: list[dict[str, str]], *, files: int) -> dict[str, Any]:
     """Complete ``writer`` and write its manifest; return the manifest."""
-    source, module = job.source, job.module
     layout = writer.finish()
-    manifest = make_manifest(
+    manifest = manifest_for(job, count=count, skipped=skipped, files=files, checksums=writer.checksums,
+                            layout=layout)
+    writer.write_manifest(dumps(manifest))
+    return manifest
+
+
+def manifest_for(job: _Job, *, count: int, skipped: list[dict[str, str]], files: int,
+                 checksums: dict[str, str], layout: dict[str, Any]) -> dict[str, Any]:
+    """The manifest of a store that ``job`` produced (one writer, or assembled from parts)."""
+    source, module = job.source, job.module
+    return make_manifest(
         format=module.FORMAT, format_version=module.FORMAT_VERSION, count=count, shape=job.record_shape,
         classes=source.classes, static=job.spec, encoding=job.codec[0], decoded_shape=job.shape,
         quality=job.codec[1] if job.codec[0] == "jpeg" else None,
         source={"root": os.path.abspath(source.root), "files": files, "skipped": skipped,
                 "empty_classes": source.empty_classes, "decode": job.decode},
-        checksums=writer.checksums, layout=layout,
+        checksums=checksums, layout=layout,
     )
-    writer.write_manifest(dumps(manifest))
-    return manifest

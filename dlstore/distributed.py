@@ -65,10 +65,11 @@ from .formats._common import (
     check_destination,
     publish,
     remove_path,
-    sha256_file,
+    save_npy_synced,
     staging_path,
+    write_synced,
 )
-from .manifest import dumps, make_manifest
+from .manifest import dumps
 
 DEFAULT_TIMEOUT_S = 2 * 3600  # a collective may wait this long for the slowest rank (scan, conversion)
 _CHECK_EVERY = 256
@@ -383,16 +384,11 @@ def _assemble(job: Any, dst: Path, parts: list[Path], counts: list[int], count: 
         return
     else:  # pragma: no cover - every registered format is handled above
         raise ValueError(f"distributed conversion does not know how to assemble {fmt!r} stores")
-    manifest = make_manifest(
-        format=fmt, format_version=job.module.FORMAT_VERSION, count=count, shape=job.record_shape,
-        classes=job.source.classes, static=job.spec, encoding=job.codec[0], decoded_shape=job.shape,
-        quality=job.codec[1] if job.codec[0] == "jpeg" else None,
-        source={"root": os.path.abspath(job.source.root), "files": total, "skipped": skipped,
-                "empty_classes": job.source.empty_classes, "decode": job.decode},
-        checksums=checksums, layout=layout,
-    )
+    from .convert import manifest_for  # convert imports this module
+
+    manifest = manifest_for(job, count=count, skipped=skipped, files=total, checksums=checksums, layout=layout)
     if fmt == "shards":
-        _write_synced(staged / "manifest.json", dumps(manifest).encode("utf-8"))
+        write_synced(staged / "manifest.json", dumps(manifest).encode("utf-8"))
         publish(staged, dst, overwrite)
     else:
         import h5py
@@ -404,20 +400,6 @@ def _assemble(job: Any, dst: Path, parts: list[Path], counts: list[int], count: 
         _publish_hdf5(parts[0].parent, staged, dst, overwrite)
 
 
-def _write_synced(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def _save_npy(folder: Path, name: str, array: np.ndarray, checksums: dict[str, str]) -> None:
-    path = folder / name
-    with open(path, "wb") as f:
-        np.save(f, array, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    checksums[name] = sha256_file(path)
 
 
 def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -449,9 +431,9 @@ def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], d
     if kind == "fixed":
         layout_out.update(per_shard=per_shard, shards=files)
     else:
-        _save_npy(staged, "index.npy", np.concatenate(indexes).astype(np.int64), checksums)
+        checksums["index.npy"] = save_npy_synced(staged / "index.npy", np.concatenate(indexes).astype(np.int64))
         layout_out.update(files=files, index="index.npy")
-    _save_npy(staged, "labels.npy", np.concatenate(labels).astype(np.int64), checksums)
+    checksums["labels.npy"] = save_npy_synced(staged / "labels.npy", np.concatenate(labels).astype(np.int64))
     _fsync_dir(staged)
     return layout_out, checksums
 

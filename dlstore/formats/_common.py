@@ -150,3 +150,22 @@ def batch_out(out: Any, n: int, shape: tuple[int, ...]) -> Any:
         raise ValueError(f"out must be a C-contiguous uint8 array of shape {(n, *shape)}, "
                          f"got {out.dtype} {out.shape}")
     return out
+
+
+def write_synced(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (a store is published only after this)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def save_npy_synced(path: Path, array: Any) -> str:
+    """``np.save`` (never pickled) + fsync; return the file's sha256 for the manifest."""
+    import numpy as np
+
+    with open(path, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    return sha256_file(path)

@@ -35,7 +35,7 @@ import numpy as np
 
 from ..errors import StoreCorruptError
 from ..manifest import loads as load_manifest_text
-from ._common import ForkSafe, batch_out, safe_member, sha256_file
+from ._common import ForkSafe, batch_out, safe_member, save_npy_synced, sha256_file, write_synced
 
 FORMAT = "shards"
 FORMAT_VERSION = 1
@@ -216,19 +216,10 @@ class ShardWriter:
         return layout
 
     def _save(self, name: str, array: np.ndarray) -> None:
-        path = self.folder / name
-        with open(path, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-            f.flush()
-            os.fsync(f.fileno())
-        self.checksums[name] = sha256_file(path)
+        self.checksums[name] = save_npy_synced(self.folder / name, array)
 
     def write_manifest(self, text: str) -> None:
-        path = self.folder / MANIFEST_NAME
-        with open(path, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        write_synced(self.folder / MANIFEST_NAME, text.encode("utf-8"))
 
     def close(self) -> None:
         """Release open files; safe after finish() and after an error."""
