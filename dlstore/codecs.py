@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from .errors import StoreCorruptError
+from .errors import StoreCorruptError, VariableShapeError
 from .formats._common import batch_out
 
 ENCODINGS = ("raw", "jpeg", "png")
@@ -85,7 +85,7 @@ class DecodingReader:
 
     def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if self.shape is None:
-            raise ValueError(f"{self._where}: get_batch needs a store whose samples decode to one shape")
+            raise VariableShapeError(f"{self._where}: get_batch needs a store whose samples decode to one shape")
         out = batch_out(out, len(indices), self.shape)
         for j, sample in enumerate(self.get_many([int(i) for i in indices])):
             out[j] = sample

@@ -54,7 +54,7 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ..errors import StoreCorruptError
+from ..errors import StoreCorruptError, VariableShapeError
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
 from ._common import ForkSafe, batch_out
@@ -477,7 +477,8 @@ class Hdf5Reader(ForkSafe):
     def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Samples ``indices`` of a fixed-shape store as one (B, C, H, W) array, read in file order."""
         if self.shape is None:
-            raise ValueError(f"{self.path}: get_batch needs a fixed-shape store")
+            raise VariableShapeError(f"{self.path}: get_batch needs a fixed-shape store (read samples "
+                                     "with get/get_many, or convert with a size-fixing static op)")
         self._ensure_open()
         indices = np.asarray(indices, dtype=np.int64).reshape(-1)
         out = batch_out(out, len(indices), self.shape)

@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StoreCorruptError
+from ..errors import StoreCorruptError, VariableShapeError
 from ..manifest import loads as load_manifest_text
 from ._common import ForkSafe, batch_out, safe_member, save_npy_synced, sha256_file, write_synced
 
@@ -377,7 +377,8 @@ class ShardReader(ForkSafe):
         """Samples ``indices`` of a fixed-shape store gathered into one (B, C, H, W) array."""
         self._ensure_open()
         if self.kind != "fixed":
-            raise ValueError(f"{self.path}: get_batch needs a fixed-shape store")
+            raise VariableShapeError(f"{self.path}: get_batch needs a fixed-shape store (read samples "
+                                     "with get/get_many, or convert with a size-fixing static op)")
         indices = np.asarray(indices, dtype=np.int64)
         if len(indices) and (indices.min() < 0 or indices.max() >= self.count):
             bad = indices[(indices < 0) | (indices >= self.count)][0]
