@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from dlstore.bench import machine_info  # noqa: F401 - re-exported: one copy, shared with `dlstore bench`
+from dlstore._system import machine_info  # noqa: F401 - re-exported: one copy, shared with `dlstore bench`
 
 
 def repeat(fn: Callable[[], int], repeats: int, warmup: int = 1) -> dict:

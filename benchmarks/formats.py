@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json  # noqa: E402
 
 import dlstore  # noqa: E402
-from dlstore.demo import make_image_folder  # noqa: E402
+from dlstore.sources.demo import make_image_folder  # noqa: E402
 
 STATIC = "resize=256,center_crop=224"
 TARGETS = {"lmdb": 50.0, "hdf5": 20.0}
@@ -100,7 +100,7 @@ def main() -> None:
             t0 = time.perf_counter()
             result = dlstore.convert(folder, Path(tmp) / file_name, static=STATIC, workers=args.workers,
                                      progress=False, **options)
-            rows[name] = {"bytes": result.bytes, "convert_seconds": time.perf_counter() - t0,
+            rows[name] = {"bytes": result.nbytes, "convert_seconds": time.perf_counter() - t0,
                           "workers": result.workers, "epochs_per_run": args.store_epochs}
             loaders[name] = dlstore.open_dataset(result.path)
         # Rounds: every loader runs once per round, so load from other processes on a shared

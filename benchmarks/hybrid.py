@@ -39,7 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json  # noqa: E402
 
 import dlstore  # noqa: E402
-from dlstore.demo import make_image_folder  # noqa: E402
+from dlstore.sources.demo import make_image_folder  # noqa: E402
+from dlstore.transforms import BatchCompose, BatchNormalize, BatchRandomCrop  # noqa: E402
 
 
 def measure(configs: dict[str, Callable[[], int]], repeats: int, raw_repeats: int, min_seconds: float) -> dict:
@@ -80,7 +81,7 @@ def run_dataset(name: str, folder: Path, store: Path, pipeline: v2.Compose, batc
     if ds_hybrid._fused_crop is None or ds_hybrid._fused_flip is None:
         raise RuntimeError(f"{name}: crop and flip were not fused: {ds_hybrid.batch_ops}")
     ds_plain = dlstore.open_dataset(store)
-    ds_two_pass = dlstore.open_dataset(store, batch_transform=dlstore.BatchCompose(
+    ds_two_pass = dlstore.open_dataset(store, batch_transform=BatchCompose(
         [ds_hybrid._fused_crop, ds_hybrid._fused_flip]))
     ds_per_sample = dlstore.open_dataset(store, transform=hybrid.dynamic)
     raw = datasets.ImageFolder(str(folder), transform=pipeline)

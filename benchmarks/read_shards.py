@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, repeat, write_json  # noqa: E402
 
 import dlstore  # noqa: E402
-from dlstore.demo import make_image_folder  # noqa: E402
+from dlstore.sources.demo import make_image_folder  # noqa: E402
 
 
 def epoch(dataset) -> int:

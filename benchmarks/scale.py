@@ -50,7 +50,7 @@ def make_folder(root: Path, n: int) -> None:
     import numpy as np
     from PIL import Image
 
-    from dlstore.demo import synthetic_image
+    from dlstore.sources.demo import synthetic_image
 
     pool = []
     for k in range(256):
@@ -82,7 +82,7 @@ def link_prefix(full: Path, root: Path, n: int, n_full: int) -> None:
 
 def child(src: str, dst: str, fmt: str, static: str) -> None:
     import dlstore
-    from dlstore.source import scan
+    from dlstore.sources import scan
 
     base = _rss("VmRSS")
     before = _rss("VmRSS")
@@ -90,14 +90,14 @@ def child(src: str, dst: str, fmt: str, static: str) -> None:
     scan_bytes = _rss("VmRSS") - before
     del source
     start = time.perf_counter()
-    result = dlstore.convert(src, dst, format=fmt, static=static, workers=0, progress=False)
+    result = dlstore.convert(src, dst, store_format=fmt, static=static, workers=0, progress=False)
     seconds = time.perf_counter() - start
     peak_convert = _rss("VmHWM")
     ds = dlstore.open_dataset(dst)
     labels = sum(int(x) for x in ds.targets[:10]) + len(ds.targets)
     json.dump({"count": result.count, "seconds": seconds, "base_rss": base, "scan_bytes": scan_bytes,
                "peak_rss_convert": peak_convert, "peak_rss": _rss("VmHWM"), "labels": labels,
-               "store_bytes": result.bytes}, sys.stdout)
+               "store_bytes": result.nbytes}, sys.stdout)
 
 
 def main() -> None:

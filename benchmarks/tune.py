@@ -47,8 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json  # noqa: E402
 
 import dlstore  # noqa: E402
-from dlstore.demo import make_image_folder  # noqa: E402
-from dlstore.tuning import cpu_info, loader_kwargs, measure_throughput, open_for_tuning, tune  # noqa: E402
+from dlstore.sources.demo import make_image_folder  # noqa: E402
+from dlstore._system import cpu_info  # noqa: E402
+from dlstore.tools.tuning import loader_kwargs, measure_throughput, open_for_tuning, tune  # noqa: E402
 
 EPOCH = 200_000
 

@@ -1,16 +1,28 @@
 """dlstore: precomputed image stores and fast loaders for PyTorch training.
 
-The public API, re-exported; nothing else happens here.
+The core API, re-exported; nothing else happens here. Tools (bench, tune,
+profile) live in ``dlstore.tools``, batch transforms in ``dlstore.transforms``.
+
+Layers, imported one way only::
+
+    cli -> tools, conversion, data -> formats -> transforms, sources -> errors, _system
 """
 
-from .bench import BenchReport, run_bench
-from .convert import ConvertResult, convert
-from .dataset import StoreDataset, loader, open_dataset
-from .distributed import DistributedError
+from .conversion import ConvertResult, convert
+from .data import (
+    GPUDataset,
+    HDF5Dataset,
+    LMDBDataset,
+    ShardsDataset,
+    StoreDataset,
+    loader,
+    open_dataset,
+)
 from .errors import (
     ConversionInterrupted,
     DecodeError,
     DeviceMemoryError,
+    DistributedError,
     DlstoreError,
     SourceError,
     StaticMismatchError,
@@ -21,32 +33,12 @@ from .errors import (
     UnknownFormatError,
     VariableShapeError,
 )
-from .gpu import GPUDataset, GPULoader
-from .profiling import TimedDataset, profile_loader
-from .transforms import (
-    BatchCompose,
-    BatchCutout,
-    BatchNormalize,
-    BatchRandomCrop,
-    BatchRandomHorizontalFlip,
-    BatchRandomResizedCrop,
-    HybridTransform,
-    parse_static,
-    split_transforms,
-)
-from .tuning import cpu_info, tune
+from .tools.verification import VerifyReport, verify
+from .transforms import HybridTransform, split_transforms
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "BenchReport",
-    "BatchCompose",
-    "BatchCutout",
-    "BatchNormalize",
-    "BatchRandomCrop",
-    "BatchRandomHorizontalFlip",
-    "BatchRandomResizedCrop",
-    "HybridTransform",
     "ConversionInterrupted",
     "ConvertResult",
     "DecodeError",
@@ -54,24 +46,23 @@ __all__ = [
     "DistributedError",
     "DlstoreError",
     "GPUDataset",
-    "GPULoader",
+    "HDF5Dataset",
+    "HybridTransform",
+    "LMDBDataset",
+    "ShardsDataset",
     "SourceError",
     "StaticMismatchError",
     "StoreBusyError",
     "StoreCorruptError",
     "StoreDataset",
     "StoreExistsError",
-    "TimedDataset",
     "TransformSpecError",
     "UnknownFormatError",
     "VariableShapeError",
+    "VerifyReport",
     "convert",
     "loader",
-    "cpu_info",
     "open_dataset",
-    "parse_static",
     "split_transforms",
-    "profile_loader",
-    "run_bench",
-    "tune",
+    "verify",
 ]

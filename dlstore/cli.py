@@ -63,11 +63,11 @@ def main() -> None:
 def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, resume, exif_transpose,
             max_pixels, compression, encoding, quality, quiet):
     """Convert image folder SRC (ImageFolder layout) into store DST."""
-    from .convert import convert as run_convert
-    from .source import DEFAULT_MAX_PIXELS
+    from .conversion import convert as run_convert
+    from .sources.decode import DEFAULT_MAX_PIXELS
 
     _sigterm_as_interrupt()
-    from .distributed import env_world_size, init_from_env
+    from .conversion.distributed import env_world_size, init_from_env
 
     # Under torchrun (WORLD_SIZE > 1) every rank runs this command: join a gloo group, convert a part each.
     rank = int(os.environ.get("RANK", "0")) if env_world_size() > 1 else 0
@@ -82,7 +82,7 @@ def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, res
                              f"use a .h5 DST or --format hdf5, or leave --compression out"))
         options["compression"] = compression
     try:
-        result = run_convert(src, dst, format=fmt, static=static, workers=workers, overwrite=overwrite,
+        result = run_convert(src, dst, store_format=fmt, static=static, workers=workers, overwrite=overwrite,
                              on_error=on_error, shard_size=parse_bytes(shard_size), resume=resume, **options,
                              exif_transpose=exif_transpose, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
                              encoding=encoding, quality=quality,
@@ -125,10 +125,10 @@ def parse_bytes(text: str) -> int:
 @click.argument("store", type=click.Path(exists=True))
 def info(store):
     """Describe STORE: samples, classes, shape, static transforms, size, skipped files."""
-    from .convert import disk_usage
+    from .conversion.job import disk_usage
+    from .data import open_dataset
+    from .transforms.static import describe
     from .units import human_bytes
-    from .dataset import open_dataset
-    from .transforms import describe
 
     try:
         ds = open_dataset(store)
@@ -171,9 +171,9 @@ def info(store):
 @click.option("--deep", is_flag=True, help="Also re-read every sample and check its shape.")
 def verify(store, deep):
     """Check STORE's manifest and data checksums; exit 1 if anything is wrong."""
-    from .verify import verify_store
+    from .tools.verification import verify
 
-    report = verify_store(store, deep=deep)
+    report = verify(store, deep=deep)
     click.echo(str(report))
     if not report.ok:
         sys.exit(1)
@@ -199,9 +199,9 @@ def _demo(workdir: Path, images: int, workers: int | None) -> None:
     from torchvision import datasets
     from torchvision.transforms import v2
 
-    from .convert import convert as run_convert
-    from .dataset import open_dataset
-    from .demo import make_image_folder
+    from .conversion import convert as run_convert
+    from .data import open_dataset
+    from .sources.demo import make_image_folder
 
     classes = 5
     per_class = max(1, images // classes)
@@ -271,8 +271,9 @@ def tune(path, batch_size, device, budget, max_workers, static, as_json):
     """
     import json
 
-    from .tuning import cpu_info, open_for_tuning
-    from .tuning import tune as run_tune
+    from ._system import cpu_info
+    from .tools.tuning import open_for_tuning
+    from .tools.tuning import tune as run_tune
 
     _check_device(device)
     try:
@@ -326,8 +327,9 @@ def profile(path, batch_size, workers, prefetch_factor, pin_memory, steps, step_
 
     from torch.utils.data import DataLoader
 
-    from .profiling import TimedDataset, profile_loader, synthetic_step
-    from .tuning import loader_kwargs, open_for_tuning, usable_cpus
+    from ._system import usable_cpus
+    from .tools.profiling import TimedDataset, profile_loader, synthetic_step
+    from .tools.tuning import loader_kwargs, open_for_tuning
 
     _check_device(device)
     workers = min(4, usable_cpus()) if workers is None else workers
@@ -402,7 +404,7 @@ def bench(src, workdir, formats, static, workers, batch_size, cache, orders, sam
     the same static transforms) in random and sequential order, per num_workers
     value, with a cold (evicted, verified with mincore) and a warm page cache.
     """
-    from .bench import run_bench
+    from .tools.bench import run_bench
 
     _sigterm_as_interrupt()
     try:

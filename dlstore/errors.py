@@ -25,6 +25,22 @@ class DecodeError(SourceError):
         self.reason = reason
 
 
+class ArgumentError(DlstoreError, ValueError):
+    """An argument has a value dlstore cannot use; the message names it and what is valid."""
+
+
+class ArgumentTypeError(DlstoreError, TypeError):
+    """An argument has a type dlstore cannot use; the message names it and what is accepted."""
+
+
+class StoreNotFoundError(DlstoreError, FileNotFoundError):
+    """Nothing exists at the path given as a store."""
+
+
+class SampleIndexError(DlstoreError, IndexError):
+    """A sample index (or range) outside a store or dataset."""
+
+
 class TransformSpecError(DlstoreError, ValueError):
     """A static transform spec is invalid, unsupported or random."""
 
@@ -41,12 +57,20 @@ class UnknownFormatError(DlstoreError, ValueError):
     """A format name or a path that matches no known store format."""
 
 
+class WrongFormatError(UnknownFormatError):
+    """A format-specific Dataset (``ShardsDataset``, ...) was given a store of another format."""
+
+
 class StoreCorruptError(DlstoreError, ValueError):
     """A store's manifest or data is missing, damaged or inconsistent."""
 
 
 class ConversionInterrupted(DlstoreError, RuntimeError):
     """A conversion stopped before completion (signal, dead worker, I/O error)."""
+
+
+class DistributedError(ConversionInterrupted):
+    """Another rank of a distributed conversion failed (or could not be reached); this one stopped too."""
 
 
 class DeviceMemoryError(DlstoreError, MemoryError):

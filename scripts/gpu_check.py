@@ -49,8 +49,8 @@ from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.demo import make_image_folder
-from dlstore.tuning import usable_cpus
+from dlstore.sources.demo import make_image_folder
+from dlstore._system import usable_cpus
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -119,7 +119,7 @@ def build_store(root: Path, name: str, *, count: int, unique: int, classes: int,
     made = time.perf_counter() - t0
     result = dlstore.convert(folder, root / f"{name}.shards", static=static, workers=workers, progress=False)
     return {"path": str(result.path), "count": result.count, "classes": len(result.classes),
-            "shape": list(result.shape), "static": static, "bytes": result.bytes,
+            "shape": list(result.shape), "static": static, "bytes": result.nbytes,
             "generate_seconds": made, "convert_seconds": result.seconds, "convert_workers": result.workers}
 
 

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from dlstore.demo import make_image_folder, synthetic_image
+from dlstore.sources.demo import make_image_folder, synthetic_image
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from dlstore.cli import main, parse_bytes
-from dlstore.demo import make_image_folder
+from dlstore.sources.demo import make_image_folder
 
 
 @pytest.fixture

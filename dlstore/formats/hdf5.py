@@ -55,13 +55,14 @@ import h5py
 import numpy as np
 
 from ..errors import StoreCorruptError, VariableShapeError
-from ..manifest import loads as load_manifest_text
-from ..manifest import validate
 from ._common import ForkSafe, batch_out
+from .manifest import loads as load_manifest_text
+from .manifest import validate
 
 FORMAT = "hdf5"
 FORMAT_VERSION = 1
 SUFFIXES = (".h5", ".hdf5")
+READER_OPTIONS = ("chunk_cache_bytes",)   # keyword options of Reader, see open_dataset(reader_options=)
 
 MANIFEST_ATTR = "dlstore"
 COMPRESSIONS = ("none", "lzf", "gzip")
@@ -485,6 +486,12 @@ class Hdf5Reader(ForkSafe):
         for k in np.argsort(indices, kind="stable").tolist():
             self._read_fixed(int(indices[k]), out[k])
         return out
+
+    def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
+        """Samples ``[start, stop)`` of a fixed-shape store into one (k, C, H, W) array (``threads`` unused)."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"range [{start}, {stop}) out of range for a store of {len(self)} samples")
+        return self.get_batch(np.arange(start, stop, dtype=np.int64), out=out)
 
 
 Writer = Hdf5Writer

@@ -50,8 +50,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from array import array
 import weakref
+from array import array
 from pathlib import Path
 from typing import Any
 
@@ -59,13 +59,14 @@ import lmdb
 import numpy as np
 
 from ..errors import StoreCorruptError, VariableShapeError
-from ..manifest import loads as load_manifest_text
-from ..manifest import validate
 from ._common import ForkSafe, batch_out
+from .manifest import loads as load_manifest_text
+from .manifest import validate
 
 FORMAT = "lmdb"
 FORMAT_VERSION = 1
 SUFFIXES = (".lmdb",)
+READER_OPTIONS = ("readahead",)   # keyword options of Reader, see open_dataset(reader_options=)
 
 KEY_DIGITS = 10
 MANIFEST_KEY = b"__dlstore__"
@@ -470,6 +471,12 @@ class LmdbReader(ForkSafe):
             for k, i in enumerate(indices.tolist()):
                 flat[k] = np.frombuffer(self._value(txn, i, nbytes), dtype=np.uint8)
         return out
+
+    def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
+        """Samples ``[start, stop)`` of a fixed-shape store into one (k, C, H, W) array (``threads`` unused)."""
+        if not 0 <= start <= stop <= len(self):
+            raise IndexError(f"range [{start}, {stop}) out of range for a store of {len(self)} samples")
+        return self.get_batch(np.arange(start, stop, dtype=np.int64), out=out)
 
 
 Writer = LmdbWriter

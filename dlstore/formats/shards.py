@@ -28,14 +28,22 @@ from __future__ import annotations
 import hashlib
 import os
 from array import array
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..errors import StoreCorruptError, VariableShapeError
-from ..manifest import loads as load_manifest_text
-from ._common import ForkSafe, batch_out, safe_member, save_npy_synced, sha256_file, write_synced
+from ._common import (
+    ForkSafe,
+    batch_out,
+    safe_member,
+    save_npy_synced,
+    sha256_file,
+    write_synced,
+)
+from .manifest import loads as load_manifest_text
 
 FORMAT = "shards"
 FORMAT_VERSION = 1
@@ -404,7 +412,65 @@ class ShardReader(ForkSafe):
                 out[k] = self._map(s)[j]
         return out
 
+    def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
+        """Samples ``[start, stop)`` of a fixed-shape store into one C-contiguous (k, C, H, W) array.
+
+        Sequential reads skip the gather of ``get_batch`` (``np.take`` from the
+        memory map, ~5 GB/s on one core): each file's byte range is read with
+        ``os.preadv`` straight into ``out``, in 8 MiB pieces over ``threads``
+        threads (~17 GB/s from the page cache per thread, the GIL released).
+        Each file is validated (header, dtype, shape, size) as ``get`` does.
+        """
+        if self.kind != "fixed":
+            raise VariableShapeError(f"{self.path}: read_range needs a fixed-shape store")
+        if not 0 <= start <= stop <= self.count:
+            raise IndexError(f"range [{start}, {stop}) out of range for a store of {self.count} samples")
+        self._ensure_open()
+        out = batch_out(out, stop - start, self.shape)
+        if not out.flags.c_contiguous:
+            raise ValueError("read_range needs a C-contiguous out= array")
+        sample_bytes = int(np.prod(self.shape))
+        flat = memoryview(out.reshape(-1))
+        jobs = []
+        i = start
+        while i < stop:
+            k = int(np.searchsorted(self._starts, i, side="right")) - 1
+            j = min(stop, int(self._starts[k + 1]))
+            data_offset = self._map(k).offset             # validates the file; the map itself is not read
+            first = (i - start) * sample_bytes
+            local = data_offset + (i - int(self._starts[k])) * sample_bytes
+            nbytes = (j - i) * sample_bytes
+            for p in range(0, nbytes, _PIECE):
+                q = min(nbytes, p + _PIECE)
+                jobs.append((self.files[k], local + p, flat[first + p:first + q]))
+            i = j
+        if threads > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(min(threads, len(jobs)), thread_name_prefix="dlstore-read") as pool:
+                for done in [pool.submit(_pread_into, *job) for job in jobs]:
+                    done.result()
+        else:
+            for job in jobs:
+                _pread_into(*job)
+        return out
+
+
+_PIECE = 8 << 20   # bytes per preadv call of read_range
+
+
+def _pread_into(path: Path, offset: int, view: memoryview) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            got = os.preadv(fd, [view[done:]], offset + done)
+            if got <= 0:
+                raise StoreCorruptError(f"{path}: ended early (truncated while reading?)")
+            done += got
+    finally:
+        os.close(fd)
+
 
 SUFFIXES = (".shards",)
+READER_OPTIONS: tuple[str, ...] = ()   # keyword options of Reader, see open_dataset(reader_options=)
 Writer = ShardWriter
 Reader = ShardReader

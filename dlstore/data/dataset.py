@@ -1,0 +1,412 @@
+"""One map-style Dataset for every store format.
+
+``open_dataset(path)`` detects the format, validates the manifest (cheap checks
+only) and returns a :class:`StoreDataset` yielding ``(uint8 CHW tensor, int
+label)``, like ``ImageFolder`` followed by the store's static transforms and
+``PILToTensor``. Data handles open lazily in each process that reads (after a
+DataLoader worker starts), never before a fork.
+
+The batch path: ``loader(dataset, batch_size, ...)`` hands whole index lists
+to ``StoreDataset.get_batch``, which assembles the batch in one copy from the
+reader's per-sample views (applying a random crop and flip inside that copy
+when the dynamic part starts with them), runs per-sample ops only where an op
+has no batch equivalent, then the batch transforms once per batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+
+from .. import formats
+from ..errors import (
+    ArgumentError,
+    StaticMismatchError,
+    StoreCorruptError,
+    TransformSpecError,
+    WrongFormatError,
+)
+from ..formats.encoding import DecodingReader
+from ..transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip
+from ..transforms.functional import (
+    VECTORISED_MAX_PIXELS,
+    crop_flip_loop,
+    crop_flip_windows,
+)
+from ..transforms.hybrid import HybridTransform, _flatten, batch_plan
+from ..transforms.static import describe, parse_static
+
+# Batch buffers of at least this size are recycled in the main process (see _new_batch).
+_POOL_MIN_BYTES = 4 << 20
+_POOL_SIZE = 4
+
+
+class StoreDataset(Dataset):
+    """Map-style dataset over a dlstore store of any format.
+
+    Reading methods: ``read(i)`` / ``read_batch(indices)`` give samples as
+    stored (no transform); ``ds[i]`` / ``get_batch(indices)`` apply the dynamic
+    transforms. ``ShardsDataset``, ``LMDBDataset`` and ``HDF5Dataset`` are this
+    class bound to one format.
+
+    Attributes:
+        classes: class names in label order (empty for an unlabelled store).
+        class_to_idx: name -> label.
+        targets: the label of every sample (list of int), as ``ImageFolder.targets``.
+        manifest: the store's manifest (dict).
+        shape: (C, H, W) of every sample, or None for a variable-shape store.
+
+    Samples of fixed-shape shards stores are zero-copy views of a private
+    copy-on-write memory map: nothing is read until the tensor is used, and an
+    in-place change never reaches the file (but does persist in that process, so
+    a transform that works in place should ``clone()`` first).
+
+    ``transform`` may be a :class:`HybridTransform`: the store's static spec must
+    then equal the hybrid's static part, and only its dynamic part runs. Through
+    ``get_batch`` (what ``dlstore.loader`` calls) the trailing ops of the dynamic
+    part that have a batch equivalent run once per batch (``batch_ops``); the
+    rest run per sample (``per_sample_ops``). ``batch_transform`` runs after them.
+    """
+
+    FORMAT: str | None = None   # set by the format-specific subclasses
+
+    def __init__(
+        self,
+        path: str | os.PathLike,
+        transform: Callable[[torch.Tensor], Any] | None = None,
+        target_transform: Callable[[int], Any] | None = None,
+        *,
+        batch_transform: Callable[..., torch.Tensor] | None = None,
+        reader_options: dict[str, Any] | None = None,
+    ):
+        self.path = Path(path)
+        self.format = formats.detect_format(self.path)
+        if self.FORMAT is not None and self.format != self.FORMAT:
+            raise WrongFormatError(
+                f"{self.path} is a {self.format} store, not {self.FORMAT}: open it with "
+                f"dlstore.{_CLASS_NAMES[self.format]} or dlstore.open_dataset (which detects the format)")
+        module = formats.get_format(self.format)
+        options = dict(reader_options or {})
+        unknown = sorted(set(options) - set(module.READER_OPTIONS))
+        if unknown:
+            valid = ", ".join(f"{name}: {', '.join(formats.get_format(name).READER_OPTIONS) or 'none'}"
+                              for name in formats.names())
+            raise ArgumentError(f"{self.path}: reader_options {unknown} do not apply to {self.format} stores "
+                                f"(options per format: {valid})")
+        self.reader = module.Reader(self.path, **options)
+        self.manifest: dict[str, Any] = self.reader.manifest
+        if self.manifest["sample"]["encoding"] != "raw":  # JPEG/PNG records, decoded with PIL on read
+            self.reader = DecodingReader(self.reader)
+        self.classes: list[str] = list(self.manifest["classes"])
+        self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        labels = np.asarray(self.reader.labels, dtype=np.int64)
+        n_classes = len(self.classes)
+        valid = (labels >= 0) & (labels < n_classes) if n_classes else labels == -1
+        if not valid.all():
+            bad = int(np.argmin(valid))
+            raise StoreCorruptError(
+                f"{self.path}: label {int(labels[bad])} of sample {bad} is out of range for "
+                f"{n_classes} classes")
+        self._labels = labels
+        self.targets: list[int] = labels.tolist()
+        sample = self.manifest["sample"]
+        shape = sample["shape"] if sample["encoding"] == "raw" else sample.get("decoded_shape")
+        self.shape: tuple[int, int, int] | None = tuple(shape) if shape is not None else None
+        self.hybrid: HybridTransform | None = None
+        if isinstance(transform, HybridTransform):
+            _check_static(self.path, self.manifest, transform)
+            self.hybrid = transform
+            ops = transform.dynamic_ops
+            transform = transform.dynamic
+        elif transform is not None and type(transform).__module__.startswith("torchvision."):
+            ops = _flatten(transform)
+        else:
+            ops = [] if transform is None else [transform]
+        self.transform = transform
+        self.target_transform = target_transform
+        self.batch_transform = batch_transform
+        self.per_sample_ops, self.batch_ops = batch_plan(ops, fixed_shape=self.shape is not None)
+        if batch_transform is not None:
+            self.batch_ops.append(batch_transform)
+        # Leading crop (constant padding) and flip run inside the copy that assembles the batch.
+        self._fused_crop: BatchRandomCrop | None = None
+        self._fused_flip: BatchRandomHorizontalFlip | None = None
+        rest = list(self.batch_ops)
+        if self.shape is not None and not self.per_sample_ops:
+            if rest and isinstance(rest[0], BatchRandomCrop) and rest[0].padding_mode == "constant" \
+                    and isinstance(rest[0].fill, int) and 0 <= rest[0].fill <= 255:
+                self._fused_crop = rest.pop(0)
+            if rest and isinstance(rest[0], BatchRandomHorizontalFlip):
+                self._fused_flip = rest.pop(0)
+        self._batch_rest = rest
+        self._scratch: tuple[tuple, np.ndarray] | None = None   # padded buffer of the vectorised gather
+        self._pool: list[np.ndarray] = []                          # batch buffers, see _new_batch
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = self.__dict__.copy()
+        state["_scratch"] = None    # scratch memory is per process, never pickled to workers
+        state["_pool"] = []
+        return state
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    def _index(self, i: int) -> int:
+        n = len(self._labels)
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} out of range for a store of {n} samples")
+        return i
+
+    def _indices(self, indices: Sequence[int]) -> np.ndarray:
+        """``_index`` for a whole batch, vectorised: int64 array, negatives wrapped, range-checked."""
+        n = len(self._labels)
+        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        idx = np.where(idx < 0, idx + n, idx)
+        bad = (idx < 0) | (idx >= n)
+        if bad.any():
+            raise IndexError(f"index {int(np.asarray(indices).reshape(-1)[np.argmax(bad)])} out of range "
+                             f"for a store of {n} samples")
+        return idx
+
+    def read(self, i: int) -> torch.Tensor:
+        """Sample ``i`` as stored: uint8 (C, H, W), before any transform."""
+        return torch.from_numpy(self.reader.get(self._index(i)))
+
+    def __getitem__(self, i: int) -> tuple[Any, Any]:
+        i = self._index(i)
+        image: Any = torch.from_numpy(self.reader.get(i))
+        label: Any = int(self._labels[i])
+        if self.transform is not None:
+            image = self.transform(image)
+        if self.batch_transform is not None:
+            image = self.batch_transform(image[None])[0]
+        if self.target_transform is not None:
+            label = self.target_transform(label)
+        return image, label
+
+    def read_batch(self, indices: Sequence[int]) -> tuple[torch.Tensor | list[torch.Tensor], torch.Tensor]:
+        """Samples ``indices`` before transforms: a (B, C, H, W) uint8 tensor for a
+        fixed-shape store (one gather, no per-sample tensors), else a list of
+        (C, H, W) tensors; and the int64 labels."""
+        idx = self._indices(indices)
+        labels = torch.from_numpy(self._labels[idx])
+        if self.shape is not None and hasattr(self.reader, "get_batch"):
+            return torch.from_numpy(self.reader.get_batch(idx)), labels
+        return [torch.from_numpy(self.reader.get(int(i))) for i in idx], labels
+
+    def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
+        """Batched read used by DataLoader (torch >= 2.1 calls it with the whole batch).
+
+        Fixed-shape shards samples come back as views of the memory map, so the
+        DataLoader's ``default_collate`` (``torch.stack``) is the one and only copy.
+        """
+        if self.batch_transform is not None:
+            batch, labels_t = self.get_batch(indices)
+            labels_out = labels_t.tolist() if isinstance(labels_t, torch.Tensor) else list(labels_t)
+            return list(zip(batch.unbind(0), labels_out))
+        idx = self._indices(indices).tolist()
+        images = [torch.from_numpy(a) for a in self.reader.get_many(idx)]
+        labels = self._labels[idx].tolist()
+        if self.transform is None and self.target_transform is None:
+            return list(zip(images, labels))
+        out = []
+        for image, label in zip(images, labels):
+            if self.transform is not None:
+                image = self.transform(image)
+            if self.target_transform is not None:
+                label = self.target_transform(label)
+            out.append((image, label))
+        return out
+
+    def get_batch(self, indices: Sequence[int], generator: torch.Generator | None = None
+                  ) -> tuple[torch.Tensor, Any]:
+        """Samples ``indices`` with the dynamic transforms applied, as one batch.
+
+        The batch is assembled in one copy from the reader's per-sample views;
+        a leading random crop (constant padding) and horizontal flip are applied
+        inside that copy. Per-sample ops (those without a batch equivalent) run
+        next, then the batch ops, once.
+
+        Args:
+            indices: sample indices.
+            generator: CPU generator for the random parameters; None uses torch's
+                default one (seeded per worker by the DataLoader).
+
+        Returns:
+            (images, labels): a (B, C, H, W) tensor and an int64 (B,) tensor (a list
+            if ``target_transform`` returns non-numbers).
+        """
+        idx = self._indices(indices)
+        if self.shape is not None and not self.per_sample_ops:
+            images = self._gather(idx, generator)
+        else:
+            samples = [torch.from_numpy(a) for a in self.reader.get_many(idx.tolist())]
+            for op in self.per_sample_ops:
+                samples = [op(x) for x in samples]
+            images = _stack(samples, self.path)
+        for op in self._batch_rest:
+            images = op(images, generator)
+        labels: Any = torch.from_numpy(self._labels[idx])
+        if self.target_transform is not None:
+            out = [self.target_transform(int(v)) for v in labels]
+            labels = torch.as_tensor(out) if all(isinstance(v, (int, float)) for v in out) else out
+        return images, labels
+
+    def _gather(self, idx: np.ndarray, generator: torch.Generator | None) -> torch.Tensor:
+        """One copy from the store into a new (B, C, H, W) batch, with the fused crop/flip."""
+        crop, flip = self._fused_crop, self._fused_flip
+        if crop is None and flip is None:
+            if hasattr(self.reader, "get_batch"):
+                out = self._new_batch((len(idx), *self.shape))  # type: ignore[misc]
+                self.reader.get_batch(idx, out=out.numpy())
+                return out
+            return _stack([torch.from_numpy(a) for a in self.reader.get_many(idx.tolist())], self.path)
+        b = len(idx)
+        c, h, w = self.shape  # type: ignore[misc]
+        # Draw in the order BatchCompose([crop, flip]) draws, so fused == unfused for one seed.
+        th, tw = crop.size if crop is not None else (h, w)
+        padding = crop.padding if crop is not None else (0, 0, 0, 0)
+        fill = crop.fill if crop is not None else 0
+        if crop is not None:
+            params = crop.sample((b, c, h, w), generator=generator)
+            tops, lefts = params["top"].numpy(), params["left"].numpy()
+        else:
+            tops = lefts = np.zeros(b, dtype=np.int64)
+        flips = flip.sample((b, c, th, tw), generator=generator)["flip"].numpy() if flip is not None \
+            else np.zeros(b, dtype=bool)
+        if th * tw <= VECTORISED_MAX_PIXELS and hasattr(self.reader, "get_batch"):
+            batch, self._scratch = crop_flip_windows(self.reader.get_batch, idx, self.shape, (th, tw), tops, lefts,
+                                                     flips, padding, fill, self._scratch)
+            return batch
+        out = self._new_batch((b, c, th, tw))
+        crop_flip_loop(self.reader.get_many(idx.tolist()), out.numpy(), tops, lefts, flips, padding, fill)
+        return out
+
+    def _new_batch(self, shape: tuple[int, ...]) -> torch.Tensor:
+        """An uninitialised uint8 tensor for a batch.
+
+        In a DataLoader worker it lives in shared memory (allocated as torch's
+        default_collate allocates it), so handing it to the main process copies
+        nothing. In the main process it reuses a buffer that no tensor refers to
+        any more: a fresh allocation of a large batch (over glibc's 32 MiB mmap
+        limit, e.g. 256x3x224x224) is page-faulted and zeroed by the kernel on
+        first touch, which costs more than the copy itself (measured 5-10x).
+        """
+        if get_worker_info() is not None:
+            elem = torch.empty(0, dtype=torch.uint8)
+            storage = elem._typed_storage()._new_shared(int(np.prod(shape)), device="cpu")
+            return elem.new(storage).resize_(*shape)
+        nbytes = int(np.prod(shape))
+        if nbytes < _POOL_MIN_BYTES:
+            return torch.empty(shape, dtype=torch.uint8)
+        pool = self._pool
+        for k in range(len(pool)):
+            # references: the list and getrefcount's argument. Any more: a batch tensor (or a
+            # view of one) handed out earlier still uses this memory.
+            if pool[k].nbytes == nbytes and sys.getrefcount(pool[k]) <= 2:
+                buf = pool.pop(k)
+                pool.append(buf)                             # most recently used last
+                return torch.from_numpy(buf.reshape(shape))
+        if len(pool) >= _POOL_SIZE:
+            pool.pop(0)                                      # forget the oldest; its user keeps it
+        buf = np.empty(nbytes, dtype=np.uint8)
+        pool.append(buf)
+        return torch.from_numpy(buf.reshape(shape))
+
+    def __repr__(self) -> str:
+        shape = "x".join(map(str, self.shape)) if self.shape else "variable"
+        return (f"{type(self).__name__}({str(self.path)!r}, format={self.format}, samples={len(self)}, "
+                f"classes={len(self.classes)}, shape={shape})")
+
+
+class ShardsDataset(StoreDataset):
+    """A :class:`StoreDataset` over a ``.shards`` store (memory-mapped tensor shards)."""
+
+    FORMAT = "shards"
+
+
+class LMDBDataset(StoreDataset):
+    """A :class:`StoreDataset` over an ``.lmdb`` store (``reader_options={"readahead": bool}``)."""
+
+    FORMAT = "lmdb"
+
+
+class HDF5Dataset(StoreDataset):
+    """A :class:`StoreDataset` over an ``.h5`` store (``reader_options={"chunk_cache_bytes": int}``)."""
+
+    FORMAT = "hdf5"
+
+
+_CLASSES: dict[str, type[StoreDataset]] = {"shards": ShardsDataset, "lmdb": LMDBDataset, "hdf5": HDF5Dataset}
+_CLASS_NAMES = {name: cls.__name__ for name, cls in _CLASSES.items()}
+
+
+def open_dataset(
+    path: str | os.PathLike,
+    transform: Callable[[torch.Tensor], Any] | None = None,
+    target_transform: Callable[[int], Any] | None = None,
+    *,
+    batch_transform: Callable[..., torch.Tensor] | None = None,
+    reader_options: dict[str, Any] | None = None,
+) -> StoreDataset:
+    """Open a store written by ``dlstore convert`` as a map-style Dataset of the matching class.
+
+    The format is detected from the contents (``ShardsDataset``, ``LMDBDataset``
+    or ``HDF5Dataset`` is returned, each a :class:`StoreDataset`).
+
+    Args:
+        path: a ``.shards`` folder, an ``.lmdb`` folder or an ``.h5`` file.
+        transform: dynamic transform applied to each uint8 CHW tensor at read time,
+            or a :class:`HybridTransform` (its static part must match the store's;
+            its dynamic part runs, per batch where possible through ``dlstore.loader``).
+        target_transform: applied to each int label.
+        batch_transform: ``t(images, generator=None)`` run once per (B, C, H, W)
+            batch by ``get_batch`` / ``dlstore.loader``, after ``transform``.
+        reader_options: passed to the format's Reader: ``{"readahead": False}`` for
+            LMDB (default: on when the store is under half the RAM),
+            ``{"chunk_cache_bytes": N}`` for HDF5.
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        UnknownFormatError: ``path`` is not a store.
+        StoreCorruptError: the manifest is missing, damaged, too new, or disagrees with the data.
+        StaticMismatchError: ``transform`` is a hybrid whose static part differs from the store's.
+    """
+    cls = _CLASSES[formats.detect_format(path)]
+    return cls(path, transform=transform, target_transform=target_transform, batch_transform=batch_transform,
+               reader_options=reader_options)
+
+
+def _check_static(path: Path, manifest: dict[str, Any], hybrid: HybridTransform) -> None:
+    stored = parse_static(manifest.get("static") or [])
+    wanted = hybrid.static_spec
+    if stored == wanted:
+        return
+    detail = ""
+    if describe(stored) == describe(wanted):  # differ in a field describe() leaves out
+        detail = f"\n  store:     {stored}\n  transform: {wanted}"
+    raise StaticMismatchError(
+        f"{path}: the store was converted with static transforms {describe(stored)!r}, but the hybrid "
+        f"transform's static part is {describe(wanted)!r}{detail}. Training on it would not see the data "
+        f"the pipeline describes. Convert again with dlstore.convert(src, {str(path)!r}, static=hybrid, "
+        f"overwrite=True), or open it with a hybrid whose static part is {describe(stored)!r}.")
+
+
+def _stack(samples: list[torch.Tensor], path: Path) -> torch.Tensor:
+    shapes = {tuple(x.shape) for x in samples}
+    if len(shapes) > 1:
+        raise TransformSpecError(
+            f"{path}: cannot batch samples of different shapes {sorted(shapes)[:4]}; give the dynamic "
+            f"part an op that fixes the size (RandomResizedCrop, RandomCrop, Resize to HxW), or convert "
+            f"with a size-fixing static op (center_crop=...)")
+    return torch.stack(samples)

@@ -1,0 +1,429 @@
+"""A dataset that lives in device memory, and a loader that serves batches from there.
+
+For datasets that fit in GPU memory (CIFAR, ImageNet subsets, most fine-tuning
+sets on a large card) the fastest loader has no workers at all: the whole
+dataset sits on the device, converted once to fp16 (optionally normalised), and
+every batch is an ``index_select`` plus batch augmentations on the device.
+
+Preload pipeline (bounded host memory: at most two chunks on the host)::
+
+    reader thread                    main thread (CUDA: a side stream)
+    ─────────────                    ───────────────────────────────────
+    store ─read─▶ host chunk k+1     host chunk k ─copy, non_blocking─▶ device uint8
+    (pinned when the device is       ─to float32, /255, (x-mean)/std─▶ dtype
+     CUDA)                           ─▶ data[start:stop] of one preallocated tensor
+
+Before allocating anything the bytes needed are compared with what the device
+has free (``torch.cuda.mem_get_info`` minus a headroom) or with ``max_memory``;
+when the data does not fit, ``on_overflow`` decides: raise with the numbers,
+keep uint8 on the device and convert per batch, or stream batches from the
+store through pinned memory.
+
+Every path runs unchanged with ``device="cpu"`` (no pinning, no streams), which
+is how the tests cover it on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Sequence
+from contextlib import nullcontext
+from typing import Any
+
+import numpy as np
+import torch
+
+from .._system import usable_cpus
+from ..errors import DeviceMemoryError, VariableShapeError
+from ..units import human_bytes
+from .dataset import StoreDataset, open_dataset
+from .gpu_loader import BatchFn, GPULoader, _Prefetcher, _resolve_distributed
+
+ON_OVERFLOW = ("error", "uint8", "stream")
+DEFAULT_CHUNK_BYTES = 64 << 20
+# uint8 bytes converted to float32 at a time: bounds the float32 workspace and keeps it in cache.
+CONVERT_BLOCK_BYTES = 8 << 20
+# Kept free on a CUDA device on top of the dataset: the model, activations and the
+# allocator's own slack have to live somewhere.
+MIN_HEADROOM = 1 << 30
+HEADROOM_FRACTION = 0.05
+
+
+
+def _free_memory(device: torch.device, headroom: int | None) -> tuple[int | None, int]:
+    """(bytes free for the dataset on ``device`` after the headroom, headroom), or None if unknown."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        keep = max(MIN_HEADROOM, int(total * HEADROOM_FRACTION)) if headroom is None else int(headroom)
+        return max(0, free - keep), keep
+    if device.type == "cpu":
+        keep = MIN_HEADROOM if headroom is None else int(headroom)
+        try:
+            with open("/proc/meminfo", encoding="ascii") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return max(0, int(line.split()[1]) * 1024 - keep), keep
+        except OSError:
+            pass
+        return None, keep
+    return None, 0
+
+
+class GPUDataset:
+    """A fixed-shape store preloaded into device memory, served a batch at a time.
+
+    ``GPUDataset(path)`` reads the store in chunks, converts each chunk on the
+    device to ``dtype`` and writes it into one preallocated ``(N, C, H, W)``
+    tensor; labels become a device int64 tensor. Float dtypes hold
+    ``ToDtype(float32, scale=True)`` values (``[0, 1]``), normalised with
+    ``(x - mean) / std`` when ``normalize`` is given, then cast once to ``dtype``:
+    the same numbers as torchvision's ``ToDtype(scale=True)`` + ``Normalize``.
+
+    Each rank of a distributed job holds the whole dataset; its loader reads a
+    disjoint share of each epoch's permutation.
+
+    Attributes:
+        data: the ``(N, C, H, W)`` device tensor (``dtype``, or uint8 when
+            ``mode == "uint8"``); None when ``mode == "stream"``.
+        targets: device int64 tensor of the N labels.
+        classes: class names in label order.
+        mode: ``"preload"`` (``data`` holds ``dtype``), ``"uint8"`` (uint8 on the
+            device, converted per batch) or ``"stream"`` (batches read from the store).
+        shape: (C, H, W) of a sample.
+        needed_bytes: device bytes the full-``dtype`` preload needs (data + labels).
+        nbytes: device bytes this dataset holds (data + labels).
+        load_seconds: wall time of the preload (reading, uploading, converting).
+    """
+
+    def __init__(
+        self,
+        source: str | os.PathLike | StoreDataset,
+        device: str | torch.device = "cuda",
+        dtype: torch.dtype = torch.float16,
+        *,
+        normalize: tuple[Sequence[float], Sequence[float]] | None = None,
+        chunk_size: int | None = None,
+        max_memory: int | None = None,
+        on_overflow: str = "error",
+        headroom: int | None = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+    ):
+        """Preload ``source`` onto ``device``.
+
+        Args:
+            source: a store path (anything ``open_dataset`` opens) or a dlstore
+                dataset with a fixed sample shape. Its per-sample ``transform`` is
+                not applied: pass batch transforms to :meth:`loader`.
+            device: where the data lives (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
+            dtype: dtype of the served images: a float dtype (scaled to ``[0, 1]``,
+                then normalised if asked) or ``torch.uint8`` (as stored).
+            normalize: ``(mean, std)``, one value per channel, applied after scaling.
+            chunk_size: samples per preload chunk; default: about 64 MiB of uint8.
+            max_memory: most device bytes the dataset may take (data + labels +
+                preload buffers); also applies to ``device="cpu"``. Default: what
+                the device has free minus ``headroom``.
+            on_overflow: when the data in ``dtype`` does not fit: ``"error"``
+                raises :class:`DeviceMemoryError`; ``"uint8"`` keeps uint8 on the
+                device (half of fp16) and converts each batch; ``"stream"`` serves
+                batches read from the store through pinned host memory.
+            headroom: device bytes left free besides the dataset; default on CUDA
+                the larger of 1 GiB and 5 % of the card, on CPU 1 GiB of RAM.
+            rank: this process's rank; default torch.distributed's, else 0.
+            world_size: number of ranks; default torch.distributed's, else 1.
+
+        Raises:
+            VariableShapeError: the store's samples have different shapes.
+            DeviceMemoryError: the data does not fit and ``on_overflow`` does not
+                allow a fallback (or the fallback does not fit either).
+            ValueError: an invalid option.
+            TypeError: ``source`` is neither a path nor a dlstore dataset.
+        """
+        if on_overflow not in ON_OVERFLOW:
+            raise ValueError(f"on_overflow must be one of {', '.join(map(repr, ON_OVERFLOW))}, "
+                             f"got {on_overflow!r}")
+        if not (dtype.is_floating_point or dtype == torch.uint8):
+            raise ValueError(f"dtype must be a floating dtype or torch.uint8, got {dtype}")
+        if normalize is not None and dtype == torch.uint8:
+            raise ValueError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
+        self.source = open_dataset(source) if isinstance(source, (str, os.PathLike)) else source
+        name = getattr(self.source, "path", type(self.source).__name__)
+        if not hasattr(self.source, "shape") or not hasattr(self.source, "read_batch"):
+            raise TypeError(f"GPUDataset takes a store path or a dlstore dataset (open_dataset(path)), "
+                            f"got {type(source).__name__}")
+        shape = self.source.shape
+        if shape is None:
+            raise VariableShapeError(
+                f"{name}: samples have different shapes (a variable-shape store); GPUDataset "
+                f"stacks every sample into one tensor, so it needs one shape. Convert again with "
+                f"a size-fixing static op, e.g. dlstore convert SRC DST --static "
+                f"'resize=256,center_crop=224'.")
+        self.shape: tuple[int, int, int] = tuple(int(d) for d in shape)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = dtype
+        self.classes: list[str] = list(getattr(self.source, "classes", []))
+        self.rank, self.world_size = _resolve_distributed(rank, world_size)
+        self._pin = self.device.type == "cuda"
+        self._sample_bytes = int(np.prod(self.shape))
+        n = len(self.source)
+        if chunk_size is None:
+            chunk_size = max(1, DEFAULT_CHUNK_BYTES // self._sample_bytes)
+        if int(chunk_size) < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+        self.chunk_size = min(int(chunk_size), max(1, n))
+        if normalize is not None:
+            mean, std = normalize
+            mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
+            std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
+            c = self.shape[0]
+            if mean_t.numel() not in (1, c) or std_t.numel() not in (1, c):
+                raise ValueError(f"normalize needs 1 or {c} values for mean and std, got "
+                                 f"{mean_t.numel()} and {std_t.numel()}")
+            if (std_t == 0).any():
+                raise ValueError(f"normalize: std must not be zero, got {std_t.tolist()}")
+            self._mean = mean_t.view(1, -1, 1, 1).to(self.device)
+            self._std = std_t.view(1, -1, 1, 1).to(self.device)
+        else:
+            self._mean = self._std = None
+        self.normalize = normalize
+
+        labels = getattr(self.source, "_labels", None)
+        if labels is None:
+            labels = np.asarray(self.source.targets, dtype=np.int64)
+        self._host_labels = np.asarray(labels, dtype=np.int64)
+
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        label_bytes = n * 8
+        self.needed_bytes = n * self._sample_bytes * itemsize + label_bytes
+        uint8_bytes = n * self._sample_bytes + label_bytes
+        # Preload buffers for float storage: on CUDA the uploaded uint8 chunk and the float32
+        # block it is converted through; on CPU the two host chunks and that block. uint8
+        # storage needs none: chunks go straight into place (CUDA: from pinned host memory).
+        self._block = max(1, min(self.chunk_size, CONVERT_BLOCK_BYTES // self._sample_bytes))
+        chunks = (2 if self.device.type == "cpu" else 1) * self.chunk_size * self._sample_bytes
+        float_work = chunks + self._block * self._sample_bytes * 4
+        work = float_work if dtype != torch.uint8 else 0
+        free, keep = _free_memory(self.device, headroom)
+        limit = free if max_memory is None else (int(max_memory) if free is None else min(int(max_memory), free))
+        self.available_bytes = limit
+
+        def fits(nbytes: int, buffers: int) -> bool:
+            return limit is None or nbytes + buffers <= limit
+
+        if fits(self.needed_bytes, work):
+            self.mode = "preload"
+        elif on_overflow == "uint8" and fits(uint8_bytes, 0):
+            self.mode = "uint8"
+        elif on_overflow == "stream":
+            self.mode = "stream"
+        else:
+            raise DeviceMemoryError(self._overflow_message(
+                name, n, uint8_bytes, work, limit, max_memory, keep, on_overflow))
+
+        self.data: torch.Tensor | None = None
+        self.targets: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.load_seconds = 0.0
+        start = time.perf_counter()
+        try:
+            self.targets = torch.from_numpy(self._host_labels).to(self.device)
+            if self.mode != "stream":
+                storage = dtype if self.mode == "preload" else torch.uint8
+                self.data = torch.empty((n, *self.shape), dtype=storage, device=self.device)
+                self._preload()
+        except torch.cuda.OutOfMemoryError as exc:
+            self._release()
+            raise DeviceMemoryError(
+                f"{name}: out of device memory while preloading {n:,} samples onto {self.device} "
+                f"({exc}); pass max_memory=..., on_overflow='uint8' or on_overflow='stream'") from exc
+        except BaseException:
+            self._release()
+            raise
+        self.load_seconds = time.perf_counter() - start
+
+    # --- construction helpers -------------------------------------------------------------
+
+    def _overflow_message(self, name: Any, n: int, uint8_bytes: int, work: int,
+                          limit: int, max_memory: int | None, keep: int, on_overflow: str) -> str:
+        c, h, w = self.shape
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        where = (f"max_memory={human_bytes(limit)}" if max_memory is not None and limit == max_memory
+                 else f"{human_bytes(limit)} free on {self.device} after keeping {human_bytes(keep)} headroom")
+        lines = [
+            f"{name}: {n:,} samples of {c}x{h}x{w} {dtype_name} need {human_bytes(self.needed_bytes)}"
+            + (f" (+ {human_bytes(work)} of preload buffers)" if work else "")
+            + f" on {self.device}, but only {where}.",
+        ]
+        if on_overflow == "uint8":
+            lines.append(f"Even uint8 (on_overflow='uint8') needs {human_bytes(uint8_bytes)}.")
+        lines.append("Options:")
+        if on_overflow != "uint8" and self.dtype != torch.uint8:
+            fit = "fits" if uint8_bytes <= limit else "does not fit either"
+            lines.append(f"  on_overflow='uint8'   keep uint8 on the device, convert per batch "
+                         f"({human_bytes(uint8_bytes)}: {fit})")
+        lines.append("  on_overflow='stream'  read batches from the store through pinned memory")
+        lines.append("  max_memory=BYTES / headroom=BYTES  change the budget; a smaller chunk_size "
+                     "shrinks the preload buffers")
+        return "\n".join(lines)
+
+    def _release(self) -> None:
+        """Drop every device tensor this dataset holds (used on error paths)."""
+        self.data = None
+        self.targets = torch.empty(0, dtype=torch.int64)
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _read_into(self, indices: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+        """Samples ``indices`` of the source, uint8, gathered into ``out`` (B, C, H, W)."""
+        reader = getattr(self.source, "reader", None)
+        get_batch = getattr(reader, "get_batch", None)
+        if get_batch is not None:  # every dlstore reader fills a given out= (fixed-shape stores)
+            get_batch(indices, out=out.numpy())
+            return out
+        images, _ = self.source.read_batch(indices.tolist())
+        if isinstance(images, list):
+            images = torch.stack(images)
+        if tuple(images.shape[1:]) != self.shape:
+            raise VariableShapeError(f"source returned samples of shape {tuple(images.shape[1:])}, "
+                                     f"expected {self.shape}")
+        out.copy_(images)
+        return out
+
+    def _host_buffer(self, count: int) -> torch.Tensor:
+        return torch.empty((count, *self.shape), dtype=torch.uint8, pin_memory=self._pin)
+
+    def _read_chunk(self, bounds: tuple[int, int]) -> tuple[int, int, torch.Tensor]:
+        start, stop = bounds
+        if self.device.type == "cpu" and self.data.dtype == torch.uint8:
+            buf = self.data[start:stop]  # nothing to convert or upload: read straight into place
+        else:
+            buf = self._host_buffer(stop - start)
+        read_range = getattr(getattr(self.source, "reader", None), "read_range", None)
+        if read_range is not None:  # every raw dlstore reader: shards reads with preadv in threads
+            read_range(start, stop, out=buf.numpy(), threads=min(8, usable_cpus()))
+            return start, stop, buf
+        return start, stop, self._read_into(np.arange(start, stop, dtype=np.int64), buf)
+
+    def _preload(self) -> None:
+        n = len(self._host_labels)
+        bounds = [(s, min(s + self.chunk_size, n)) for s in range(0, n, self.chunk_size)]
+        self._upload(bounds)
+
+    def _upload(self, bounds: list[tuple[int, int]]) -> None:
+        side = None
+        if self.device.type == "cuda":
+            side = torch.cuda.Stream(self.device)
+            # The side stream must see what the default stream did first (the data tensor,
+            # mean and std uploaded from pageable memory).
+            side.wait_stream(torch.cuda.current_stream(self.device))
+        workspace = None
+        if self.data.dtype != torch.uint8:
+            with torch.cuda.stream(side) if side is not None else nullcontext():
+                workspace = torch.empty((self._block, *self.shape), dtype=torch.float32, device=self.device)
+        prefetcher = _Prefetcher(bounds, self._read_chunk, depth=2)
+        try:
+            for start, stop, host in prefetcher:
+                target = self.data[start:stop]
+                if side is None:
+                    if host.data_ptr() != target.data_ptr():
+                        self._convert_into(host, target, workspace)
+                    continue
+                with torch.cuda.stream(side):
+                    if workspace is None:
+                        target.copy_(host, non_blocking=True)
+                    else:
+                        self._convert_into(host.to(self.device, non_blocking=True), target, workspace)
+                # The host chunk goes back to the reader once its copy is done; meanwhile the
+                # reader thread has been filling the next one.
+                side.synchronize()
+        finally:
+            prefetcher.close()
+            if side is not None:  # also on error: nothing may still write into freed memory
+                side.synchronize()
+        if side is not None:
+            torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def _convert_into(self, images: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None) -> None:
+        """Write uint8 ``images`` (on the device, or a host chunk on CPU) into ``out``.
+
+        Float output goes through ``workspace`` (float32) a block at a time, with the
+        same operations as :meth:`_to_float32`, so both give identical numbers.
+        """
+        if workspace is None:
+            out.copy_(images)
+            return
+        for b in range(0, len(images), len(workspace)):
+            e = min(len(images), b + len(workspace))
+            x = workspace[:e - b]
+            x.copy_(images[b:e])
+            x.mul_(1.0 / 255.0)
+            if self._mean is not None:
+                x.sub_(self._mean).div_(self._std)
+            out[b:e].copy_(x)
+
+    def _to_float32(self, images: torch.Tensor) -> torch.Tensor:
+        x = images.to(torch.float32).mul_(1.0 / 255.0)
+        if self._mean is not None:
+            x.sub_(self._mean).div_(self._std)
+        return x
+
+    def _finish(self, images: torch.Tensor) -> torch.Tensor:
+        """A uint8 batch on the device -> what ``dtype`` promises."""
+        if self.dtype == torch.uint8:
+            return images
+        return self._to_float32(images).to(self.dtype)
+
+    # --- the dataset interface ------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self._host_labels)
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes held: data (if resident) and labels."""
+        data = self.data.numel() * self.data.element_size() if self.data is not None else 0
+        return data + self.targets.numel() * self.targets.element_size()
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        """Sample ``i`` as served (``dtype``, on the device) and its int label."""
+        n = len(self)
+        i = int(i)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {i} out of range for a dataset of {n} samples")
+        label = int(self._host_labels[i])
+        if self.mode == "preload":
+            return self.data[i], label
+        if self.mode == "uint8":
+            return self._finish(self.data[i:i + 1])[0], label
+        host = self._read_into(np.array([i], dtype=np.int64), self._host_buffer(1))
+        return self._finish(host.to(self.device, non_blocking=self._pin))[0], label
+
+    def loader(
+        self,
+        batch_size: int,
+        shuffle: bool = False,
+        *,
+        drop_last: bool = False,
+        transform: BatchFn | None = None,
+        seed: int | None = None,
+        channels_last: bool = False,
+        rank: int | None = None,
+        world_size: int | None = None,
+        prefetch: int = 2,
+    ) -> GPULoader:
+        """Batches ``(images, labels)`` on the device; see :class:`GPULoader`."""
+        return GPULoader(self, batch_size, shuffle, drop_last=drop_last, transform=transform,
+                         seed=seed, channels_last=channels_last,
+                         rank=self.rank if rank is None else rank,
+                         world_size=self.world_size if world_size is None else world_size,
+                         prefetch=prefetch)
+
+    def __repr__(self) -> str:
+        c, h, w = self.shape
+        return (f"GPUDataset({len(self)} samples of {c}x{h}x{w}, mode={self.mode}, "
+                f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
+                f"nbytes={human_bytes(self.nbytes)})")

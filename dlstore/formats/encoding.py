@@ -1,0 +1,92 @@
+"""Encoded sample storage: JPEG or PNG bytes of the statically transformed image.
+
+A raw 224x224 RGB sample is 150,528 bytes; as a quality-90 JPEG it is typically
+10-30 kB. The price is a decode per read. This is the trade-off FFCV users weigh
+(raw ImageNet at 256 px is ~170 GB, JPEG ~10-22 GB); ``dlstore bench`` shows
+both axes on your disk.
+
+How an encoded sample is stored: every format already stores variable-shape
+records (an array and its shape), so an encoded sample is stored as the uint8
+array of its bytes with shape ``(1, 1, nbytes)``. The manifest says
+``"encoding": "jpeg"``, ``"shape": null`` (the records vary) and
+``"decoded_shape"``: the (C, H, W) every decoded sample has, or null.
+
+Reading: :class:`DecodingReader` wraps a format's Reader and decodes with PIL,
+so the pixels are exactly what ``PIL.Image.open`` of those bytes gives. Readers
+themselves only fetch bytes.
+"""
+
+from __future__ import annotations
+
+import io
+from typing import Any
+
+import numpy as np
+from PIL import Image
+
+from ..errors import StoreCorruptError, VariableShapeError
+from ._common import batch_out
+
+ENCODINGS = ("raw", "jpeg", "png")
+_PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG"}
+
+
+def encode(sample: np.ndarray, encoding: str, *, quality: int = 90) -> np.ndarray:
+    """Encode a uint8 (C, H, W) sample (C = 1 or 3) as a (1, 1, nbytes) uint8 record."""
+    if encoding not in _PIL_FORMATS:
+        raise ValueError(f"unknown encoding {encoding!r}; valid: {', '.join(ENCODINGS)}")
+    hwc = sample[0] if sample.shape[0] == 1 else np.ascontiguousarray(sample.transpose(1, 2, 0))
+    buffer = io.BytesIO()
+    options: dict[str, Any] = {"quality": int(quality)} if encoding == "jpeg" else {"compress_level": 6}
+    Image.fromarray(hwc).save(buffer, format=_PIL_FORMATS[encoding], **options)
+    return np.frombuffer(buffer.getvalue(), dtype=np.uint8).reshape(1, 1, -1)
+
+
+def decode(record: np.ndarray, *, where: str = "sample") -> np.ndarray:
+    """Decode a stored record (any shape, its bytes are the file) to a uint8 (C, H, W) array."""
+    try:
+        with Image.open(io.BytesIO(memoryview(np.ascontiguousarray(record)).cast("B"))) as img:
+            img.load()
+            arr = np.asarray(img)
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise StoreCorruptError(f"{where}: stored image bytes do not decode ({type(exc).__name__}: {exc})") from exc
+    if arr.ndim == 2:
+        return arr[None].copy()
+    return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+class DecodingReader:
+    """A format Reader whose samples are encoded: same interface, decoded arrays out."""
+
+    def __init__(self, reader: Any):
+        self.raw = reader
+        self.manifest = reader.manifest
+        self.labels = reader.labels
+        self.count = reader.count if hasattr(reader, "count") else len(reader)
+        shape = self.manifest["sample"].get("decoded_shape")
+        self.shape = tuple(shape) if shape is not None else None
+        self._where = str(getattr(reader, "path", "store"))
+
+    def __len__(self) -> int:
+        return self.count
+
+    def _decoded(self, record: np.ndarray, i: int) -> np.ndarray:
+        sample = decode(record, where=f"{self._where} sample {i}")
+        if self.shape is not None and sample.shape != self.shape:
+            raise StoreCorruptError(f"{self._where} sample {i}: decodes to {sample.shape}, manifest says {self.shape}")
+        return sample
+
+    def get(self, i: int) -> np.ndarray:
+        return self._decoded(self.raw.get(i), i)
+
+    def get_many(self, indices: list[int]) -> list[np.ndarray]:
+        records = self.raw.get_many(indices)  # one transaction / one sorted read per batch
+        return [self._decoded(r, i) for r, i in zip(records, indices)]
+
+    def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        if self.shape is None:
+            raise VariableShapeError(f"{self._where}: get_batch needs a store whose samples decode to one shape")
+        out = batch_out(out, len(indices), self.shape)
+        for j, sample in enumerate(self.get_many([int(i) for i in indices])):
+            out[j] = sample
+        return out

@@ -1,0 +1,209 @@
+"""Scanning an image folder and decoding one file, the way torchvision does.
+
+Sample ``i`` of a scanned folder is sample ``i`` of
+``torchvision.datasets.ImageFolder`` on the same folder: class folders sorted by
+name, a recursive walk of each in sorted order, torchvision's image extensions
+matched case-insensitively. Two deliberate differences, both about junk that
+ImageFolder would happily train on:
+
+* names starting with ``.`` (``.DS_Store``, ``.ipynb_checkpoints``, ``._x.jpg``)
+  are neither classes nor samples;
+* an empty class folder keeps its index (as ``ImageFolder(allow_empty=True)``)
+  and is reported, instead of crashing.
+
+A folder with images at its top level and no class folders is *unlabelled*:
+every sample gets label ``-1`` and there are no classes.
+
+This module knows nothing about stores.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import overload
+
+import numpy as np
+
+from ..errors import SourceError
+
+# Same tuple as torchvision.datasets.folder.IMG_EXTENSIONS (a test keeps them in sync).
+IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+
+UNLABELLED = -1
+
+
+def is_image_file(name: str) -> bool:
+    """True for a non-hidden file name with one of torchvision's image extensions."""
+    return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
+
+
+def find_classes(root: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
+    """Class folder names in sorted order and their indices, as torchvision's.
+
+    Hidden folders (``.name``) are not classes.
+    """
+    with os.scandir(root) as entries:
+        classes = sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+    return classes, {name: i for i, name in enumerate(classes)}
+
+
+def _walk_images(folder: str) -> list[str]:
+    """Image files under ``folder``, in torchvision's order, skipping hidden names.
+
+    Follows symlinked folders like torchvision (``followlinks=True``) but never
+    enters a folder that is its own ancestor, so a symlink loop cannot recurse forever.
+    """
+    found: list[tuple[str, list[str]]] = []
+    ancestors = {folder: {os.path.realpath(folder)}}
+    for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
+        above = ancestors.pop(dirpath)
+        keep = []
+        for name in dirnames:
+            if name.startswith("."):
+                continue
+            path = os.path.join(dirpath, name)
+            real = os.path.realpath(path)
+            if real in above:  # a symlink back up the tree: a loop
+                continue
+            ancestors[path] = above | {real}
+            keep.append(name)
+        dirnames[:] = keep
+        found.append((dirpath, filenames))
+    # torchvision iterates sorted(os.walk(...)): ordered by folder path, then file name.
+    paths = []
+    for dirpath, filenames in sorted(found, key=lambda item: item[0]):
+        for name in sorted(filenames):
+            if is_image_file(name):
+                paths.append(os.path.join(dirpath, name))
+    return paths
+
+
+class SampleList(Sequence):
+    """``(path, label)`` pairs of a scanned folder, held compactly.
+
+    A list of tuples costs ~190 bytes per file (tuple, str object, list slot);
+    this holds the paths relative to ``root`` in one byte string plus int64
+    offsets and labels: ~16 bytes per file plus the relative path's bytes, so a
+    14M-file folder fits in under 1 GiB. Indexing gives ``(path, label)`` with the
+    full path (``root`` joined), like ImageFolder's ``samples``; slicing gives a
+    compact SampleList of its own (copying only its part).
+    """
+
+    def __init__(self, root: str, blob: bytes, offsets: np.ndarray, labels: np.ndarray):
+        self.root = root
+        self._blob = blob
+        self._offsets = offsets  # int64 (n + 1,): path i is blob[offsets[i]:offsets[i + 1]]
+        self._labels = labels  # int64 (n,)
+        self._prefix = os.path.join(root, "")
+
+    @classmethod
+    def build(cls, root: str, pairs: Sequence[tuple[str, int]] | Iterator[tuple[str, int]]) -> SampleList:
+        """From ``(full path, label)`` pairs whose paths start with ``root``."""
+        prefix = len(os.path.join(root, ""))
+        blob, ends, labels = bytearray(), array("q"), array("q")
+        for path, label in pairs:
+            blob += os.fsencode(path[prefix:])
+            ends.append(len(blob))
+            labels.append(label)
+        offsets = np.concatenate([np.zeros(1, np.int64), np.frombuffer(ends, dtype=np.int64)])
+        return cls(root, bytes(blob), offsets, np.frombuffer(labels, dtype=np.int64).copy())
+
+    def __len__(self) -> int:
+        return len(self._labels)
+
+    @overload
+    def __getitem__(self, i: int) -> tuple[str, int]: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> SampleList: ...
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            start, stop, step = i.indices(len(self))
+            if step != 1:
+                return SampleList.build(self.root, (self[k] for k in range(start, stop, step)))
+            stop = max(start, stop)
+            a, b = int(self._offsets[start]), int(self._offsets[stop])
+            return SampleList(self.root, self._blob[a:b], self._offsets[start:stop + 1] - a,
+                              self._labels[start:stop].copy())
+        n = len(self)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"sample {i} out of range for {n} samples")
+        a, b = int(self._offsets[i]), int(self._offsets[i + 1])
+        return self._prefix + os.fsdecode(self._blob[a:b]), int(self._labels[i])
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        prefix, blob = self._prefix, self._blob
+        offsets, labels = self._offsets.tolist(), self._labels.tolist()
+        for k, label in enumerate(labels):
+            yield prefix + os.fsdecode(blob[offsets[k]:offsets[k + 1]]), label
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, SampleList):
+            return list(self) == list(other)
+        return isinstance(other, Sequence) and list(self) == list(other)
+
+    def __repr__(self) -> str:
+        return f"SampleList({len(self)} files under {self.root!r})"
+
+
+@dataclass
+class Source:
+    """A scanned image folder: what will become the samples of a store, in order."""
+
+    root: str
+    classes: list[str]
+    class_to_idx: dict[str, int]
+    samples: Sequence[tuple[str, int]]  # a SampleList from scan()
+    empty_classes: list[str] = field(default_factory=list)
+
+    @property
+    def labelled(self) -> bool:
+        return bool(self.classes)
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+
+def scan(root: str | os.PathLike) -> Source:
+    """Scan an ImageFolder-layout folder (or a flat folder of images).
+
+    Raises:
+        SourceError: the folder does not exist or holds no image at all.
+    """
+    root_path = Path(root)
+    if not root_path.is_dir():
+        raise SourceError(f"{root}: not a folder (expected an ImageFolder layout: ROOT/CLASS/IMAGE)")
+    root_str = str(root_path)
+    classes, class_to_idx = find_classes(root_str)
+    if classes:
+        empty = []
+
+        def pairs() -> Iterator[tuple[str, int]]:
+            for name in classes:  # one class folder's file list at a time
+                files = _walk_images(os.path.join(root_str, name))
+                if not files:
+                    empty.append(name)
+                yield from ((path, class_to_idx[name]) for path in files)
+
+        samples = SampleList.build(root_str, pairs())
+        if not len(samples):
+            raise SourceError(
+                f"{root}: none of the {len(classes)} class folders holds an image "
+                f"(extensions: {', '.join(IMG_EXTENSIONS)})"
+            )
+        return Source(root_str, classes, class_to_idx, samples, empty)
+    with os.scandir(root_str) as entries:
+        flat = sorted(e.path for e in entries if e.is_file() and is_image_file(e.name))
+    if not flat:
+        raise SourceError(
+            f"{root}: no class folders and no images (expected ROOT/CLASS/IMAGE, or a flat "
+            f"folder of images; extensions: {', '.join(IMG_EXTENSIONS)})"
+        )
+    return Source(root_str, [], {}, SampleList.build(root_str, ((p, UNLABELLED) for p in flat)), [])

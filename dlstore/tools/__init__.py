@@ -1,0 +1,30 @@
+"""Tools to pick and prove a set-up on a given machine: bench, tune, profile, verify.
+
+``dlstore.tools.bench``, ``dlstore.tools.tuning``, ``dlstore.tools.profiling`` and
+``dlstore.tools.verification`` are imported on first use; the names below are
+the ones a user calls.
+"""
+
+from .._system import CpuInfo, cpu_info, usable_cpus
+from .bench import BenchReport, run_bench
+from .profiling import LoaderReport, TimedDataset, profile_loader, synthetic_step
+from .tuning import TuneResult, loader_kwargs, measure_throughput, tune
+from .verification import VerifyReport, verify
+
+__all__ = [
+    "BenchReport",
+    "CpuInfo",
+    "LoaderReport",
+    "TimedDataset",
+    "TuneResult",
+    "VerifyReport",
+    "cpu_info",
+    "loader_kwargs",
+    "measure_throughput",
+    "profile_loader",
+    "run_bench",
+    "synthetic_step",
+    "tune",
+    "usable_cpus",
+    "verify",
+]

@@ -1,0 +1,160 @@
+"""``dlstore verify``: check a store's manifest, data checksums and (deep) every sample.
+
+Opening a store runs only cheap checks (manifest structure, counts, file
+sizes). ``verify`` reads everything: it recomputes the checksums the
+manifest records and, with ``deep``, re-reads every sample and checks its shape.
+It reports every problem it finds with its location instead of stopping at the
+first.
+
+What the checksums cover (recorded by each Writer, recomputed here):
+
+* shards: sha256 of each file named in ``checksums.files`` (shards, data files,
+  ``index.npy``, ``labels.npy``);
+* LMDB / HDF5: ``samples`` = sha256 of every sample's CHW bytes in sample order,
+  ``labels`` = sha256 of the int64 little-endian labels, ``shapes`` (variable
+  shape stores) = sha256 of the int64 (N, 3) shapes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .. import formats
+from ..errors import DlstoreError, StoreCorruptError
+from ..formats import encoding
+from ..formats._common import safe_member, sha256_file
+
+
+@dataclass
+class VerifyReport:
+    """Result of ``verify``; ``ok`` is True when no problem was found."""
+
+    path: Path
+    format: str | None = None
+    count: int = 0
+    checked: list[str] = field(default_factory=list)
+    problems: list[tuple[str, str]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def problem(self, where: str, message: str) -> None:
+        self.problems.append((where, message))
+
+    def __str__(self) -> str:
+        lines = [f"{self.path}: {self.format or 'unknown format'}, {self.count} samples"]
+        lines += [f"  ok       {c}" for c in self.checked]
+        lines += [f"  PROBLEM  {where}: {message}" for where, message in self.problems]
+        lines.append("verdict: OK" if self.ok else f"verdict: {len(self.problems)} problem(s)")
+        return "\n".join(lines)
+
+
+def verify(path: str | os.PathLike, *, deep: bool = False) -> VerifyReport:
+    """Check the store at ``path``; never raises for a damaged store, reports instead."""
+    report = VerifyReport(Path(path))
+    try:
+        report.format = formats.detect_format(path)
+        reader = formats.get_format(report.format).Reader(Path(path))
+    except (DlstoreError, OSError, ValueError) as exc:
+        report.problem("open", str(exc))
+        return report
+    manifest = reader.manifest
+    report.count = manifest["count"]
+    _check_labels(reader, manifest, report)
+    if report.format == "shards":
+        _check_files(Path(path), manifest, report)
+        if deep:
+            _check_samples(reader, manifest, report, digest=False, decode=True)
+    else:
+        _check_samples(reader, manifest, report, digest=True, decode=deep)
+    return report
+
+
+def _check_labels(reader: Any, manifest: dict[str, Any], report: VerifyReport) -> None:
+    labels = np.asarray(reader.labels)
+    n_classes = len(manifest["classes"])
+    bad = np.nonzero((labels < 0) | (labels >= n_classes))[0] if n_classes else np.nonzero(labels != -1)[0]
+    if len(bad):
+        report.problem(f"labels[{int(bad[0])}]",
+                       f"{len(bad)} label(s) out of range for {n_classes} classes (first: {int(labels[bad[0]])})")
+    else:
+        report.checked.append(f"labels: {len(labels)} in range for {n_classes} classes")
+
+
+def _check_files(path: Path, manifest: dict[str, Any], report: VerifyReport) -> None:
+    expected = manifest["checksums"]["files"]
+    bad_before = len(report.problems)
+    for name, digest in sorted(expected.items()):
+        try:
+            member = safe_member(path, name)
+            actual = sha256_file(member)
+        except StoreCorruptError as exc:
+            report.problem(name, str(exc))
+            continue
+        except OSError as exc:
+            report.problem(name, f"unreadable ({exc})")
+            continue
+        if actual != digest:
+            report.problem(name, f"sha256 mismatch: data changed since conversion (expected {digest[:16]}..., "
+                                 f"got {actual[:16]}...)")
+    if len(report.problems) == bad_before:
+        report.checked.append(f"checksums: {len(expected)} file(s) match")
+
+
+
+def _check_samples(reader: Any, manifest: dict[str, Any], report: VerifyReport, *, digest: bool,
+                   decode: bool) -> None:
+    """Read every sample; check its shape; recompute the per-record checksums if asked.
+
+    With ``decode``, encoded (JPEG/PNG) samples are also decoded and their shape checked.
+    """
+    shape = manifest["sample"]["shape"]
+    encoded = manifest["sample"]["encoding"] != "raw"
+    decoded_shape = manifest["sample"].get("decoded_shape")
+    samples = hashlib.sha256()
+    shapes = []
+    bad_before = len(report.problems)
+    for i in range(manifest["count"]):
+        try:
+            sample = np.ascontiguousarray(reader.get(i))
+        except (DlstoreError, OSError, ValueError, KeyError, IndexError) as exc:
+            report.problem(f"sample {i}", f"unreadable ({exc})")
+            continue
+        if sample.dtype != np.uint8 or sample.ndim != 3 or (shape is not None and list(sample.shape) != shape):
+            report.problem(f"sample {i}", f"holds {sample.dtype} {tuple(sample.shape)}, manifest says uint8 "
+                                          f"{tuple(shape) if shape else '(C, H, W)'}")
+        shapes.append(sample.shape)
+        if digest:
+            samples.update(memoryview(sample).cast("B"))
+        if encoded and decode:
+            try:
+                image = encoding.decode(sample, where=f"sample {i}")
+            except StoreCorruptError as exc:
+                report.problem(f"sample {i}", str(exc))
+                continue
+            if decoded_shape is not None and list(image.shape) != decoded_shape:
+                report.problem(f"sample {i}", f"decodes to {tuple(image.shape)}, manifest says {tuple(decoded_shape)}")
+    if len(report.problems) == bad_before:
+        what = "read back and decoded" if encoded and decode else "read back with the recorded shape"
+        report.checked.append(f"samples: {manifest['count']} {what}")
+    if not digest:
+        return
+    expected = manifest["checksums"]["files"]
+    actual = {"samples": samples.hexdigest(),
+              "labels": hashlib.sha256(np.asarray(reader.labels, dtype="<i8").tobytes()).hexdigest()}
+    if shape is None:
+        actual["shapes"] = hashlib.sha256(np.asarray(shapes, dtype="<i8").reshape(-1, 3).tobytes()).hexdigest()
+    for name, value in actual.items():
+        if name not in expected:
+            report.problem(name, "the manifest records no checksum for it")
+        elif expected[name] != value:
+            report.problem(name, "sha256 mismatch: data changed since conversion")
+        else:
+            report.checked.append(f"checksum of {name} matches")

@@ -1,0 +1,48 @@
+"""Transforms in three parts.
+
+* ``static``: the serialisable spec of deterministic ops paid once at conversion
+  (``parse_static``, ``apply_static``), bit-identical to torchvision's kernels;
+* ``batch``: ``Batch*`` transforms that draw independent parameters per sample,
+  then run one pure kernel over the whole batch;
+* ``functional``: the pure kernels shared by the read paths (the fused crop/flip gather);
+* ``hybrid``: ``split_transforms`` cuts a torchvision pipeline into static and
+  dynamic parts; ``batch_plan`` maps the dynamic ops to batch transforms.
+"""
+
+from .batch import (
+    BatchCompose,
+    BatchCutout,
+    BatchNormalize,
+    BatchRandomCrop,
+    BatchRandomHorizontalFlip,
+    BatchRandomResizedCrop,
+    BatchTransform,
+)
+from .hybrid import HybridTransform, batch_plan, split_transforms
+from .static import (
+    StaticSpec,
+    apply_static,
+    describe,
+    output_shape,
+    parse_static,
+    to_torchvision,
+)
+
+__all__ = [
+    "BatchCompose",
+    "BatchCutout",
+    "BatchNormalize",
+    "BatchRandomCrop",
+    "BatchRandomHorizontalFlip",
+    "BatchRandomResizedCrop",
+    "BatchTransform",
+    "HybridTransform",
+    "StaticSpec",
+    "apply_static",
+    "batch_plan",
+    "describe",
+    "output_shape",
+    "parse_static",
+    "split_transforms",
+    "to_torchvision",
+]

@@ -1,0 +1,222 @@
+"""Hybrid transforms: a torchvision pipeline split into its static and dynamic parts,
+and the plan that runs the dynamic part per batch."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from PIL import Image
+
+from ..errors import TransformSpecError
+from .batch import (
+    BatchNormalize,
+    BatchRandomCrop,
+    BatchRandomHorizontalFlip,
+    BatchRandomResizedCrop,
+    BatchTransform,
+)
+from .static import (
+    _FLOAT_NAMES,
+    _TO_TENSOR_NAMES,
+    StaticSpec,
+    _from_torchvision,
+    apply_static,
+    describe,
+    is_random_transform,
+    output_shape,
+    parse_static,
+)
+
+# ---------------------------------------------------------------------------
+# Hybrid transforms: a pipeline split into its static and dynamic parts.
+# ---------------------------------------------------------------------------
+
+
+def _flatten(pipeline: Any) -> list[Any]:
+    """The ops of a torchvision pipeline, nested Compose flattened; a list is taken as a Compose."""
+    if pipeline is None:
+        return []
+    if isinstance(pipeline, (list, tuple)):
+        return [op for t in pipeline for op in _flatten(t)]
+    if type(pipeline).__name__ == "Compose" and hasattr(pipeline, "transforms"):
+        return [op for t in pipeline.transforms for op in _flatten(t)]
+    return [pipeline]
+
+
+def _compose(ops: Sequence[Any]) -> Any:
+    """A per-sample callable running ``ops`` in order (None when empty)."""
+    if not ops:
+        return None
+    from torchvision.transforms import v2
+
+    return v2.Compose(list(ops))
+
+
+class HybridTransform:
+    """A transform pipeline in two parts: static (run once at conversion) and dynamic (per read).
+
+    ``convert(src, dst, static=hybrid)`` stores the output of the static part;
+    ``open_dataset(dst, transform=hybrid)`` checks that the store was made with
+    that static part and applies only the dynamic part (per batch where every op
+    has a batch equivalent, see ``batch_plan``). Calling the hybrid on a PIL
+    image runs both parts: the reference result of the whole pipeline.
+
+    Args:
+        static: a static spec in any form ``parse_static`` accepts (string, list
+            of dicts, torchvision transforms); deterministic ops only.
+        dynamic: the read-time transforms: a torchvision transform or Compose, a
+            list of them, or None.
+
+    Attributes:
+        dynamic_ops: the dynamic part as a flat list of transforms.
+        dynamic: the dynamic part as one per-sample callable (``v2.Compose``), or None.
+        notes: how each op of the original pipeline was placed, and why.
+    """
+
+    def __init__(self, static: Any = None, dynamic: Any = None, *, notes: Sequence[str] = ()):
+        self._static = parse_static(static)
+        self.dynamic_ops = _flatten(dynamic)
+        self.dynamic = _compose(self.dynamic_ops)
+        self.notes = list(notes)
+
+    @property
+    def static_spec(self) -> StaticSpec:
+        """The canonical static spec (a copy): what ``convert`` records in the manifest."""
+        return [dict(op) for op in self._static]
+
+    def __call__(self, img: Image.Image) -> Any:
+        """The whole pipeline on one RGB PIL image: static part, then dynamic part."""
+        import torch
+
+        out: Any = torch.from_numpy(apply_static(img, self._static))
+        return self.dynamic(out) if self.dynamic is not None else out
+
+    def __repr__(self) -> str:
+        dyn = "".join(f"\n    {op!r}," for op in self.dynamic_ops)
+        lines = [
+            "HybridTransform(",
+            f"  static (once, at conversion): {describe(self._static)}",
+            f"  dynamic (every read, on uint8 CHW tensors): [{dyn}\n  ]" if dyn else
+            "  dynamic (every read): none",
+        ]
+        if self.notes:
+            lines.append("  split:")
+            lines += [f"    - {n}" for n in self.notes]
+        return "\n".join(lines) + "\n)"
+
+
+def split_transforms(pipeline: Any) -> HybridTransform:
+    """Split a torchvision pipeline into its longest deterministic prefix and the rest.
+
+    The static part is the leading run of ops with a static equivalent
+    (Resize, CenterCrop, Grayscale, Pad); the first random or float-producing
+    op, and every op after it, form the dynamic part. PILToTensor / ToImage /
+    ToPureTensor are dropped (a store already holds uint8 CHW tensors); a v1
+    ``ToTensor`` in the dynamic part becomes ``v2.ToDtype(torch.float32, scale=True)``.
+
+    Args:
+        pipeline: ``v2.Compose([...])`` (or v1), a single transform, or a list.
+
+    Returns:
+        A HybridTransform whose ``repr`` explains where each op went.
+    """
+    ops = _flatten(pipeline)
+    static: list[Any] = []
+    dynamic: list[Any] = []
+    notes: list[str] = []
+    for t in ops:
+        name = type(t).__name__
+        if name in _TO_TENSOR_NAMES:
+            notes.append(f"{name}: dropped (stores hold uint8 CHW tensors already)")
+            continue
+        if not dynamic:
+            try:
+                _from_torchvision(t)
+            except TransformSpecError:
+                reason = ("random: in the static part it would freeze one draw into the data"
+                          if is_random_transform(t) else
+                          "float output: the store keeps uint8, 4x smaller" if name in _FLOAT_NAMES else
+                          "no static equivalent")
+                notes.append(f"{name}: dynamic ({reason}); it and every op after it run at read time")
+            else:
+                static.append(t)
+                notes.append(f"{name}: static (deterministic; runs once at conversion)")
+                continue
+        if name == "ToTensor":
+            import torch
+            from torchvision.transforms import v2
+
+            notes.append("ToTensor: replaced by v2.ToDtype(torch.float32, scale=True) (input is a uint8 tensor)")
+            t = v2.ToDtype(torch.float32, scale=True)
+        dynamic.append(t)
+    spec = parse_static(static)
+    if output_shape(spec) is None:
+        notes.append("the static part fixes no size: the store will be variable-shape, holding every image "
+                     "at its decoded size (a size-fixing op such as CenterCrop makes a smaller, faster store)")
+    return HybridTransform(spec, dynamic, notes=notes)
+
+
+def _batch_equivalent(t: Any) -> BatchTransform | None:
+    """The batch transform doing what torchvision transform ``t`` does per sample, or None."""
+    import torch
+
+    name = type(t).__name__
+    if name == "RandomCrop":
+        fill = getattr(t, "fill", 0)
+        if getattr(t, "pad_if_needed", False) or not isinstance(fill, (int, float)):
+            return None
+        padding: Any = t.padding if t.padding is not None else 0
+        if ".v2." in type(t).__module__ and isinstance(padding, list) and len(padding) == 4:
+            # v2 keeps padding parsed as torch.nn.functional.pad's [left, right, top, bottom]
+            padding = [padding[0], padding[2], padding[1], padding[3]]
+        return BatchRandomCrop(list(t.size), padding=padding, fill=fill, padding_mode=t.padding_mode)
+    if name == "RandomHorizontalFlip":
+        return BatchRandomHorizontalFlip(t.p)
+    if name == "RandomResizedCrop":
+        interpolation = getattr(t.interpolation, "value", t.interpolation)
+        if interpolation != "bilinear":
+            return None
+        return BatchRandomResizedCrop(list(t.size), t.scale, t.ratio, antialias=bool(t.antialias))
+    if name == "ToDtype":
+        dtype = t.dtype
+        if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+            return BatchNormalize(dtype=dtype, scale=bool(t.scale))
+        return None
+    if name == "Normalize" and not getattr(t, "inplace", False):
+        return BatchNormalize(list(t.mean), list(t.std), dtype=None, scale=False)
+    return None
+
+
+def batch_plan(ops: Sequence[Any], *, fixed_shape: bool) -> tuple[list[Any], list[BatchTransform]]:
+    """Split dynamic ``ops`` into a per-sample head and a per-batch tail.
+
+    The tail is the longest run of trailing ops with a batch equivalent (an op
+    without one must run per sample, and so must everything before it, to keep
+    the order). On a variable-shape store samples can only be stacked once
+    they share a size, so the head also takes every op up to and including the
+    first one that fixes the size (RandomCrop, RandomResizedCrop). A ``ToDtype``
+    followed by ``Normalize`` becomes one ``BatchNormalize``.
+
+    Returns:
+        (per-sample torchvision ops, batch transforms).
+    """
+    ops = [t for t in ops if type(t).__name__ not in _TO_TENSOR_NAMES]
+    mapped = [_batch_equivalent(t) for t in ops]
+    cut = len(ops)
+    while cut > 0 and mapped[cut - 1] is not None:
+        cut -= 1
+    if not fixed_shape:
+        sized = [k for k in range(cut, len(ops)) if isinstance(mapped[k], (BatchRandomCrop, BatchRandomResizedCrop))]
+        if sized:
+            cut = sized[0] + 1
+    head, tail = list(ops[:cut]), [m for m in mapped[cut:] if m is not None]
+    merged: list[BatchTransform] = []
+    for m in tail:
+        prev = merged[-1] if merged else None
+        if isinstance(m, BatchNormalize) and isinstance(prev, BatchNormalize) and prev.mean is None \
+                and m.mean is not None and not m.scale:
+            merged[-1] = BatchNormalize(m.mean, m.std, dtype=prev.dtype, scale=prev.scale)
+        else:
+            merged.append(m)
+    return head, merged

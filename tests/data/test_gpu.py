@@ -1,0 +1,476 @@
+"""GPUDataset and its loader, on device="cpu" (the same code path as CUDA, minus pinning)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torchvision.transforms import v2
+
+import dlstore
+from dlstore import DeviceMemoryError, GPUDataset, VariableShapeError
+from dlstore.sources.demo import make_image_folder
+
+CPU = "cpu"
+MEAN = (0.485, 0.456, 0.406)
+STD = (0.229, 0.224, 0.225)
+N = 23  # 3 classes: 8 + 8 + 7; not a multiple of any chunk or batch size used below
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """A 23-sample 3x12x10 shards store split over several shard files."""
+    root = tmp_path_factory.mktemp("gpu")
+    src = make_image_folder(root / "images", classes=3, per_class=8, size=(14, 12), ext=".png")
+    (src / "class_02" / "img_0007.png").unlink()
+    dst = root / "s.shards"
+    dlstore.convert(src, dst, static="center_crop=12x10", workers=0, progress=False,
+                    shard_size=3 * 12 * 10 * 5)  # 5 samples per shard file
+    return dst
+
+
+@pytest.fixture(scope="module")
+def stored(store):
+    """Every sample and label as the store holds them (uint8 NCHW, int64)."""
+    ds = dlstore.open_dataset(store)
+    images = torch.stack([ds.read(i) for i in range(len(ds))])
+    return images, torch.tensor(ds.targets)
+
+
+def _no_prefetch_threads():
+    return not any(t.name == "dlstore-prefetch" for t in threading.enumerate())
+
+
+# --- preload -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 7, N, 1000])
+def test_uint8_preload_equals_the_store(store, stored, chunk_size):
+    ds = GPUDataset(store, CPU, torch.uint8, chunk_size=chunk_size)
+    images, labels = stored
+    assert ds.mode == "preload" and len(ds) == N and ds.data.dtype == torch.uint8
+    assert torch.equal(ds.data, images)
+    assert torch.equal(ds.targets, labels) and ds.targets.dtype == torch.int64
+    assert ds.classes == ["class_00", "class_01", "class_02"]
+    assert ds.nbytes == images.numel() + 8 * N == ds.needed_bytes
+    image, label = ds[N - 1]
+    assert torch.equal(image, images[-1]) and label == int(labels[-1]) == 2
+    assert _no_prefetch_threads()
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 11])
+def test_generic_read_path_equals_the_shards_fast_path(store, stored, chunk_size, monkeypatch):
+    """Without the preadv range read (JPEG stores, user datasets) the preload goes through Reader.get_batch."""
+    from dlstore.formats.shards import ShardReader
+    monkeypatch.delattr(ShardReader, "read_range")
+    ds = GPUDataset(store, CPU, torch.uint8, chunk_size=chunk_size)
+    assert torch.equal(ds.data, stored[0]) and torch.equal(ds.targets, stored[1])
+
+
+@pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
+def test_other_formats_preload_equal(store, stored, tmp_path, fmt):
+    from dlstore import formats
+    try:
+        formats.get_format(fmt)
+    except ImportError:
+        pytest.skip(f"format {fmt} not landed yet")
+    src = dlstore.open_dataset(store).manifest["source"]["root"]
+    dst = tmp_path / ("s.lmdb" if fmt == "lmdb" else "s.h5")
+    dlstore.convert(src, dst, static="center_crop=12x10", workers=0, progress=False)
+    ds = GPUDataset(dst, CPU, torch.uint8, chunk_size=4)
+    assert torch.equal(ds.data, stored[0]) and torch.equal(ds.targets, stored[1])
+
+
+@pytest.mark.parametrize("chunk_size", [1, 5, 1000])
+def test_fp16_preload_is_scaled_store_within_rounding(store, stored, chunk_size):
+    ds = GPUDataset(store, CPU, chunk_size=chunk_size)
+    assert ds.data.dtype == torch.float16 and ds.nbytes == 2 * stored[0].numel() + 8 * N
+    expected = stored[0].double() / 255
+    # fp16 has 11 significant bits: relative rounding error at most 2**-11.
+    assert torch.allclose(ds.data.double(), expected, rtol=2**-11, atol=0)
+    assert float(ds.data.min()) >= 0 and float(ds.data.max()) <= 1
+
+
+def test_normalised_preload_matches_torchvision(store, stored):
+    ds = GPUDataset(store, CPU, normalize=(MEAN, STD), chunk_size=6)
+    reference = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+    expected = torch.stack([reference(img) for img in stored[0]])
+    # The same float32 arithmetic, then one rounding to fp16.
+    assert torch.equal(ds.data, expected.to(torch.float16))
+    exact = (stored[0].double() / 255 - torch.tensor(MEAN, dtype=torch.float64).view(1, 3, 1, 1)) \
+        / torch.tensor(STD, dtype=torch.float64).view(1, 3, 1, 1)
+    assert torch.allclose(ds.data.double(), exact, rtol=2**-10, atol=1e-6)
+    image, _ = ds[3]
+    assert torch.equal(image, expected[3].to(torch.float16))
+
+
+def test_accepts_an_open_dataset_and_float32(store, stored):
+    ds = GPUDataset(dlstore.open_dataset(store), CPU, torch.float32)
+    assert torch.equal(ds.data, stored[0].float().mul_(1 / 255))
+
+
+def test_bad_options_are_refused(store):
+    with pytest.raises(ValueError, match="on_overflow"):
+        GPUDataset(store, CPU, on_overflow="swap")
+    with pytest.raises(ValueError, match="normalize"):
+        GPUDataset(store, CPU, torch.uint8, normalize=(MEAN, STD))
+    with pytest.raises(ValueError, match="1 or 3 values"):
+        GPUDataset(store, CPU, normalize=((0.5, 0.5), (0.2, 0.2)))
+    with pytest.raises(ValueError, match="chunk_size"):
+        GPUDataset(store, CPU, chunk_size=0)
+    with pytest.raises(ValueError, match="rank"):
+        GPUDataset(store, CPU, rank=2, world_size=2)
+    with pytest.raises(TypeError, match="store path or a dlstore dataset"):
+        GPUDataset([torch.zeros(3, 4, 4)], CPU)
+
+
+def test_variable_shape_store_is_refused(tmp_path):
+    src = make_image_folder(tmp_path / "v", classes=2, per_class=3, size=(12, 14), ext=".png",
+                            vary_size=True)
+    dlstore.convert(src, tmp_path / "v.shards", workers=0, progress=False)
+    with pytest.raises(VariableShapeError, match="variable-shape.*center_crop"):
+        GPUDataset(tmp_path / "v.shards", CPU)
+
+
+def test_a_failing_read_stops_the_reader_and_keeps_nothing(store, tmp_path):
+    """A shard file damaged after opening: the read fails, the error surfaces, no thread survives."""
+    import shutil
+    copy = tmp_path / "copy.shards"
+    shutil.copytree(store, copy)
+    source = dlstore.open_dataset(copy)
+    with open(copy / "shard-00002.npy", "r+b") as f:
+        f.truncate(200)
+    with pytest.raises(dlstore.StoreCorruptError, match="shard-00002"):
+        GPUDataset(source, CPU, chunk_size=2)
+    assert _no_prefetch_threads()
+
+
+# --- memory budget and overflow ------------------------------------------------------------
+
+def test_overflow_error_names_the_numbers_and_the_options(store):
+    need_uint8 = 3 * 12 * 10 * N + 8 * N
+    with pytest.raises(DeviceMemoryError) as info:
+        GPUDataset(store, CPU, max_memory=need_uint8 * 2 - 100, chunk_size=1)
+    text = str(info.value)
+    assert str(store) in text and f"{N:,} samples of 3x12x10 float16" in text
+    assert "max_memory=" in text and "on_overflow='uint8'" in text and "on_overflow='stream'" in text
+    assert isinstance(info.value, MemoryError)
+    assert _no_prefetch_threads()
+
+
+def test_budget_counts_the_preload_buffers(store):
+    ds = GPUDataset(store, CPU, chunk_size=1)
+    exact = ds.needed_bytes
+    with pytest.raises(DeviceMemoryError, match="preload buffers"):
+        GPUDataset(store, CPU, chunk_size=1, max_memory=exact)
+    # two host chunks of one sample and one float32 conversion block of one sample
+    GPUDataset(store, CPU, chunk_size=1, max_memory=exact + 2 * 360 + 4 * 360)
+
+
+def test_overflow_uint8_keeps_uint8_and_converts_per_batch(store, stored):
+    budget = 3 * 12 * 10 * N + 8 * N + 10_000
+    ref = GPUDataset(store, CPU, normalize=(MEAN, STD))
+    ds = GPUDataset(store, CPU, normalize=(MEAN, STD), max_memory=budget, on_overflow="uint8",
+                    chunk_size=4)
+    assert ds.mode == "uint8" and ds.data.dtype == torch.uint8 and torch.equal(ds.data, stored[0])
+    assert ds.nbytes < ref.nbytes
+    assert torch.equal(ds[5][0], ref[5][0])
+    got = list(ds.loader(8, shuffle=True, seed=3))
+    want = list(ref.loader(8, shuffle=True, seed=3))
+    assert len(got) == len(want) == 3
+    for (gi, gl), (wi, wl) in zip(got, want):
+        assert gi.dtype == torch.float16 and torch.equal(gi, wi) and torch.equal(gl, wl)
+
+
+def test_overflow_uint8_that_does_not_fit_either_raises(store):
+    with pytest.raises(DeviceMemoryError, match="Even uint8"):
+        GPUDataset(store, CPU, max_memory=1000, on_overflow="uint8")
+
+
+def test_overflow_stream_serves_the_same_batches(store, stored):
+    ref = GPUDataset(store, CPU, normalize=(MEAN, STD))
+    ds = GPUDataset(store, CPU, normalize=(MEAN, STD), max_memory=1000, on_overflow="stream")
+    assert ds.mode == "stream" and ds.data is None and ds.nbytes == 8 * N
+    assert torch.equal(ds[7][0], ref[7][0]) and ds[7][1] == ref[7][1]
+    for loader_kw in ({"seed": 1, "shuffle": True}, {"seed": 1, "shuffle": True, "drop_last": True}, {}):
+        got = list(ds.loader(5, **loader_kw))
+        want = list(ref.loader(5, **loader_kw))
+        assert len(got) == len(want) == len(ds.loader(5, **loader_kw))
+        for (gi, gl), (wi, wl) in zip(got, want):
+            assert torch.equal(gi, wi) and torch.equal(gl, wl)
+    assert _no_prefetch_threads()
+
+
+def test_abandoned_stream_epoch_stops_its_reader(store):
+    ds = GPUDataset(store, CPU, torch.uint8, max_memory=1000, on_overflow="stream")
+    it = iter(ds.loader(2, shuffle=True, seed=0))
+    next(it)
+    it.close()
+    assert _no_prefetch_threads()
+
+
+# --- the loader ----------------------------------------------------------------------------
+
+def _epoch(loader):
+    images, labels = zip(*loader)
+    return torch.cat(images), torch.cat(labels)
+
+
+@pytest.fixture(scope="module")
+def u8(store):
+    return GPUDataset(store, CPU, torch.uint8, chunk_size=5)
+
+
+def _sample_ids(images, stored_images):
+    """Index in the store of each image (samples of the synthetic folder are all different)."""
+    flat = stored_images.flatten(1)
+    ids = []
+    for img in images.flatten(1):
+        match = torch.nonzero((flat == img).all(dim=1)).flatten()
+        assert len(match) == 1
+        ids.append(int(match[0]))
+    return ids
+
+
+def test_every_sample_once_per_epoch_with_matching_labels(u8, stored):
+    loader = u8.loader(6, shuffle=True, seed=11)
+    assert len(loader) == 4
+    images, labels = _epoch(loader)
+    ids = _sample_ids(images, stored[0])
+    assert sorted(ids) == list(range(N))
+    assert torch.equal(labels, stored[1][ids])
+
+
+def test_new_order_each_epoch_same_order_for_same_seed(u8):
+    a = u8.loader(4, shuffle=True, seed=5)
+    first, second = _epoch(a)[1], _epoch(a)[1]
+    orders = [a.indices(e) for e in range(4)]
+    assert len({tuple(o.tolist()) for o in orders}) == 4
+    assert all(sorted(o.tolist()) == list(range(N)) for o in orders)
+    b = u8.loader(4, shuffle=True, seed=5)
+    assert torch.equal(_epoch(b)[1], first) and torch.equal(_epoch(b)[1], second)
+    b.set_epoch(0)
+    assert torch.equal(_epoch(b)[1], first)
+    assert not torch.equal(u8.loader(4, shuffle=True, seed=6).indices(0), a.indices(0))
+
+
+def test_unshuffled_order_is_store_order(u8, stored):
+    images, labels = _epoch(u8.loader(5, shuffle=False))
+    assert torch.equal(images, stored[0]) and torch.equal(labels, stored[1])
+
+
+@pytest.mark.parametrize("batch_size", [1, 4, 5, N, 50])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_len_matches_the_batches(u8, batch_size, drop_last):
+    loader = u8.loader(batch_size, shuffle=True, drop_last=drop_last, seed=0)
+    sizes = [len(x) for x, _ in loader]
+    assert len(sizes) == len(loader) == (N // batch_size if drop_last else -(-N // batch_size))
+    assert all(s == batch_size for s in sizes[:-1])
+    if drop_last:
+        assert all(s == batch_size for s in sizes)
+    else:
+        assert sum(sizes) == N
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4, 23, 30])
+def test_distributed_shares_are_disjoint_complete_and_equal(u8, world_size):
+    for epoch in (0, 1):
+        shares = []
+        for rank in range(world_size):
+            loader = u8.loader(3, shuffle=True, seed=9, rank=rank, world_size=world_size)
+            loader.set_epoch(epoch)
+            shares.append(loader.indices().tolist())
+            assert len(list(loader)) == len(loader)
+        assert len({len(s) for s in shares}) == 1  # equal lengths: no rank waits for another
+        assert len({len(u8.loader(3, shuffle=True, rank=r, world_size=world_size)) for r in range(world_size)}) == 1
+        flat = [i for s in shares for i in s]
+        assert set(flat) == set(range(N))  # complete
+        padding = len(shares[0]) * world_size - N
+        assert len(flat) - len(set(flat)) == padding < world_size  # disjoint but for the padding
+
+
+def test_distributed_shares_have_different_samples(u8, stored):
+    a = _sample_ids(_epoch(u8.loader(4, shuffle=True, seed=2, rank=0, world_size=2))[0], stored[0])
+    b = _sample_ids(_epoch(u8.loader(4, shuffle=True, seed=2, rank=1, world_size=2))[0], stored[0])
+    assert len(a) == len(b) == 12 and len(set(a) & set(b)) == 1  # 23 -> padded to 24: one repeat
+    assert set(a) | set(b) == set(range(N))
+
+
+_DDP_WORKER = """
+import json, sys
+import torch
+import torch.distributed as dist
+import dlstore
+store, rendezvous, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
+ds = dlstore.GPUDataset(store, "cpu", torch.uint8)   # rank and world size from torch.distributed
+loader = ds.loader(4, shuffle=True)                                  # no seed: the same default on every rank
+epochs = []
+for epoch in (0, 1):
+    loader.set_epoch(epoch)
+    labels = [l.tolist() for _, l in loader]
+    epochs.append({"indices": loader.indices(epoch).tolist(), "batches": len(labels), "len": len(loader)})
+json.dump({"rank": ds.rank, "world": ds.world_size, "epochs": epochs}, open(out, "w"))
+dist.destroy_process_group()
+"""
+
+
+def test_under_torch_distributed_ranks_split_each_epoch(store, tmp_path):
+    import json
+    import subprocess
+    import sys
+    script = tmp_path / "worker.py"
+    script.write_text(_DDP_WORKER)
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(store), str(tmp_path / "rdv"), str(r),
+                               str(outs[r])]) for r in range(2)]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    results = [json.loads(o.read_text()) for o in outs]
+    assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
+    for e in (0, 1):
+        a, b = (r["epochs"][e] for r in results)
+        assert a["batches"] == b["batches"] == a["len"] == b["len"] == 3
+        assert len(a["indices"]) == len(b["indices"]) == 12
+        assert set(a["indices"]) | set(b["indices"]) == set(range(N))
+        assert len(set(a["indices"]) & set(b["indices"])) == 1  # 23 padded to 24 by wrapping
+    assert results[0]["epochs"][0]["indices"] != results[0]["epochs"][1]["indices"]
+
+
+def test_dataset_rank_is_the_loader_default(store):
+    ds = GPUDataset(store, CPU, torch.uint8, rank=1, world_size=2)
+    loader = ds.loader(4, shuffle=True, seed=0)
+    assert (loader.rank, loader.world_size, len(loader)) == (1, 2, 3)
+
+
+def test_transform_gets_the_batch_and_a_generator(u8):
+    seen = []
+
+    def flip_some(images, generator=None):
+        seen.append(generator)
+        flip = torch.rand(len(images), generator=generator, device=images.device) < 0.5
+        return torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
+
+    a = _epoch(u8.loader(8, shuffle=True, seed=4, transform=flip_some))[0]
+    b = _epoch(u8.loader(8, shuffle=True, seed=4, transform=flip_some))[0]
+    assert torch.equal(a, b)  # augmentation is reproducible from the seed
+    assert all(isinstance(g, torch.Generator) for g in seen)
+    plain = _epoch(u8.loader(8, shuffle=True, seed=4))[0]
+    flipped = [not torch.equal(x, p) for x, p in zip(a, plain)]
+    assert any(flipped) and not all(flipped)
+    assert all(torch.equal(x, p.flip(-1)) for x, p, f in zip(a, plain, flipped) if f)
+
+
+def test_per_sample_batch_transforms_run_on_groups_of_batches(u8, stored):
+    from dlstore.transforms import BatchCompose, BatchTransform
+
+    class Record(BatchTransform):
+        def __init__(self):
+            self.sizes = []
+
+        def apply(self, images, params):
+            self.sizes.append(len(images))
+            return images
+
+    grouped = Record()
+    loader = u8.loader(4, shuffle=True, seed=1, transform=BatchCompose([grouped]))
+    assert loader.group_batches > 1
+    batches = list(loader)
+    assert grouped.sizes == [N] and [len(x) for x, _ in batches] == [4, 4, 4, 4, 4, 3]
+    ids = _sample_ids(torch.cat([x for x, _ in batches]), stored[0])
+    assert sorted(ids) == list(range(N)) and torch.equal(torch.cat([y for _, y in batches]), stored[1][ids])
+    grouped.sizes.clear()
+    assert [len(x) for x, _ in u8.loader(4, shuffle=True, seed=1, drop_last=True, transform=grouped)] == [4] * 5
+    assert grouped.sizes == [20]
+    # a callable that is not a dlstore batch transform may depend on the batch: one at a time
+    sizes = []
+    list(u8.loader(4, shuffle=True, seed=1, transform=BatchCompose([grouped, lambda x, g=None: sizes.append(len(x)) or x])))
+    assert sizes == [4, 4, 4, 4, 4, 3]
+
+
+def test_transform_without_generator_and_channels_last(u8):
+    loader = u8.loader(8, shuffle=True, seed=0, transform=lambda x: x.float(), channels_last=True)
+    for images, _ in loader:
+        assert images.dtype == torch.float32
+        assert images.is_contiguous(memory_format=torch.channels_last)
+
+
+def test_batch_transforms_from_dlstore_transforms(store):
+    transforms = pytest.importorskip("dlstore.transforms")
+    if not hasattr(transforms, "BatchRandomCrop"):
+        pytest.skip("batch transforms not landed yet")
+    ds = GPUDataset(store, CPU)
+    aug = transforms.BatchCompose([transforms.BatchRandomCrop((12, 10), padding=2),
+                                   transforms.BatchRandomHorizontalFlip()])
+    loader = ds.loader(8, shuffle=True, seed=0, transform=aug)
+    out = list(loader)
+    assert [tuple(x.shape) for x, _ in out] == [(8, 3, 12, 10), (8, 3, 12, 10), (7, 3, 12, 10)]
+    assert all(x.dtype == torch.float16 for x, _ in out)
+    again = list(ds.loader(8, shuffle=True, seed=0, transform=aug))
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(out, again))
+
+
+# --- CUDA (skipped without a GPU) ----------------------------------------------------------
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@cuda
+def test_cuda_preload_equals_cpu_preload(store):
+    cpu = GPUDataset(store, CPU, normalize=(MEAN, STD), chunk_size=4)
+    gpu = GPUDataset(store, "cuda", normalize=(MEAN, STD), chunk_size=4)
+    assert gpu.data.is_cuda and gpu.targets.is_cuda
+    assert torch.equal(gpu.data.cpu(), cpu.data) and torch.equal(gpu.targets.cpu(), cpu.targets)
+    images, labels = next(iter(gpu.loader(8, shuffle=True, seed=0)))
+    assert images.is_cuda and labels.is_cuda
+
+
+@cuda
+def test_cuda_overflow_and_failures_leak_no_memory(store, tmp_path):
+    import shutil
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    with pytest.raises(DeviceMemoryError):
+        GPUDataset(store, "cuda", max_memory=1000)
+    copy = tmp_path / "copy.shards"
+    shutil.copytree(store, copy)
+    source = dlstore.open_dataset(copy)
+    with open(copy / "shard-00002.npy", "r+b") as f:
+        f.truncate(200)
+    with pytest.raises(dlstore.StoreCorruptError):
+        GPUDataset(source, "cuda", chunk_size=2)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() == before
+
+
+@cuda
+def test_cuda_stream_mode_matches_preload(store):
+    ref = GPUDataset(store, "cuda")
+    ds = GPUDataset(store, "cuda", max_memory=1000, on_overflow="stream")
+    for (a, la), (b, lb) in zip(ds.loader(5, shuffle=True, seed=0), ref.loader(5, shuffle=True, seed=0)):
+        assert a.is_cuda and torch.equal(a, b) and torch.equal(la, lb)
+
+
+# --- the GPU check script, on CPU ----------------------------------------------------------
+
+def test_gpu_check_script_runs_on_cpu(tmp_path, capsys):
+    import importlib.util
+    import json
+    from pathlib import Path
+    path = Path(__file__).resolve().parents[2] / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "check.json"
+    assert module.main(["--device", "cpu", "--quick", "--cifar", "300", "--imagenet", "40",
+                        "--epochs", "1", "--repeats", "1", "--batch", "64",
+                        "--workdir", str(tmp_path), "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    for kind in ("cifar", "imagenet"):
+        pre = result["preload"][kind]
+        assert pre["labels_equal"] and pre["uint8_equal_to_store"]
+        assert pre["max_abs_diff_vs_cpu_path"] == 0
+        assert pre["samples"] == result["stores"][kind]["count"]
+        assert result["gpu_loader"][kind]["samples_per_s"]["median"] > 0
+        assert result["dataloader"][kind]["best"]["samples_per_s"]["median"] > 0
+    assert "GPU loader / best DataLoader" in capsys.readouterr().out
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith("dlstore-gpu-check-")]  # cleaned up

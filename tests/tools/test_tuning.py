@@ -1,0 +1,215 @@
+"""cpu_info on fixture cgroup/cpuinfo files; tune() on a real store and a sleep-bound dataset."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import pytest
+import torch
+from click.testing import CliRunner
+from torch.utils.data import DataLoader, Dataset
+
+import dlstore
+from dlstore._system import _cgroup_cpu_limit, _physical_cores, cpu_info, usable_cpus
+from dlstore.cli import main
+from dlstore.sources.demo import make_image_folder
+from dlstore.tools.tuning import (
+    _worker_candidates,
+    loader_kwargs,
+    measure_throughput,
+    open_for_tuning,
+    tune,
+)
+
+
+def _write(root, files: dict[str, str]):
+    for name, text in files.items():
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    return root
+
+
+# --------------------------------------------------------------------------- cgroup parsing
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"cpu.max": "200000 100000\n"}, 2.0),
+    ({"cpu.max": "150000 100000\n"}, 1.5),
+    ({"cpu.max": "max 100000\n"}, None),
+    ({"cpu/cpu.cfs_quota_us": "50000\n", "cpu/cpu.cfs_period_us": "100000\n"}, 0.5),
+    ({"cpu,cpuacct/cpu.cfs_quota_us": "300000\n", "cpu,cpuacct/cpu.cfs_period_us": "100000\n"}, 3.0),
+    ({"cpu/cpu.cfs_quota_us": "-1\n", "cpu/cpu.cfs_period_us": "100000\n"}, None),
+    ({}, None),
+    ({"cpu.max": "garbage\n"}, None),
+], ids=["v2", "v2-fraction", "v2-max", "v1", "v1-cpuacct", "v1-unlimited", "absent", "v2-damaged"])
+def test_cgroup_limit_from_fixture_files(tmp_path, files, expected):
+    assert _cgroup_cpu_limit(_write(tmp_path, files)) == expected
+
+
+def test_cgroup_v2_nested_levels_tightest_wins(tmp_path):
+    _write(tmp_path, {"cpu.max": "max 100000", "kube/cpu.max": "400000 100000",
+                      "kube/pod/cpu.max": "max 100000", "kube/pod/box/cpu.max": "250000 100000"})
+    assert _cgroup_cpu_limit(tmp_path, cgroup_path="/kube/pod/box") == 2.5
+    assert _cgroup_cpu_limit(tmp_path, cgroup_path="kube/pod") == 4.0
+    assert _cgroup_cpu_limit(tmp_path, cgroup_path="") is None
+
+
+def test_cpu_info_caps_affinity_by_quota(tmp_path):
+    affinity = len(os.sched_getaffinity(0))
+    unlimited = cpu_info(_write(tmp_path / "a", {"cpu.max": "max 100000"}))
+    assert unlimited.cgroup_quota is None
+    assert unlimited.usable == unlimited.affinity == affinity
+    assert unlimited.logical == os.cpu_count()
+    half = cpu_info(_write(tmp_path / "b", {"cpu.max": "50000 100000"}))
+    assert half.cgroup_quota == 0.5 and half.usable == 1  # never below one
+    wide = cpu_info(_write(tmp_path / "c", {"cpu.max": f"{(affinity + 8) * 100000} 100000"}))
+    assert wide.usable == affinity  # the quota cannot add CPUs the affinity mask forbids
+    assert str(half).startswith("1 usable CPU")
+
+
+def test_usable_cpus_matches_cpu_info():
+    assert usable_cpus() == cpu_info().usable >= 1
+
+
+CPUINFO_2_SOCKETS_HT = "".join(
+    f"processor\t: {cpu}\nmodel name\t: X\nphysical id\t: {cpu // 4}\ncore id\t\t: {(cpu % 4) // 2}\n\n"
+    for cpu in range(8))  # 2 sockets x 2 cores x 2 threads
+
+
+def test_physical_cores_from_cpuinfo_and_sysfs(tmp_path):
+    assert _physical_cores(_write(tmp_path, {"cpuinfo": CPUINFO_2_SOCKETS_HT}) / "cpuinfo",
+                           tmp_path / "none") == 4
+    # No core ids (e.g. some ARM kernels): fall back to sysfs sibling lists.
+    _write(tmp_path, {"arm": "processor\t: 0\nBogoMIPS\t: 50\n\nprocessor\t: 1\n\n"})
+    sibling_lists = {f"cpu{c}/topology/core_cpus_list": f"{c - c % 2}-{c - c % 2 + 1}\n" for c in range(6)}
+    sysfs = _write(tmp_path / "sys", sibling_lists)
+    assert _physical_cores(tmp_path / "arm", sysfs) == 3
+    assert _physical_cores(tmp_path / "arm", tmp_path / "nothing") is None
+
+
+# --------------------------------------------------------------------------- tune
+
+
+@pytest.mark.parametrize("usable, max_workers, expected", [
+    (2, None, [1, 2, 3]),              # up to the usable CPUs and a little over
+    (16, None, [1, 2, 4, 8, 16, 20]),  # coarse: powers of two
+    (16, 8, [1, 2, 4, 8]),             # capped
+    (2, 8, [1, 2, 3, 4, 8]),           # extended on request
+    (1, None, [1, 2]),
+])
+def test_worker_candidates(usable, max_workers, expected):
+    assert _worker_candidates(usable, max_workers) == expected
+
+
+class SleepyDataset(Dataset):
+    """Each sample sleeps: loading is latency-bound, so workers help even on 2 cores."""
+
+    def __init__(self, n: int = 64, delay: float = 0.004):
+        self.n, self.delay = n, delay
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        time.sleep(self.delay)
+        return torch.full((3, 8, 8), i % 256, dtype=torch.uint8), i % 3
+
+
+@pytest.fixture(scope="module")
+def small_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tune")
+    make_image_folder(root / "images", classes=2, per_class=16, size=(40, 48))
+    dlstore.convert(root / "images", root / "small.shards", static="center_crop=32", progress=False,
+                    workers=1)
+    return root
+
+
+def _assert_loader_accepts(ds, kwargs):
+    batches = list(DataLoader(ds, **kwargs))
+    assert sum(len(y) for _, y in batches) == len(ds)
+
+
+def test_tune_store_returns_usable_kwargs_not_slower_than_workers0(small_store):
+    ds = dlstore.open_dataset(small_store / "small.shards")
+    result = tune(ds, 8, budget=2.0, max_workers=2)
+    assert isinstance(result, dict) and result["batch_size"] == 8
+    assert set(result) <= {"batch_size", "num_workers", "pin_memory", "prefetch_factor", "persistent_workers"}
+    assert result["pin_memory"] is False  # no CUDA target: pinning is never tried
+    _assert_loader_accepts(ds, result)
+    assert result.baseline.kwargs["num_workers"] == 0
+    assert result.best in result.trials
+    # Every worker setting slower than the (mean) baseline beyond the noise margin is flagged,
+    # and only those.
+    base = result.rate(result.baseline.kwargs)
+    assert base > 0 and result.speedup == pytest.approx(result.rate(result.best.kwargs) / base)
+    for t in result.trials:
+        slower = t.num_workers > 0 and t.batches_per_s < base * 0.95
+        assert ("slower than workers=0" in t.note) == slower
+    assert any(t.stage == "confirm" for t in result.trials)
+    # The recommendation against a fresh workers=0 measurement: generous tolerance, no absolute times.
+    tuned = measure_throughput(ds, dict(result), seconds=0.3)
+    zero = measure_throughput(ds, loader_kwargs(8, 0), seconds=0.3)
+    assert tuned.batches_per_s >= 0.5 * zero.batches_per_s
+    assert "workers" in result.table() and "*" in result.table()
+    json.dumps(result.to_json())
+
+
+def test_tune_prefers_workers_when_loading_sleeps():
+    ds = SleepyDataset()
+    result = tune(ds, 4, budget=3.0, max_workers=2, memory_warn_fraction=0.0)
+    assert result["num_workers"] >= 1, result.table()
+    assert result["prefetch_factor"] in (1, 2, 4, 8) and result["persistent_workers"] in (True, False)
+    assert result.speedup > 1.0
+    _assert_loader_accepts(ds, result)
+    assert any("memory-heavy" in w for w in result.warnings)  # fraction 0: any queue is "heavy"
+
+
+def test_tune_rejects_bad_arguments(small_store):
+    ds = dlstore.open_dataset(small_store / "small.shards")
+    with pytest.raises(ValueError, match="batch_size"):
+        tune(ds, 0)
+    with pytest.raises(ValueError, match="budget"):
+        tune(ds, 4, budget=0)
+
+
+def test_loader_kwargs_without_workers_are_accepted_by_dataloader(small_store):
+    kwargs = loader_kwargs(4, 0, prefetch_factor=8, persistent_workers=True)
+    assert "prefetch_factor" not in kwargs and "persistent_workers" not in kwargs
+    _assert_loader_accepts(dlstore.open_dataset(small_store / "small.shards"), kwargs)
+
+
+def test_open_for_tuning_store_and_folder(small_store):
+    folder = open_for_tuning(small_store / "images", static="center_crop=32")
+    image, label = folder[0]
+    store = open_for_tuning(small_store / "small.shards")
+    assert torch.equal(image, store[0][0]) and label == store[0][1]  # same pipeline, same pixels
+    with pytest.raises(ValueError, match="static"):
+        open_for_tuning(small_store / "small.shards", static="center_crop=16")
+    with pytest.raises(FileNotFoundError):
+        open_for_tuning(small_store / "missing")
+
+
+def test_cli_tune_json(small_store):
+    result = CliRunner().invoke(main, ["tune", str(small_store / "small.shards"), "-b", "8",
+                                       "--budget", "1", "--max-workers", "1", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["kwargs"]["batch_size"] == 8 and data["trials"][0]["kwargs"]["num_workers"] == 0
+
+
+def test_cli_tune_folder_of_mixed_sizes_explains(tmp_path):
+    make_image_folder(tmp_path / "mixed", classes=1, per_class=6, size=(30, 40), vary_size=True)
+    result = CliRunner().invoke(main, ["tune", str(tmp_path / "mixed"), "-b", "3", "--budget", "1"])
+    assert result.exit_code == 2
+    assert "center_crop" in result.output
+
+
+def test_cli_tune_cuda_without_gpu_is_refused(small_store):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = CliRunner().invoke(main, ["tune", str(small_store / "small.shards"), "-b", "8",
+                                       "--device", "cuda"])
+    assert result.exit_code != 0 and "CUDA" in result.output

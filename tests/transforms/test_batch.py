@@ -1,0 +1,199 @@
+"""Batch transforms: per-sample parameters, whole-batch kernels, equal to per-sample references."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+from dlstore.errors import TransformSpecError
+from dlstore.sources.demo import synthetic_image
+from dlstore.transforms import (
+    BatchCompose,
+    BatchCutout,
+    BatchNormalize,
+    BatchRandomCrop,
+    BatchRandomHorizontalFlip,
+    BatchRandomResizedCrop,
+)
+
+
+def _batch(n: int = 16, size: tuple[int, int] = (24, 32)) -> torch.Tensor:
+    """uint8 (n, 3, H, W): sample j is synthetic image (j % 3, j), so every sample differs."""
+    return torch.stack([torch.from_numpy(synthetic_image(j % 3, j, size)).permute(2, 0, 1) for j in range(n)])
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+ALL = [
+    BatchRandomCrop(20, padding=4),
+    BatchRandomCrop((16, 24), padding=(2, 3), padding_mode="reflect"),
+    BatchRandomHorizontalFlip(),
+    BatchRandomResizedCrop(12),
+    BatchCutout(6),
+    BatchNormalize([0.5, 0.4, 0.3], [0.2, 0.25, 0.3]),
+    BatchCompose([BatchRandomCrop(24, padding=2), BatchRandomHorizontalFlip(), BatchNormalize(dtype=torch.float16)]),
+]
+
+
+@pytest.mark.parametrize("t", ALL, ids=lambda t: type(t).__name__)
+def test_input_untouched_and_seeded_reproducible(t):
+    x = _batch()
+    before = x.clone()
+    a = t(x, _gen(1))
+    b = t(x, _gen(1))
+    assert torch.equal(x, before), "a batch transform modified its input"
+    assert a.shape[0] == x.shape[0] and a.data_ptr() != x.data_ptr()
+    assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("t", [ALL[0], ALL[2], ALL[3], ALL[4]], ids=lambda t: type(t).__name__)
+def test_parameters_independent_per_sample_and_per_seed(t):
+    # The same image repeated: any difference between outputs comes from per-sample parameters.
+    x = _batch(1).expand(64, -1, -1, -1).contiguous()
+    out = t(x, _gen(3))
+    distinct = {bytes(o.flatten().numpy()) for o in out}
+    assert len(distinct) >= 2 if isinstance(t, BatchRandomHorizontalFlip) else len(distinct) > 10
+    assert not torch.equal(out, t(x, _gen(4)))
+
+
+@pytest.mark.parametrize("padding,mode,fill", [(4, "constant", 0), ((2, 5), "constant", 17), (3, "edge", 0),
+                                               ((1, 2, 3, 4), "reflect", 0), (2, "symmetric", 0), (0, "constant", 0)])
+def test_random_crop_equals_per_sample_reference(padding, mode, fill):
+    x = _batch(12)
+    t = BatchRandomCrop((20, 28), padding=padding, fill=fill, padding_mode=mode)
+    params = t.sample(x.shape, generator=_gen(0))
+    out = t.apply(x, params)
+    pad = list(t.padding)
+    for j in range(len(x)):
+        padded = F.pad(x[j], pad, fill=fill, padding_mode=mode)
+        ref = F.crop(padded, int(params["top"][j]), int(params["left"][j]), 20, 28)
+        assert torch.equal(out[j], ref), f"sample {j}"
+    # offsets cover the whole valid range, not one value
+    assert params["top"].max() - params["top"].min() > 0
+
+
+def test_random_crop_distribution_matches_torchvision_range():
+    x = _batch(1).expand(400, -1, -1, -1)
+    t = BatchRandomCrop(24, padding=4)
+    params = t.sample(x.shape, generator=_gen(0))
+    # padded 32x40, crop 24x24: top in [0, 8], left in [0, 16], every value reachable
+    assert set(params["top"].tolist()) == set(range(9))
+    assert set(params["left"].tolist()) == set(range(17))
+
+
+def test_flip_equals_per_sample_reference():
+    x = _batch(32)
+    t = BatchRandomHorizontalFlip(p=0.5)
+    params = t.sample(x.shape, generator=_gen(5))
+    out = t.apply(x, params)
+    assert 0 < int(params["flip"].sum()) < 32
+    for j in range(32):
+        ref = F.horizontal_flip(x[j]) if params["flip"][j] else x[j]
+        assert torch.equal(out[j], ref)
+    assert torch.equal(BatchRandomHorizontalFlip(p=1.0)(x), x.flip(-1))
+    assert torch.equal(BatchRandomHorizontalFlip(p=0.0)(x), x)
+
+
+def test_resized_crop_params_valid_and_kernel_matches_torchvision():
+    x = _batch(16, size=(48, 64))
+    t = BatchRandomResizedCrop(12, scale=(0.3, 1.0), antialias=False)
+    params = t.sample(x.shape, generator=_gen(2))
+    top, left, h, w = (params[k] for k in ("top", "left", "height", "width"))
+    assert (top >= 0).all() and (left >= 0).all() and (top + h <= 48).all() and (left + w <= 64).all()
+    area = (h * w).double() / (48 * 64)
+    assert (area >= 0.29).all() and (area <= 1.01).all()
+    ratio = w.double() / h.double()
+    assert (ratio > 0.7).all() and (ratio < 1.4).all()
+    out = t.apply(x.float(), params)
+    for j in range(16):
+        # crops are >= 12 px, so bilinear without antialias samples only inside the crop
+        ref = F.resized_crop(x[j].float(), int(top[j]), int(left[j]), int(h[j]), int(w[j]), [12, 12],
+                             antialias=False)
+        torch.testing.assert_close(out[j], ref, atol=1e-3, rtol=1e-4)
+    out_u8 = t.apply(x, params)
+    assert out_u8.dtype == torch.uint8
+    assert (out_u8.float() - out.round()).abs().max() <= 1
+
+
+def test_resized_crop_antialias_close_to_torchvision_antialias():
+    x = _batch(8, size=(96, 96))
+    t = BatchRandomResizedCrop(16, scale=(0.5, 1.0))
+    params = t.sample(x.shape, generator=_gen(9))
+    out = t.apply(x.float(), params)
+    aliased = BatchRandomResizedCrop(16, scale=(0.5, 1.0), antialias=False).apply(x.float(), params)
+    ref = torch.stack([
+        F.resized_crop(x[j].float(), *(int(params[k][j]) for k in ("top", "left", "height", "width")),
+                       [16, 16], antialias=True) for j in range(8)])
+    # a box prefilter vs torchvision's triangle filter: not equal, but much closer than no prefilter
+    assert (out - ref).abs().mean() < 0.6 * (aliased - ref).abs().mean()
+
+
+def test_resized_crop_falls_back_to_centre_crop():
+    x = _batch(4, size=(8, 64))       # ratio 8: no crop with ratio in [3/4, 4/3] and area >= 90%
+    t = BatchRandomResizedCrop(8, scale=(0.9, 1.0))
+    p = t.sample(x.shape, generator=_gen(0))
+    assert p["height"].tolist() == [8] * 4 and p["width"].tolist() == [11] * 4
+    assert p["left"].tolist() == [(64 - 11) // 2] * 4
+
+
+def test_cutout_fills_one_square_inside_each_sample():
+    x = torch.full((20, 3, 16, 16), 200, dtype=torch.uint8)
+    out = BatchCutout(5, fill=0)(x, _gen(0))
+    filled = out == 0
+    assert (filled.sum(dim=(1, 2, 3)) == 3 * 25).all()
+    for j in range(20):
+        ys, xs = torch.nonzero(filled[j, 0], as_tuple=True)
+        assert int(ys.max() - ys.min()) == 4 and int(xs.max() - xs.min()) == 4
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-6), (torch.float16, 2e-3), (torch.bfloat16, 2e-2)])
+def test_normalize_matches_torchvision(dtype, atol):
+    x = _batch(6)
+    mean, std = [0.485, 0.456, 0.406], [0.229, 0.224, 0.225]
+    out = BatchNormalize(mean, std, dtype=dtype)(x)
+    assert out.dtype == dtype
+    ref = torch.stack([v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])(s) for s in x])
+    torch.testing.assert_close(out.float(), ref, atol=atol * max(1.0, float(ref.abs().max())), rtol=0)
+    plain = BatchNormalize(dtype=torch.float32)(x)
+    torch.testing.assert_close(plain, torch.stack([v2.ToDtype(torch.float32, scale=True)(s) for s in x]),
+                               atol=0, rtol=0)
+
+
+def test_compose_runs_in_order_with_one_generator():
+    x = _batch(8)
+    crop, flip = BatchRandomCrop(24, padding=2), BatchRandomHorizontalFlip()
+    g = _gen(7)
+    p_crop = crop.sample(x.shape, generator=g)
+    p_flip = flip.sample((8, 3, 24, 24), generator=g)
+    expected = flip.apply(crop.apply(x, p_crop), p_flip)
+    assert torch.equal(BatchCompose([crop, flip])(x, _gen(7)), expected)
+    assert BatchCompose([crop, BatchRandomResizedCrop(10)]).output_size(24, 32) == (10, 10)
+
+
+def test_bad_input_and_arguments_raise_clear_errors():
+    with pytest.raises(TransformSpecError, match=r"\(B, C, H, W\)"):
+        BatchRandomHorizontalFlip()(torch.zeros(3, 8, 8, dtype=torch.uint8))
+    with pytest.raises(TransformSpecError, match="larger than the padded image"):
+        BatchRandomCrop(40)(_batch(2))
+    with pytest.raises(TransformSpecError, match="padding_mode"):
+        BatchRandomCrop(8, padding_mode="wrap")
+    with pytest.raises(TransformSpecError, match="both mean and std"):
+        BatchNormalize(mean=[0.5])
+    with pytest.raises(TransformSpecError, match="floating"):
+        BatchNormalize(dtype=torch.uint8)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_matches_cpu_kernels():
+    x = _batch(8)
+    for t in (BatchRandomCrop(20, padding=4), BatchRandomHorizontalFlip(), BatchCutout(4), BatchNormalize()):
+        params = t.sample(x.shape, generator=_gen(0))
+        cpu = t.apply(x, params)
+        gpu = t.apply(x.cuda(), {k: v.cuda() for k, v in params.items()})
+        assert torch.equal(cpu, gpu.cpu())
+    out = BatchRandomCrop(20, padding=4)(x.cuda(), torch.Generator(device="cuda").manual_seed(0))
+    assert out.device.type == "cuda"
