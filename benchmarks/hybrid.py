@@ -40,7 +40,7 @@ from _common import machine_info, write_json  # noqa: E402
 
 import dlstore  # noqa: E402
 from dlstore.sources.demo import make_image_folder  # noqa: E402
-from dlstore.transforms import BatchCompose, BatchNormalize, BatchRandomCrop  # noqa: E402
+from dlstore.transforms import BatchCompose  # noqa: E402
 
 
 def measure(configs: dict[str, Callable[[], int]], repeats: int, raw_repeats: int, min_seconds: float) -> dict:

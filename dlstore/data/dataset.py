@@ -28,6 +28,7 @@ from torch.utils.data import Dataset, get_worker_info
 from .. import formats
 from ..errors import (
     ArgumentError,
+    SampleIndexError,
     StaticMismatchError,
     StoreCorruptError,
     TransformSpecError,
@@ -164,7 +165,7 @@ class StoreDataset(Dataset):
         if i < 0:
             i += n
         if not 0 <= i < n:
-            raise IndexError(f"index {i} out of range for a store of {n} samples")
+            raise SampleIndexError(f"index {i} out of range for a store of {n} samples")
         return i
 
     def _indices(self, indices: Sequence[int]) -> np.ndarray:
@@ -174,7 +175,7 @@ class StoreDataset(Dataset):
         idx = np.where(idx < 0, idx + n, idx)
         bad = (idx < 0) | (idx >= n)
         if bad.any():
-            raise IndexError(f"index {int(np.asarray(indices).reshape(-1)[np.argmax(bad)])} out of range "
+            raise SampleIndexError(f"index {int(np.asarray(indices).reshape(-1)[np.argmax(bad)])} out of range "
                              f"for a store of {n} samples")
         return idx
 

@@ -35,7 +35,13 @@ import numpy as np
 import torch
 
 from .._system import usable_cpus
-from ..errors import DeviceMemoryError, VariableShapeError
+from ..errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    DeviceMemoryError,
+    SampleIndexError,
+    VariableShapeError,
+)
 from ..units import human_bytes
 from .dataset import StoreDataset, open_dataset
 from .gpu_loader import BatchFn, GPULoader, _Prefetcher, _resolve_distributed
@@ -141,16 +147,16 @@ class GPUDataset:
             TypeError: ``source`` is neither a path nor a dlstore dataset.
         """
         if on_overflow not in ON_OVERFLOW:
-            raise ValueError(f"on_overflow must be one of {', '.join(map(repr, ON_OVERFLOW))}, "
+            raise ArgumentError(f"on_overflow must be one of {', '.join(map(repr, ON_OVERFLOW))}, "
                              f"got {on_overflow!r}")
         if not (dtype.is_floating_point or dtype == torch.uint8):
-            raise ValueError(f"dtype must be a floating dtype or torch.uint8, got {dtype}")
+            raise ArgumentError(f"dtype must be a floating dtype or torch.uint8, got {dtype}")
         if normalize is not None and dtype == torch.uint8:
-            raise ValueError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
+            raise ArgumentError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
         self.source = open_dataset(source) if isinstance(source, (str, os.PathLike)) else source
         name = getattr(self.source, "path", type(self.source).__name__)
         if not hasattr(self.source, "shape") or not hasattr(self.source, "read_batch"):
-            raise TypeError(f"GPUDataset takes a store path or a dlstore dataset (open_dataset(path)), "
+            raise ArgumentTypeError(f"GPUDataset takes a store path or a dlstore dataset (open_dataset(path)), "
                             f"got {type(source).__name__}")
         shape = self.source.shape
         if shape is None:
@@ -172,7 +178,7 @@ class GPUDataset:
         if chunk_size is None:
             chunk_size = max(1, DEFAULT_CHUNK_BYTES // self._sample_bytes)
         if int(chunk_size) < 1:
-            raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+            raise ArgumentError(f"chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = min(int(chunk_size), max(1, n))
         if normalize is not None:
             mean, std = normalize
@@ -180,10 +186,10 @@ class GPUDataset:
             std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
             c = self.shape[0]
             if mean_t.numel() not in (1, c) or std_t.numel() not in (1, c):
-                raise ValueError(f"normalize needs 1 or {c} values for mean and std, got "
+                raise ArgumentError(f"normalize needs 1 or {c} values for mean and std, got "
                                  f"{mean_t.numel()} and {std_t.numel()}")
             if (std_t == 0).any():
-                raise ValueError(f"normalize: std must not be zero, got {std_t.tolist()}")
+                raise ArgumentError(f"normalize: std must not be zero, got {std_t.tolist()}")
             self._mean = mean_t.view(1, -1, 1, 1).to(self.device)
             self._std = std_t.view(1, -1, 1, 1).to(self.device)
         else:
@@ -393,7 +399,7 @@ class GPUDataset:
         if i < 0:
             i += n
         if not 0 <= i < n:
-            raise IndexError(f"index {i} out of range for a dataset of {n} samples")
+            raise SampleIndexError(f"index {i} out of range for a dataset of {n} samples")
         label = int(self._host_labels[i])
         if self.mode == "preload":
             return self.data[i], label

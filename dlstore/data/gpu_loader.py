@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from ..errors import ArgumentError
 from ..transforms.batch import BatchCompose, BatchTransform
 
 if TYPE_CHECKING:
@@ -33,9 +34,9 @@ def _resolve_distributed(rank: int | None, world_size: int | None) -> tuple[int,
         rank = dist.get_rank() if initialised else 0
     world_size, rank = int(world_size), int(rank)
     if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
+        raise ArgumentError(f"world_size must be >= 1, got {world_size}")
     if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        raise ArgumentError(f"rank must be in [0, {world_size}), got {rank}")
     return rank, world_size
 
 
@@ -148,7 +149,7 @@ class GPULoader:
         prefetch: int = 2,
     ):
         if int(batch_size) < 1:
-            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+            raise ArgumentError(f"batch_size must be >= 1, got {batch_size}")
         self.dataset = dataset
         self.batch_size = int(batch_size)
         self.shuffle = shuffle

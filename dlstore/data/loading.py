@@ -16,7 +16,7 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from ..errors import ArgumentError
+from ..errors import ArgumentError, ArgumentTypeError
 from .dataset import StoreDataset
 from .gpu import GPUDataset
 from .gpu_loader import GPULoader
@@ -126,15 +126,15 @@ def loader(
         raise ArgumentError("dlstore.loader: transform= and channels_last= apply to a GPUDataset only; give a "
                             "StoreDataset its transforms in open_dataset(path, transform=...)")
     if not isinstance(dataset, StoreDataset):
-        raise TypeError(f"dlstore.loader takes a StoreDataset (dlstore.open_dataset(path)), got "
+        raise ArgumentTypeError(f"dlstore.loader takes a StoreDataset (dlstore.open_dataset(path)), got "
                         f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive int, got {batch_size!r}")
+        raise ArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     if distributed:
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError("loader(distributed=True) needs an initialised torch.distributed process group "
+            raise ArgumentError("loader(distributed=True) needs an initialised torch.distributed process group "
                              "(launch with torchrun and call torch.distributed.init_process_group first)")
         sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
     else:
