@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from .errors import StoreNotFoundError, SystemProbeError
+
 DEFAULT_DISK_TEST_BYTES = 256 << 20
 # A run counts as cold when at most this fraction of the store's pages was resident at its start.
 COLD_RESIDENT_MAX = 0.02
@@ -169,12 +171,12 @@ def _resident_pages(libc: ctypes.CDLL, path: Path) -> tuple[int, int]:
         addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
         if addr is None or addr == ctypes.c_void_p(-1).value:
             err = ctypes.get_errno()
-            raise OSError(err, f"mmap of {path} for mincore failed: {os.strerror(err)}")
+            raise SystemProbeError(err, f"mmap of {path} for mincore failed: {os.strerror(err)}")
         try:
             vec = (ctypes.c_ubyte * pages)()
             if libc.mincore(addr, size, vec) != 0:
                 err = ctypes.get_errno()
-                raise OSError(err, f"mincore on {path} failed: {os.strerror(err)}")
+                raise SystemProbeError(err, f"mincore on {path} failed: {os.strerror(err)}")
             resident = int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
         finally:
             libc.munmap(addr, size)
@@ -189,7 +191,7 @@ def store_files(path: str | os.PathLike) -> list[Path]:
     if p.is_file():
         return [p]
     if not p.is_dir():
-        raise FileNotFoundError(f"{path}: no such file or folder")
+        raise StoreNotFoundError(f"{path}: no such file or folder")
     return sorted(f for f in p.rglob("*") if f.is_file())
 
 
@@ -238,7 +240,7 @@ def evict(paths: str | os.PathLike | Iterable[str | os.PathLike], *, drop_caches
     """
     files = _expand(paths)
     if not hasattr(os, "posix_fadvise"):
-        raise OSError("evicting files from the page cache needs posix_fadvise (Linux); measure a warm "
+        raise SystemProbeError("evicting files from the page cache needs posix_fadvise (Linux); measure a warm "
                       "cache only (--cache warm) on this system")
     if drop_caches and not can_drop_caches():
         raise PermissionError("/proc/sys/vm/drop_caches is writable by root only; run as root, or leave "

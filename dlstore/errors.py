@@ -34,11 +34,23 @@ class ArgumentTypeError(DlstoreError, TypeError):
 
 
 class StoreNotFoundError(DlstoreError, FileNotFoundError):
-    """Nothing exists at the path given as a store."""
+    """Nothing exists at the path given as a store (or, for the tools, as a store or image folder)."""
 
 
 class SampleIndexError(DlstoreError, IndexError):
     """A sample index (or range) outside a store or dataset."""
+
+
+class SystemProbeError(DlstoreError, OSError):
+    """A machine probe (page-cache residency, eviction) failed or is not supported on this system."""
+
+
+class UsageError(DlstoreError, ValueError):
+    """An API used in a way that cannot work (e.g. iterating the loader instead of the profiler)."""
+
+
+class MeasurementError(DlstoreError, RuntimeError):
+    """A measurement (bench, tune, profile) could not be taken; the message says why and what to change."""
 
 
 class TransformSpecError(DlstoreError, ValueError):

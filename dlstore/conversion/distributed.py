@@ -58,7 +58,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConversionInterrupted, DistributedError, StoreExistsError
+from ..errors import (
+    ArgumentError,
+    ConversionInterrupted,
+    DistributedError,
+    StoreExistsError,
+)
 from ..formats._common import (
     DestinationLock,
     _fsync_dir,
@@ -119,7 +124,7 @@ def active_group(distributed: bool | None) -> Any | None:
     dist = sys.modules.get("torch.distributed")  # an initialised group means torch is imported
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
         if distributed:
-            raise ValueError("distributed=True needs an initialised torch.distributed process group of 2+ "
+            raise ArgumentError("distributed=True needs an initialised torch.distributed process group of 2+ "
                              "ranks (launch with torchrun, or call torch.distributed.init_process_group)")
         return None
     if dist.get_backend() == "gloo":
@@ -226,7 +231,7 @@ def convert_distributed(group: Any, src: str | os.PathLike, dst: Path, *, module
     ex = _Exchange(group)
     rank, world = ex.rank, ex.world
     if resume:
-        raise ValueError("resume is not supported for distributed conversions; rerun without --resume")
+        raise ArgumentError("resume is not supported for distributed conversions; rerun without --resume")
     fmt = module.FORMAT
     work = work_path(dst)
     lock: DestinationLock | None = None
@@ -379,7 +384,7 @@ def _assemble(job: Any, dst: Path, parts: list[Path], counts: list[int], count: 
         publish(staged, dst, overwrite)
         return
     else:  # pragma: no cover - every registered format is handled above
-        raise ValueError(f"distributed conversion does not know how to assemble {fmt!r} stores")
+        raise ArgumentError(f"distributed conversion does not know how to assemble {fmt!r} stores")
 
     manifest = manifest_for(job, count=count, skipped=skipped, files=total, checksums=checksums, layout=layout)
     if fmt == "shards":

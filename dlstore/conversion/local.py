@@ -11,6 +11,7 @@ the store is complete.
 from __future__ import annotations
 
 import glob
+import inspect
 import json
 import os
 import time
@@ -18,11 +19,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 from tqdm.auto import tqdm
 
 from .. import formats
 from .._system import usable_cpus
-from ..errors import DecodeError, SourceError
+from ..errors import ArgumentError, ArgumentTypeError, DecodeError, SourceError
 from ..formats._common import (
     DestinationLock,
     check_destination,
@@ -53,6 +55,21 @@ def remove_staging(staged: Path) -> None:
     remove_path(staged)
     for sibling in staged.parent.glob(f"{glob.escape(staged.name)}.*"):
         remove_path(sibling)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
+
+
+def _check_writer_options(module: Any, fmt: str, options: dict[str, Any]) -> None:
+    """Refuse a keyword the format's Writer does not take (a typo would be ignored otherwise)."""
+    params = inspect.signature(module.Writer.__init__).parameters
+    valid = sorted(name for name, p in params.items()
+                   if p.kind == p.KEYWORD_ONLY and not name.startswith("_") and name != "shape")
+    unknown = sorted(set(options) - set(valid))
+    if unknown:
+        raise ArgumentError(f"{', '.join(unknown)}: not an option of {fmt} stores; valid: "
+                            f"{', '.join(valid) or 'none'}")
 
 
 def convert(
@@ -125,11 +142,21 @@ def convert(
             resumable partial conversion is kept next to ``dst`` (``.NAME.dlstore-tmp``).
     """
     if on_error not in ON_ERROR:
-        raise ValueError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+        raise ArgumentError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     if encoding not in ENCODINGS:
-        raise ValueError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
-    if not 1 <= int(quality) <= 100:
-        raise ValueError(f"quality must be within 1..100, got {quality}")
+        raise ArgumentError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
+    for name, path in (("src", src), ("dst", dst)):
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentTypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
+    if max_pixels is not None and (not _is_int(max_pixels) or max_pixels < 1):
+        raise ArgumentError(f"max_pixels must be None (no limit) or a positive int, got {max_pixels!r}")
+    if not _is_int(quality) or not 1 <= quality <= 100:
+        raise ArgumentError(f"quality must be an int within 1..100, got {quality!r}")
+    if workers is not None and (not _is_int(workers) or workers < 0):
+        raise ArgumentError(f"workers must be None (one per usable CPU), 0 (decode in this process) or a "
+                            f"positive int, got {workers!r}")
+    if shard_size is not None and (not _is_int(shard_size) or shard_size < 1):
+        raise ArgumentError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
     log = log or (lambda message: None)
     dst = Path(dst)
     fmt = store_format or formats.format_for_destination(dst)
@@ -138,6 +165,7 @@ def convert(
     shape = output_shape(spec)
     if shard_size is not None:
         format_options["shard_size"] = shard_size
+    _check_writer_options(module, fmt, format_options)
     decode = {"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels}
     codec = (encoding, int(quality))
     group = active_group(distributed)

@@ -28,6 +28,7 @@ from torch.utils.data import Dataset, get_worker_info
 from .. import formats
 from ..errors import (
     ArgumentError,
+    ArgumentTypeError,
     SampleIndexError,
     StaticMismatchError,
     StoreCorruptError,
@@ -87,6 +88,14 @@ class StoreDataset(Dataset):
         batch_transform: Callable[..., torch.Tensor] | None = None,
         reader_options: dict[str, Any] | None = None,
     ):
+        if not isinstance(path, (str, os.PathLike)):
+            raise ArgumentTypeError(f"{type(self).__name__} takes the path of a store (str or os.PathLike), "
+                                    f"got {type(path).__name__}")
+        for name, fn in (("transform", transform), ("target_transform", target_transform),
+                         ("batch_transform", batch_transform)):
+            if fn is not None and not callable(fn):
+                raise ArgumentTypeError(f"{name} must be callable (a torchvision transform, a HybridTransform or "
+                                        f"a function), got {type(fn).__name__} {fn!r}")
         self.path = Path(path)
         self.format = formats.detect_format(self.path)
         if self.FORMAT is not None and self.format != self.FORMAT:
@@ -94,6 +103,9 @@ class StoreDataset(Dataset):
                 f"{self.path} is a {self.format} store, not {self.FORMAT}: open it with "
                 f"dlstore.{_CLASS_NAMES[self.format]} or dlstore.open_dataset (which detects the format)")
         module = formats.get_format(self.format)
+        if reader_options is not None and not isinstance(reader_options, dict):
+            raise ArgumentTypeError(f"reader_options must be a dict of keyword options, got "
+                                    f"{type(reader_options).__name__} {reader_options!r}")
         options = dict(reader_options or {})
         unknown = sorted(set(options) - set(module.READER_OPTIONS))
         if unknown:
@@ -161,6 +173,8 @@ class StoreDataset(Dataset):
 
     def _index(self, i: int) -> int:
         n = len(self._labels)
+        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
+            raise ArgumentTypeError(f"{self.path}: sample index must be an int, got {type(i).__name__} {i!r}")
         i = int(i)
         if i < 0:
             i += n
@@ -171,7 +185,11 @@ class StoreDataset(Dataset):
     def _indices(self, indices: Sequence[int]) -> np.ndarray:
         """``_index`` for a whole batch, vectorised: int64 array, negatives wrapped, range-checked."""
         n = len(self._labels)
-        idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        given = np.asarray(indices)
+        if given.size and given.dtype.kind not in "iu":
+            raise ArgumentTypeError(f"{self.path}: sample indices must be ints, got {given.dtype} "
+                                    f"({given.reshape(-1)[:4].tolist()}...)")
+        idx = given.astype(np.int64, copy=False).reshape(-1)
         idx = np.where(idx < 0, idx + n, idx)
         bad = (idx < 0) | (idx >= n)
         if bad.any():
@@ -276,7 +294,7 @@ class StoreDataset(Dataset):
         c, h, w = self.shape  # type: ignore[misc]
         # Draw in the order BatchCompose([crop, flip]) draws, so fused == unfused for one seed.
         th, tw = crop.size if crop is not None else (h, w)
-        padding = crop.padding if crop is not None else (0, 0, 0, 0)
+        padding = crop.padding_for(h, w) if crop is not None else (0, 0, 0, 0)
         fill = crop.fill if crop is not None else 0
         if crop is not None:
             params = crop.sample((b, c, h, w), generator=generator)
@@ -383,6 +401,9 @@ def open_dataset(
         StoreCorruptError: the manifest is missing, damaged, too new, or disagrees with the data.
         StaticMismatchError: ``transform`` is a hybrid whose static part differs from the store's.
     """
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError(f"open_dataset takes the path of a store (str or os.PathLike), got "
+                                f"{type(path).__name__}")
     cls = _CLASSES[formats.detect_format(path)]
     return cls(path, transform=transform, target_transform=target_transform, batch_transform=batch_transform,
                reader_options=reader_options)

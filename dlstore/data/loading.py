@@ -128,6 +128,11 @@ def loader(
     if not isinstance(dataset, StoreDataset):
         raise ArgumentTypeError(f"dlstore.loader takes a StoreDataset (dlstore.open_dataset(path)), got "
                         f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
+    for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("distributed", distributed)):
+        if not isinstance(flag, bool):
+            raise ArgumentTypeError(f"{name} must be True or False, got {flag!r}")
+    if not isinstance(num_workers, int) or isinstance(num_workers, bool) or num_workers < 0:
+        raise ArgumentError(f"num_workers must be 0 (read in this process) or a positive int, got {num_workers!r}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     if distributed:

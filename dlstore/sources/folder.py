@@ -28,7 +28,7 @@ from typing import overload
 
 import numpy as np
 
-from ..errors import SourceError
+from ..errors import SampleIndexError, SourceError
 
 # Same tuple as torchvision.datasets.folder.IMG_EXTENSIONS (a test keeps them in sync).
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -134,7 +134,7 @@ class SampleList(Sequence):
         if i < 0:
             i += n
         if not 0 <= i < n:
-            raise IndexError(f"sample {i} out of range for {n} samples")
+            raise SampleIndexError(f"sample {i} out of range for {n} samples")
         a, b = int(self._offsets[i]), int(self._offsets[i + 1])
         return self._prefix + os.fsdecode(self._blob[a:b]), int(self._labels[i])
 

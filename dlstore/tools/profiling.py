@@ -36,6 +36,8 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, get_worker_info
 
+from ..errors import ArgumentError, UsageError
+
 _KINDS = ("__getitem__", "__getitems__")
 # Per (process row, kind): calls, samples, sum of seconds, max seconds.
 _CALLS, _SAMPLES, _SUM, _MAX = range(4)
@@ -96,7 +98,7 @@ class TimedDataset(Dataset):
 
     def __init__(self, dataset: Any, *, max_workers: int = 64, capacity: int = 4096):
         if max_workers < 0 or capacity < 1:
-            raise ValueError(f"max_workers must be >= 0 and capacity >= 1, got {max_workers}, {capacity}")
+            raise ArgumentError(f"max_workers must be >= 0 and capacity >= 1, got {max_workers}, {capacity}")
         self.dataset = dataset
         self.max_workers = max_workers
         self.capacity = capacity
@@ -110,7 +112,7 @@ class TimedDataset(Dataset):
         if info is None:
             return self.max_workers
         if info.id >= self.max_workers:
-            raise ValueError(f"DataLoader worker {info.id} is beyond TimedDataset(max_workers="
+            raise ArgumentError(f"DataLoader worker {info.id} is beyond TimedDataset(max_workers="
                              f"{self.max_workers}); create it with max_workers >= num_workers")
         return info.id
 
@@ -339,7 +341,7 @@ class LoaderProfile:
         waits = np.asarray(self.waits[skip:len(self.steps)], dtype=np.float64)
         steps = np.asarray(self.steps[skip:], dtype=np.float64)
         if steps.size == 0:
-            raise ValueError("profile_loader measured no step: iterate the profiler "
+            raise UsageError("profile_loader measured no step: iterate the profiler "
                              "(`for batch in p:`), not the loader, inside the `with` block")
         wait, step = float(waits.sum()), float(steps.sum())
         total = wait + step
@@ -423,9 +425,9 @@ def synthetic_step(spec: str = "conv", *, device: str | torch.device = "cpu",
             a = torch.randn(n, n, device=dev)
             return lambda x, y: torch.mm(a, a)
     except ValueError:
-        raise ValueError(f"step {spec!r}: expected sleep:MS or matmul:N with a number") from None
+        raise ArgumentError(f"step {spec!r}: expected sleep:MS or matmul:N with a number") from None
     if kind != "conv" or arg:
-        raise ValueError(f"unknown step {spec!r}: use conv, matmul:N (e.g. matmul:1024) or sleep:MS "
+        raise ArgumentError(f"unknown step {spec!r}: use conv, matmul:N (e.g. matmul:1024) or sleep:MS "
                          "(e.g. sleep:20)")
     state: dict[str, Any] = {}
 

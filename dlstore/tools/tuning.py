@@ -48,6 +48,7 @@ from typing import Any
 import torch
 
 from .._system import CpuInfo, _memory_limit_bytes, cpu_info, usable_cpus
+from ..errors import ArgumentError, StoreNotFoundError
 from ..units import human_bytes
 
 # Two measurements within this fraction of each other are considered equal.
@@ -341,12 +342,12 @@ def tune(
         ValueError: ``batch_size`` < 1, an empty dataset, or a non-positive budget.
     """
     if batch_size < 1:
-        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        raise ArgumentError(f"batch_size must be >= 1, got {batch_size}")
     if budget <= 0:
-        raise ValueError(f"budget must be a positive number of seconds, got {budget}")
+        raise ArgumentError(f"budget must be a positive number of seconds, got {budget}")
     n = len(dataset)
     if n == 0:
-        raise ValueError("cannot tune on an empty dataset (len(dataset) == 0)")
+        raise ArgumentError("cannot tune on an empty dataset (len(dataset) == 0)")
     dev = torch.device(device) if device is not None else None
     cuda = dev is not None and dev.type == "cuda"
     cpus = cpus or cpu_info()
@@ -538,7 +539,7 @@ def open_for_tuning(
 
     p = Path(path)
     if not p.exists():
-        raise FileNotFoundError(f"{path}: no such store or image folder")
+        raise StoreNotFoundError(f"{path}: no such store or image folder")
     try:
         formats.detect_format(p)
     except UnknownFormatError:
@@ -552,7 +553,7 @@ def open_for_tuning(
         ops = list(to_torchvision(parse_static(static))) + [v2.PILToTensor()]
         return datasets.ImageFolder(str(p), transform=v2.Compose(ops))
     if static:
-        raise ValueError(f"{path} is a dlstore store: its static transforms ran at conversion; "
+        raise ArgumentError(f"{path} is a dlstore store: its static transforms ran at conversion; "
                          "drop --static (it applies to raw image folders only)")
     from ..data.dataset import open_dataset
 

@@ -6,6 +6,8 @@ import inspect
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ...errors import ArgumentError
+
 FORMAT_NAMES = ("imagefolder", "shards", "lmdb", "hdf5")
 ENCODINGS = ("raw", "jpeg", "png")
 CACHE_STATES = ("cold", "warm")
@@ -65,20 +67,20 @@ def parse_variants(names: str | Iterable[str]) -> list[Variant]:
         fmt, _, encoding = item.partition("+")
         encoding = encoding or "raw"
         if fmt not in FORMAT_NAMES:
-            raise ValueError(f"unknown format {fmt!r} in {item!r}; valid: {', '.join(FORMAT_NAMES)} "
+            raise ArgumentError(f"unknown format {fmt!r} in {item!r}; valid: {', '.join(FORMAT_NAMES)} "
                              f"(a store format may take +ENCODING, e.g. shards+jpeg)")
         if encoding not in ENCODINGS:
-            raise ValueError(f"unknown encoding {encoding!r} in {item!r}; valid: {', '.join(ENCODINGS)}")
+            raise ArgumentError(f"unknown encoding {encoding!r} in {item!r}; valid: {', '.join(ENCODINGS)}")
         if fmt == "imagefolder" and encoding != "raw":
-            raise ValueError(f"{item!r}: imagefolder reads the source files as they are; drop +{encoding}")
+            raise ArgumentError(f"{item!r}: imagefolder reads the source files as they are; drop +{encoding}")
         if encoding != "raw" and not convert_supports_encoding():
-            raise ValueError(f"{item!r}: this dlstore's convert cannot store encoded samples yet; "
+            raise ArgumentError(f"{item!r}: this dlstore's convert cannot store encoded samples yet; "
                              f"use {fmt} (raw)")
         variant = Variant(fmt, encoding)
         if variant not in out:
             out.append(variant)
     if not out:
-        raise ValueError(f"no format to benchmark; give some of {', '.join(FORMAT_NAMES)}")
+        raise ArgumentError(f"no format to benchmark; give some of {', '.join(FORMAT_NAMES)}")
     return out
 
 
@@ -89,11 +91,11 @@ def _parse_choices(values: str | Iterable[str], valid: Sequence[str], what: str)
         if not item:
             continue
         if item not in valid:
-            raise ValueError(f"unknown {what} {item!r}; valid: {', '.join(valid)}")
+            raise ArgumentError(f"unknown {what} {item!r}; valid: {', '.join(valid)}")
         if item not in out:
             out.append(item)
     if not out:
-        raise ValueError(f"no {what} given; valid: {', '.join(valid)}")
+        raise ArgumentError(f"no {what} given; valid: {', '.join(valid)}")
     return out
 
 
@@ -109,11 +111,11 @@ def _parse_workers(values: str | int | Iterable[int]) -> list[int]:
         try:
             n = int(text)
         except ValueError:
-            raise ValueError(f"workers: {text!r} is not an integer (example: 0,2)") from None
+            raise ArgumentError(f"workers: {text!r} is not an integer (example: 0,2)") from None
         if n < 0:
-            raise ValueError(f"workers: {n} is negative; num_workers is 0 (read in the main process) or more")
+            raise ArgumentError(f"workers: {n} is negative; num_workers is 0 (read in the main process) or more")
         if n not in out:
             out.append(n)
     if not out:
-        raise ValueError("workers: give at least one num_workers value, e.g. 0,2")
+        raise ArgumentError("workers: give at least one num_workers value, e.g. 0,2")
     return out

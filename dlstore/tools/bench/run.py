@@ -57,6 +57,7 @@ from ..._system import (
     resident_fraction,
     store_files,
 )
+from ...errors import ArgumentError, MeasurementError
 from .options import (
     _SUFFIX,
     CACHE_STATES,
@@ -90,13 +91,13 @@ class _Gate:
     def __call__(self, worker_id: int) -> None:  # noqa: ARG002 - DataLoader's signature
         self.ready.release()
         if not self.go.wait(_GATE_TIMEOUT):
-            raise RuntimeError(f"dlstore bench: the timing gate did not open within {_GATE_TIMEOUT:.0f} s")
+            raise MeasurementError(f"dlstore bench: the timing gate did not open within {_GATE_TIMEOUT:.0f} s")
 
     def wait_ready(self, workers: int) -> None:
         deadline = time.monotonic() + _GATE_TIMEOUT
         for i in range(workers):
             if not self.ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise RuntimeError(f"dlstore bench: only {i} of {workers} DataLoader workers started within "
+                raise MeasurementError(f"dlstore bench: only {i} of {workers} DataLoader workers started within "
                                    f"{_GATE_TIMEOUT:.0f} s (machine overloaded, or workers dying at start-up)")
 
 
@@ -238,7 +239,7 @@ def _convert_all(variants: list[Variant], images: Path, work: Path, data: dict[s
             options["encoding"] = v.encoding
             if v.encoding == "jpeg":
                 options["quality"] = quality
-        result = convert(images, dst, format=v.format, static=spec, workers=workers, overwrite=True,
+        result = convert(images, dst, store_format=v.format, static=spec, workers=workers, overwrite=True,
                          progress=False, log=log, **options)
         paths[v.name] = dst
         stores[v.name] = {"format": v.format, "encoding": v.encoding, "path": str(dst), "bytes": disk_usage(dst),
@@ -360,14 +361,14 @@ def run_bench(
     order_values = _parse_choices(orders, ORDERS, "order")
     spec = parse_static(static)
     if output_shape(spec) is None:
-        raise ValueError(f"static {describe(spec)!r} leaves the sample size to the image; batching needs one size: "
+        raise ArgumentError(f"static {describe(spec)!r} leaves the sample size to the image; batching needs one size: "
                          f"end it with a crop, e.g. {DEFAULT_STATIC!r}")
     if not isinstance(batch_size, int) or batch_size < 1:
-        raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        raise ArgumentError(f"batch_size must be a positive integer, got {batch_size!r}")
     if not isinstance(repeats, int) or repeats < 1:
-        raise ValueError(f"repeats must be a positive integer, got {repeats!r}")
+        raise ArgumentError(f"repeats must be a positive integer, got {repeats!r}")
     if samples < 0 or (src is None and samples == 0):
-        raise ValueError(f"samples must be positive (0 means all of SRC), got {samples}")
+        raise ArgumentError(f"samples must be positive (0 means all of SRC), got {samples}")
     if drop_caches and not can_drop_caches():
         raise PermissionError("drop_caches needs root (writing /proc/sys/vm/drop_caches); without it the "
                               "bench evicts with posix_fadvise, which needs no privileges")
