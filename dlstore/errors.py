@@ -62,7 +62,8 @@ class StoreExistsError(DlstoreError, FileExistsError):
 
 
 class StoreBusyError(DlstoreError, RuntimeError):
-    """Another conversion to the same destination is running."""
+    """The store is in use: another conversion to the same destination is running, or an LMDB
+    environment is already open for writing in this process."""
 
 
 class UnknownFormatError(DlstoreError, ValueError):

@@ -117,7 +117,8 @@ def convert(
             each statically transformed sample stored encoded (5-15x smaller for
             JPEG) and decoded with PIL at read time.
         quality: JPEG quality (1-100; PIL advises at most 95) for ``encoding="jpeg"``.
-        shard_size: target bytes per data file (shards format), default 1 GiB.
+        shard_size: target bytes per data file of a shards store, default 1 GiB (ignored by the
+            other formats, which write one file).
         progress: show a tqdm progress bar.
         log: called with warnings (e.g. empty class folders); default: ignored.
         distributed: convert on every rank of the initialised ``torch.distributed``
@@ -163,9 +164,9 @@ def convert(
     module = formats.get_format(fmt)
     spec = parse_static(static)
     shape = output_shape(spec)
-    if shard_size is not None:
-        format_options["shard_size"] = shard_size
     _check_writer_options(module, fmt, format_options)
+    if shard_size is not None and fmt == "shards":   # the other formats have no data files to size
+        format_options["shard_size"] = shard_size
     decode = {"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels}
     codec = (encoding, int(quality))
     group = active_group(distributed)

@@ -13,7 +13,7 @@ import os
 from pathlib import Path
 from types import ModuleType
 
-from ..errors import UnknownFormatError
+from ..errors import StoreNotFoundError, UnknownFormatError
 
 _MODULES = {
     "shards": "dlstore.formats.shards",
@@ -62,7 +62,8 @@ def detect_format(path: str | os.PathLike) -> str:
         if p.name == "data.mdb":
             return "lmdb"
     elif not p.exists():
-        raise FileNotFoundError(f"{path}: no such store")
+        raise StoreNotFoundError(f"{path}: no such store; check the path (a store is a .shards or .lmdb "
+                                 "folder or an .h5 file)")
     suffix = p.suffix.lower()
     hint = f" (the name suggests {SUFFIXES[suffix]}, but its contents do not match: incomplete or damaged?)" \
         if suffix in SUFFIXES else ""

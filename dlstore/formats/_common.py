@@ -5,6 +5,10 @@ A Writer writes into a staging path next to the destination
 store that exists under its real name is a store that is whole. A lock file
 (``.NAME.dlstore-lock``, ``flock``) makes a second conversion to the same
 destination refuse instead of interleaving.
+
+A conversion that may resume keeps per-sample integers (labels, shapes, the
+shards index) in memory and appends them to ``.partial`` files beside the
+staging store at each checkpoint (``PartialRows``).
 """
 
 from __future__ import annotations
@@ -13,10 +17,11 @@ import fcntl
 import hashlib
 import os
 import shutil
+from array import array
 from pathlib import Path
 from typing import Any
 
-from ..errors import StoreBusyError, StoreCorruptError, StoreExistsError
+from ..errors import ArgumentError, StoreBusyError, StoreCorruptError, StoreExistsError
 
 
 def staging_path(dst: Path) -> Path:
@@ -147,8 +152,9 @@ def batch_out(out: Any, n: int, shape: tuple[int, ...]) -> Any:
     if out is None:
         return np.empty((n, *shape), dtype=np.uint8)
     if out.shape != (n, *shape) or out.dtype != np.uint8 or not out.flags.c_contiguous:
-        raise ValueError(f"out must be a C-contiguous uint8 array of shape {(n, *shape)}, "
-                         f"got {out.dtype} {out.shape}")
+        raise ArgumentError(f"out must be a C-contiguous uint8 array of shape {(n, *shape)}, "
+                            f"got {out.dtype} {out.shape}{'' if out.flags.c_contiguous else ' (not C-contiguous)'}; "
+                            "pass out=None to get a new array")
     return out
 
 
@@ -169,3 +175,65 @@ def save_npy_synced(path: Path, array: Any) -> str:
         f.flush()
         os.fsync(f.fileno())
     return sha256_file(path)
+
+
+class PartialRows:
+    """Rows of ``width`` int64 values saved beside a staging store, one checkpoint at a time.
+
+    A writer keeps per-sample integers (a label; C, H, W; ...) in memory as a flat
+    ``array('q')``, ``width`` values per sample. At each checkpoint ``append``
+    writes the rows not saved yet and fsyncs them; on resume ``restore`` reads
+    back the rows the checkpoint counts and cuts off any written after it.
+
+    File layout (no header; the file never leaves the machine that writes it)::
+
+        row r: int64 x width, native byte order   np.fromfile(path, np.int64).reshape(-1, width)
+    """
+
+    ITEMSIZE = 8
+
+    def __init__(self, path: Path, width: int = 1):
+        self.path = Path(path)
+        self.width = int(width)
+        self.saved = 0  # rows already in the file
+
+    def append(self, values: array, rows: int) -> None:
+        """Write rows ``[saved, rows)`` of ``values`` (flat, ``width`` per row) and fsync them."""
+        if not self.saved <= rows <= len(values) // self.width:
+            raise ArgumentError(f"{self.path}: cannot save up to row {rows}: {self.saved} rows are saved and "
+                                f"{len(values) // self.width} held; rows must lie between the two")
+        with open(self.path, "ab") as f:
+            f.write(memoryview(values)[self.saved * self.width:rows * self.width])
+            f.flush()
+            os.fsync(f.fileno())
+        self.saved = rows
+
+    def restore(self, rows: int) -> array:
+        """The first ``rows`` rows (flat), after truncating the file to them.
+
+        A missing file is created empty when ``rows`` is 0 (a checkpoint before any
+        row); a file holding fewer rows raises StoreCorruptError.
+        """
+        size = rows * self.width * self.ITEMSIZE
+        try:
+            with open(self.path, "r+b") as f:
+                data = f.read(size)
+                if len(data) == size:
+                    f.truncate(size)  # rows appended after the checkpoint
+        except FileNotFoundError:
+            if rows:
+                raise StoreCorruptError(f"{self.path}: missing, but the checkpoint counts {rows} rows; "
+                                        "rerun without --resume to start over") from None
+            self.path.touch()
+            data = b""
+        if len(data) < size:
+            raise StoreCorruptError(
+                f"{self.path}: holds {len(data) // (self.width * self.ITEMSIZE)} rows of {self.width} int64, "
+                f"the checkpoint counts {rows}; rerun without --resume to start over")
+        values = array("q")
+        values.frombytes(data)
+        self.saved = rows
+        return values
+
+    def remove(self) -> None:
+        self.path.unlink(missing_ok=True)

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from ..errors import StoreCorruptError, VariableShapeError
+from ..errors import ArgumentError, StoreCorruptError, VariableShapeError
 from ._common import batch_out
 
 ENCODINGS = ("raw", "jpeg", "png")
@@ -34,7 +34,8 @@ _PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG"}
 def encode(sample: np.ndarray, encoding: str, *, quality: int = 90) -> np.ndarray:
     """Encode a uint8 (C, H, W) sample (C = 1 or 3) as a (1, 1, nbytes) uint8 record."""
     if encoding not in _PIL_FORMATS:
-        raise ValueError(f"unknown encoding {encoding!r}; valid: {', '.join(ENCODINGS)}")
+        raise ArgumentError(f"cannot encode as {encoding!r}; valid encodings: {', '.join(_PIL_FORMATS)} "
+                            "('raw' samples are stored as they are, without encode)")
     hwc = sample[0] if sample.shape[0] == 1 else np.ascontiguousarray(sample.transpose(1, 2, 0))
     buffer = io.BytesIO()
     options: dict[str, Any] = {"quality": int(quality)} if encoding == "jpeg" else {"compress_level": 6}

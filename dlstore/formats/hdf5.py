@@ -54,8 +54,15 @@ from typing import Any
 import h5py
 import numpy as np
 
-from ..errors import StoreCorruptError, VariableShapeError
-from ._common import ForkSafe, batch_out
+from ..errors import (
+    ArgumentError,
+    SampleIndexError,
+    StoreCorruptError,
+    StoreExistsError,
+    StoreNotFoundError,
+    VariableShapeError,
+)
+from ._common import ForkSafe, PartialRows, batch_out
 from .manifest import loads as load_manifest_text
 from .manifest import validate
 
@@ -92,17 +99,19 @@ class Hdf5Writer:
     format_version = FORMAT_VERSION
 
     def __init__(self, path: Path, *, shape: tuple[int, int, int] | None, compression: str | None = "none",
-                 compression_level: int | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES, **_: Any):
+                 compression_level: int | None = None, batch_bytes: int = DEFAULT_BATCH_BYTES,
+                 _create: bool = True, **_: Any):
         compression = "none" if compression is None else compression
         if compression not in COMPRESSIONS:
-            raise ValueError(f"unknown HDF5 compression {compression!r}; valid: {', '.join(COMPRESSIONS)}")
+            raise ArgumentError(f"unknown HDF5 compression {compression!r}; valid: {', '.join(COMPRESSIONS)}")
         if compression != "none" and shape is None:
-            raise ValueError(
+            raise ArgumentError(
                 f"compression={compression!r} needs a fixed-shape store: HDF5 filters do not compress "
                 "variable-length data. Add a size-fixing static op (center_crop=N or resize=HxW) "
                 "or use compression 'none'")
         if compression_level is not None and compression != "gzip":
-            raise ValueError("compression_level applies to compression='gzip' only")
+            raise ArgumentError(f"compression_level={compression_level!r} applies to compression='gzip' only "
+                                f"(got compression={compression!r}); drop it or use gzip")
         self.path = Path(path)
         self.shape = shape
         self.compression = compression
@@ -112,28 +121,9 @@ class Hdf5Writer:
         self._hash = hashlib.sha256()
         self._count = 0
         self._written = 0
-        self._saved_rows = 0  # labels already in the .labels.partial file (checkpoints)
-        if self.path.exists():
-            raise FileExistsError(f"{self.path}: staging file already exists")
-        self._file: h5py.File | None = h5py.File(self.path, "w", libver=LIBVER)
-        filters: dict[str, Any] = {}
-        if compression == "gzip":
-            filters = {"compression": "gzip", "compression_opts": 4 if compression_level is None
-                       else int(compression_level)}
-        elif compression == "lzf":
-            filters = {"compression": "lzf"}
-        if shape is not None:
-            self._images = self._file.create_dataset(
-                "images", shape=(0, *shape), maxshape=(None, *shape), dtype=np.uint8,
-                chunks=(1, *shape), **filters)
-        else:
-            self._images = self._file.create_dataset(
-                "images", shape=(0,), maxshape=(None,), dtype=h5py.vlen_dtype(np.uint8), chunks=(VLEN_CHUNK,))
-            self._shapes = self._file.create_dataset(
-                "shapes", shape=(0, 3), maxshape=(None, 3), dtype=INT_DTYPE, chunks=(VLEN_CHUNK, 3))
-        self._buffers(batch_bytes)
-
-    def _buffers(self, batch_bytes: int) -> None:
+        # labels of written samples, saved at checkpoints beside the file (the store itself gets
+        # its `labels` dataset at the end); shapes need no such file: /shapes is written as it goes
+        self._partial_labels = PartialRows(self.path.with_name(self.path.name + ".labels.partial"), 1)
         if self.shape is not None:
             self.sample_bytes = int(np.prod(self.shape))
             self._block = np.empty((max(1, min(4096, batch_bytes // self.sample_bytes)), *self.shape), np.uint8)
@@ -141,13 +131,56 @@ class Hdf5Writer:
             self._pending: list[np.ndarray] = []
             self._pending_bytes = 0
             self._batch_bytes = max(1, int(batch_bytes))
+        if _create:
+            if self.path.exists():
+                raise StoreExistsError(f"{self.path}: staging file already exists (left by another writer?); "
+                                       "remove it first")
+            self._file: h5py.File | None = h5py.File(self.path, "w", libver=LIBVER)
+            self._images, self._shapes = self._create_datasets(compression_level)
+        else:  # reopen the file of an interrupted conversion (resume)
+            try:
+                self._file = h5py.File(self.path, "r+", libver=LIBVER)
+            except OSError as exc:
+                raise StoreCorruptError(f"{self.path}: the interrupted conversion's file cannot be reopened "
+                                        f"({exc}); rerun without --resume") from exc
+            self._images = self._existing("images")
+            self._shapes = self._existing("shapes") if shape is None else None
+
+    def _create_datasets(self, compression_level: int | None) -> tuple[h5py.Dataset, h5py.Dataset | None]:
+        """The empty, resizable ``images`` (and ``shapes``) datasets of a new file."""
+        filters: dict[str, Any] = {}
+        if self.compression == "gzip":
+            filters = {"compression": "gzip", "compression_opts": 4 if compression_level is None
+                       else int(compression_level)}
+        elif self.compression == "lzf":
+            filters = {"compression": "lzf"}
+        if self.shape is not None:
+            images = self._file.create_dataset(
+                "images", shape=(0, *self.shape), maxshape=(None, *self.shape), dtype=np.uint8,
+                chunks=(1, *self.shape), **filters)
+            return images, None
+        images = self._file.create_dataset(
+            "images", shape=(0,), maxshape=(None,), dtype=h5py.vlen_dtype(np.uint8), chunks=(VLEN_CHUNK,))
+        shapes = self._file.create_dataset(
+            "shapes", shape=(0, 3), maxshape=(None, 3), dtype=INT_DTYPE, chunks=(VLEN_CHUNK, 3))
+        return images, shapes
+
+    def _existing(self, name: str) -> h5py.Dataset:
+        obj = self._file.get(name)
+        if not isinstance(obj, h5py.Dataset):
+            self.close()
+            raise StoreCorruptError(f"{self.path}: the interrupted conversion's file has no /{name}; "
+                                    "rerun without --resume")
+        return obj
 
     def add(self, sample: np.ndarray, label: int) -> bool:
         """Append one uint8 CHW sample and its label; True if this wrote a block to the file."""
         if sample.dtype != np.uint8 or sample.ndim != 3:
-            raise ValueError(f"sample must be a uint8 (C, H, W) array, got {sample.dtype} {sample.shape}")
+            raise ArgumentError(f"{self.path}: sample must be a uint8 (C, H, W) array, got {sample.dtype} "
+                                f"{sample.shape}")
         if self.shape is not None and tuple(sample.shape) != self.shape:
-            raise ValueError(f"sample shape {tuple(sample.shape)} != store shape {self.shape}")
+            raise ArgumentError(f"{self.path}: sample shape {tuple(sample.shape)} != store shape {self.shape}; "
+                                "every sample of a fixed-shape store has its shape")
         sample = np.ascontiguousarray(sample)
         self._hash.update(memoryview(sample).cast("B"))
         self.labels.append(int(label))
@@ -170,9 +203,6 @@ class Hdf5Writer:
     # Resumption: a written block is a unit. At a checkpoint the file is flushed and the
     # labels of the written samples are appended to a file beside the staging file (the
     # store itself only gets its `labels` dataset at the end).
-    def _labels_partial(self) -> Path:
-        return self.path.with_name(self.path.name + ".labels.partial")
-
     def checkpoint(self) -> dict[str, Any]:
         """Make the written samples durable; return the state ``resume`` needs.
 
@@ -181,62 +211,41 @@ class Hdf5Writer:
         self._file.flush()
         with open(self.path, "rb+") as f:
             os.fsync(f.fileno())
-        with open(self._labels_partial(), "ab") as f:
-            f.write(np.asarray(self.labels[self._saved_rows:self._written], dtype=INT_DTYPE).tobytes())
-            f.flush()
-            os.fsync(f.fileno())
-        self._saved_rows = self._written
+        self._partial_labels.append(self.labels, self._written)
         return {"rows": self._written}
 
     @classmethod
     def resume(cls, path: Path, state: dict[str, Any], *, shape: tuple[int, int, int] | None,
-               batch_bytes: int = DEFAULT_BATCH_BYTES, **_: Any) -> Hdf5Writer:
+               **options: Any) -> Hdf5Writer:
         """Reopen a staging file at a checkpoint, dropping samples written after it.
 
         The running sha256 of the samples cannot be saved, so it is recomputed by reading
         the kept samples back once, in order.
         """
         rows = int(state["rows"])
-        writer = cls.__new__(cls)
-        writer.path = Path(path)
-        writer.shape = shape
-        writer.checksums = {}
-        writer._hash = hashlib.sha256()
+        writer = cls(path, shape=shape, _create=False, **options)
         try:
-            writer._file = h5py.File(writer.path, "r+", libver=LIBVER)
-        except OSError as exc:
-            raise StoreCorruptError(f"{path}: the interrupted conversion's file cannot be reopened ({exc}); "
-                                    "rerun without --resume") from exc
-        writer._images = writer._file["images"]
-        writer.compression = writer._images.compression or "none"
-        if writer._images.shape[0] < rows:
+            held = writer._images.shape[0]
+            if held < rows or (shape is None and writer._shapes.shape[0] < rows):
+                raise StoreCorruptError(f"{writer.path}: holds {held} samples, the checkpoint counts {rows}; "
+                                        "rerun without --resume")
+            writer._images.resize(rows, axis=0)
+            if shape is None:
+                writer._shapes.resize(rows, axis=0)
+                writer.shapes.frombytes(np.ascontiguousarray(writer._shapes[:rows], dtype=np.int64).tobytes())
+            step = max(1, (64 << 20) // int(np.prod(shape))) if shape is not None else 1024
+            for start in range(0, rows, step):
+                block = writer._images[start:min(rows, start + step)]
+                if shape is not None:
+                    writer._hash.update(memoryview(np.ascontiguousarray(block)).cast("B"))
+                else:
+                    for flat in block:
+                        writer._hash.update(memoryview(np.ascontiguousarray(flat)).cast("B"))
+            writer.labels.extend(writer._partial_labels.restore(rows))
+        except BaseException:
             writer.close()
-            raise StoreCorruptError(f"{path}: holds {writer._images.shape[0]} samples, checkpoint says {rows}")
-        writer._images.resize(rows, axis=0)
-        if shape is None:
-            writer._shapes = writer._file["shapes"]
-            writer._shapes.resize(rows, axis=0)
-            writer.shapes = array("q", writer._shapes[:rows].reshape(-1).tolist())
-        else:
-            writer.shapes = array("q")
-        step = max(1, (64 << 20) // int(np.prod(shape))) if shape is not None else 1024
-        for start in range(0, rows, step):
-            block = writer._images[start:min(rows, start + step)]
-            if shape is not None:
-                writer._hash.update(memoryview(np.ascontiguousarray(block)).cast("B"))
-            else:
-                for flat in block:
-                    writer._hash.update(memoryview(np.ascontiguousarray(flat)).cast("B"))
-        partial = writer._labels_partial()
-        labels = np.fromfile(partial, dtype=INT_DTYPE) if partial.is_file() else np.zeros(0, INT_DTYPE)
-        if len(labels) < rows:
-            writer.close()
-            raise StoreCorruptError(f"{partial}: holds fewer than the checkpoint's {rows} labels")
-        with open(partial, "r+b") as f:
-            f.truncate(rows * INT_DTYPE.itemsize)
-        writer.labels = array("q", labels[:rows].tolist())
-        writer._count = writer._written = writer._saved_rows = rows
-        writer._buffers(batch_bytes)
+            raise
+        writer._count = writer._written = rows
         return writer
 
     def _flush(self) -> None:
@@ -262,7 +271,7 @@ class Hdf5Writer:
     def finish(self) -> dict[str, Any]:
         """Write the remaining samples and the labels; return the manifest's ``layout``."""
         self._flush()
-        self._labels_partial().unlink(missing_ok=True)
+        self._partial_labels.remove()
         labels = np.asarray(self.labels, dtype=INT_DTYPE)
         self._file.create_dataset("labels", data=labels)
         self.checksums["samples"] = self._hash.hexdigest()
@@ -306,7 +315,7 @@ def _open_file(path: Path, **cache: Any) -> h5py.File:
     try:
         return h5py.File(path, "r", locking=False, **cache)
     except FileNotFoundError:
-        raise FileNotFoundError(f"{path}: no such store") from None
+        raise StoreNotFoundError(f"{path}: no such store") from None
     except OSError as exc:
         raise StoreCorruptError(f"{path}: not a readable HDF5 file ({exc})") from exc
 
@@ -490,7 +499,8 @@ class Hdf5Reader(ForkSafe):
     def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
         """Samples ``[start, stop)`` of a fixed-shape store into one (k, C, H, W) array (``threads`` unused)."""
         if not 0 <= start <= stop <= len(self):
-            raise IndexError(f"range [{start}, {stop}) out of range for a store of {len(self)} samples")
+            raise SampleIndexError(f"{self.path}: range [{start}, {stop}) out of range for a store of "
+                                   f"{len(self)} samples")
         return self.get_batch(np.arange(start, stop, dtype=np.int64), out=out)
 
 

@@ -58,8 +58,14 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from ..errors import StoreCorruptError, VariableShapeError
-from ._common import ForkSafe, batch_out
+from ..errors import (
+    ArgumentError,
+    SampleIndexError,
+    StoreBusyError,
+    StoreCorruptError,
+    VariableShapeError,
+)
+from ._common import ForkSafe, PartialRows, batch_out
 from .manifest import loads as load_manifest_text
 from .manifest import validate
 
@@ -98,13 +104,15 @@ class LmdbWriter:
 
     format = FORMAT
     format_version = FORMAT_VERSION
+    _PARTIAL_LABELS = "labels.partial"  # int64 rows of committed samples, appended at checkpoints
+    _PARTIAL_SHAPES = "shapes.partial"  # (variable shapes) C, H, W per committed sample
 
     def __init__(self, folder: Path, *, shape: tuple[int, int, int] | None,
                  map_size: int = DEFAULT_MAP_SIZE, batch_bytes: int = DEFAULT_BATCH_BYTES,
-                 compression: str | None = "none", **_: Any):
+                 compression: str | None = "none", _create: bool = True, **_: Any):
         if compression not in (None, "none"):
-            raise ValueError(f"compression={compression!r}: LMDB stores hold raw pixels; "
-                             "compression applies to hdf5 stores only (use --format hdf5)")
+            raise ArgumentError(f"compression={compression!r}: LMDB stores hold raw pixels; "
+                                "compression applies to hdf5 stores only (use --format hdf5)")
         self.folder = Path(folder)
         self.shape = shape
         self.batch_bytes = max(1, int(batch_bytes))
@@ -115,8 +123,12 @@ class LmdbWriter:
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
         self._count = 0
-        self._saved_rows = 0  # rows already in the .partial files (checkpoints)
-        self.folder.mkdir(parents=True, exist_ok=False)
+        self._partial_labels = PartialRows(self.folder / self._PARTIAL_LABELS, 1)
+        self._partial_shapes = PartialRows(self.folder / self._PARTIAL_SHAPES, 3)
+        if _create:
+            self.folder.mkdir(parents=True, exist_ok=False)
+        elif not (self.folder / "data.mdb").is_file():  # _create=False: reopen (resume)
+            raise StoreCorruptError(f"{self.folder}: nothing to resume (no data.mdb); rerun without --resume")
         # sync=False/metasync=False: one fsync at the end is enough, because the store only
         # becomes visible (by rename) after it; meminit stays on so unused page bytes are zeros.
         self._env: lmdb.Environment | None = lmdb.open(
@@ -126,11 +138,14 @@ class LmdbWriter:
     def add(self, sample: np.ndarray, label: int) -> bool:
         """Append one uint8 CHW sample and its label; True if this committed a transaction."""
         if sample.dtype != np.uint8 or sample.ndim != 3:
-            raise ValueError(f"sample must be a uint8 (C, H, W) array, got {sample.dtype} {sample.shape}")
+            raise ArgumentError(f"{self.folder}: sample must be a uint8 (C, H, W) array, got {sample.dtype} "
+                                f"{sample.shape}")
         if self.shape is not None and tuple(sample.shape) != self.shape:
-            raise ValueError(f"sample shape {tuple(sample.shape)} != store shape {self.shape}")
+            raise ArgumentError(f"{self.folder}: sample shape {tuple(sample.shape)} != store shape {self.shape}; "
+                                "every sample of a fixed-shape store has its shape")
         if self._count >= 10 ** KEY_DIGITS:
-            raise ValueError(f"an LMDB store holds at most {10 ** KEY_DIGITS} samples")
+            raise ArgumentError(f"{self.folder}: an LMDB store holds at most {10 ** KEY_DIGITS} samples; "
+                                "split the source or use --format shards")
         value = np.ascontiguousarray(sample).tobytes()
         self._hash.update(value)
         self._pending.append((sample_key(self._count), value))
@@ -165,8 +180,6 @@ class LmdbWriter:
 
     # Resumption: a committed transaction is a unit. At a checkpoint the environment is synced
     # and the labels (and shapes) of the committed samples are appended to files next to it.
-    _PARTIAL = {"labels": "labels.partial", "shapes": "shapes.partial"}
-
     def checkpoint(self) -> dict[str, Any]:
         """Make the committed samples durable; return the state ``resume`` needs.
 
@@ -174,16 +187,9 @@ class LmdbWriter:
         """
         self._env.sync(True)
         rows = self._count
-        saved = self._saved_rows
-        parts = {"labels": np.asarray(self.labels[saved:], dtype=INT_DTYPE)}
+        self._partial_labels.append(self.labels, rows)
         if self.shape is None:
-            parts["shapes"] = np.asarray(self.shapes[3 * saved:], dtype=INT_DTYPE).reshape(-1, 3)
-        for name, values in parts.items():
-            with open(self.folder / self._PARTIAL[name], "ab") as f:
-                f.write(values.tobytes())
-                f.flush()
-                os.fsync(f.fileno())
-        self._saved_rows = rows
+            self._partial_shapes.append(self.shapes, rows)
         return {"rows": rows}
 
     @classmethod
@@ -194,52 +200,35 @@ class LmdbWriter:
         The running sha256 of the samples cannot be saved, so it is recomputed by reading
         the kept samples back once (sequentially).
         """
-        folder = Path(folder)
         rows = int(state["rows"])
-        writer = cls.__new__(cls)
-        writer.folder = folder
-        writer.shape = shape
-        writer.batch_bytes = max(1, int(options.get("batch_bytes", DEFAULT_BATCH_BYTES)))
-        writer.checksums = {}
-        writer._hash = hashlib.sha256()
-        writer._pending, writer._pending_bytes = [], 0
-        if not (folder / "data.mdb").is_file():
-            raise StoreCorruptError(f"{folder}: nothing to resume (no data.mdb)")
-        writer._env = lmdb.open(str(folder), map_size=max(1 << 16, int(options.get("map_size", DEFAULT_MAP_SIZE))),
-                                subdir=True, sync=False, metasync=False, readahead=False, max_dbs=0)
-        with writer._env.begin(write=True) as txn:
-            cursor = txn.cursor()
-            if cursor.set_range(sample_key(rows)):
-                while cursor.key()[:1].isdigit():
-                    if not cursor.delete():
-                        break
-            for i in range(rows):
-                value = txn.get(sample_key(i))
-                if value is None:
-                    raise StoreCorruptError(f"{folder}: sample {i} missing before the checkpoint")
-                writer._hash.update(value)
-        arrays = {}
-        for name, width in (("labels", 1), ("shapes", 3)):
-            if name == "shapes" and shape is not None:
-                continue
-            path = folder / cls._PARTIAL[name]
-            values = np.fromfile(path, dtype=INT_DTYPE) if path.is_file() else np.zeros(0, INT_DTYPE)
-            if len(values) < rows * width:
-                raise StoreCorruptError(f"{path}: holds fewer than the checkpoint's {rows} rows")
-            with open(path, "r+b") if path.is_file() else open(path, "wb") as f:
-                f.truncate(rows * width * INT_DTYPE.itemsize)
-            arrays[name] = values[: rows * width]
-        writer.labels = array("q", arrays["labels"].astype(np.int64).tobytes())
-        writer.shapes = array("q", arrays["shapes"].astype(np.int64).tobytes()) if shape is None else array("q")
+        writer = cls(folder, shape=shape, _create=False, **options)
+        try:
+            with writer._env.begin(write=True) as txn:
+                cursor = txn.cursor()
+                if cursor.set_range(sample_key(rows)):
+                    while cursor.key()[:1].isdigit():
+                        if not cursor.delete():
+                            break
+                for i in range(rows):
+                    value = txn.get(sample_key(i))
+                    if value is None:
+                        raise StoreCorruptError(f"{writer.folder}: sample {i} missing before the checkpoint; "
+                                                "rerun without --resume")
+                    writer._hash.update(value)
+            writer.labels.extend(writer._partial_labels.restore(rows))
+            if shape is None:
+                writer.shapes.extend(writer._partial_shapes.restore(rows))
+        except BaseException:
+            writer.close()  # py-lmdb allows one open per process: let a retry open it again
+            raise
         writer._count = rows
-        writer._saved_rows = rows
         return writer
 
     def finish(self) -> dict[str, Any]:
         """Commit the remaining samples, labels and shapes; return the manifest's ``layout``."""
         self._flush()
-        for name in self._PARTIAL.values():
-            (self.folder / name).unlink(missing_ok=True)
+        self._partial_labels.remove()
+        self._partial_shapes.remove()
         labels = np.asarray(self.labels, dtype=INT_DTYPE).tobytes()
         items = [(LABELS_KEY, labels)]
         self.checksums["samples"] = self._hash.hexdigest()
@@ -323,7 +312,7 @@ def _shared_env(path: Path, readahead: bool) -> lmdb.Environment:
                             max_readers=1, max_spare_txns=1)
         except lmdb.Error as exc:
             if "already open" in str(exc):
-                raise RuntimeError(
+                raise StoreBusyError(
                     f"{path}: this process already has the environment open outside dlstore, and py-lmdb "
                     "allows one open per process; close that lmdb.Environment first") from exc
             raise StoreCorruptError(f"{path}: cannot open the LMDB environment ({exc})") from exc
@@ -475,7 +464,8 @@ class LmdbReader(ForkSafe):
     def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
         """Samples ``[start, stop)`` of a fixed-shape store into one (k, C, H, W) array (``threads`` unused)."""
         if not 0 <= start <= stop <= len(self):
-            raise IndexError(f"range [{start}, {stop}) out of range for a store of {len(self)} samples")
+            raise SampleIndexError(f"{self.path}: range [{start}, {stop}) out of range for a store of "
+                                   f"{len(self)} samples")
         return self.get_batch(np.arange(start, stop, dtype=np.int64), out=out)
 
 

@@ -34,9 +34,15 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import StoreCorruptError, VariableShapeError
+from ..errors import (
+    ArgumentError,
+    SampleIndexError,
+    StoreCorruptError,
+    VariableShapeError,
+)
 from ._common import (
     ForkSafe,
+    PartialRows,
     batch_out,
     safe_member,
     save_npy_synced,
@@ -61,7 +67,8 @@ def _npy_header(count: int, shape: tuple[int, ...]) -> bytes:
     prefix = b"\x93NUMPY\x01\x00"
     body_len = HEADER_BYTES - len(prefix) - 2
     if len(text) + 1 > body_len:
-        raise ValueError(f"shape {full} too long for a {HEADER_BYTES}-byte npy header")
+        raise ArgumentError(f"sample shape {shape} too long for a {HEADER_BYTES}-byte npy header; "
+                            "resize samples to a smaller (C, H, W)")
     body = text.ljust(body_len - 1).encode("latin1") + b"\n"
     return prefix + body_len.to_bytes(2, "little") + body
 
@@ -100,17 +107,19 @@ class ShardWriter:
     format = FORMAT
     format_version = FORMAT_VERSION
     _PARTIAL_LABELS = "labels.partial"  # int64 rows of completed files, appended at checkpoints
-    _PARTIAL_INDEX = "index.partial"
+    _PARTIAL_INDEX = "index.partial"    # (variable shapes) 5 int64 per sample, as in index.npy
 
     def __init__(self, folder: Path, *, shape: tuple[int, int, int] | None,
                  shard_size: int = DEFAULT_SHARD_SIZE, compression: str | None = "none",
                  _create: bool = True, **_: Any):
         if compression not in (None, "none"):
-            raise ValueError(f"compression={compression!r}: shards stores are memory-mapped raw arrays; "
-                             "compression applies to hdf5 stores only (or use encoding='jpeg'/'png')")
+            raise ArgumentError(f"compression={compression!r}: shards stores are memory-mapped raw arrays; "
+                                "compression applies to hdf5 stores only (or use encoding='jpeg'/'png')")
         self.folder = Path(folder)
         if _create:
             self.folder.mkdir(parents=True, exist_ok=False)
+        elif not self.folder.is_dir():  # _create=False: reopen (resume)
+            raise StoreCorruptError(f"{self.folder}: nothing to resume (no such folder); rerun without --resume")
         self.shape = shape
         self.shard_size = int(shard_size)
         # int64 arrays, not lists of Python objects: 8 (labels) + 40 (index) bytes per sample
@@ -119,7 +128,8 @@ class ShardWriter:
         self._file: _HashingFile | None = None
         self._files: list[dict[str, Any]] = []
         self._index = array("q")  # file number, byte offset, C, H, W of each sample, flat
-        self._saved_rows = 0  # rows of labels/index already in the .partial files
+        self._partial_labels = PartialRows(self.folder / self._PARTIAL_LABELS, 1)
+        self._partial_index = PartialRows(self.folder / self._PARTIAL_INDEX, 5)
         if shape is not None:
             self.sample_bytes = int(np.prod(shape))
             self.per_shard = max(1, self.shard_size // self.sample_bytes)
@@ -143,7 +153,8 @@ class ShardWriter:
     def add(self, sample: np.ndarray, label: int) -> bool:
         """Append one uint8 CHW sample and its label; True if this completed a data file."""
         if self.shape is not None and tuple(sample.shape) != self.shape:
-            raise ValueError(f"sample shape {tuple(sample.shape)} != store shape {self.shape}")
+            raise ArgumentError(f"{self.folder}: sample shape {tuple(sample.shape)} != store shape {self.shape}; "
+                                "every sample of a fixed-shape store has its shape")
         if self._file is None:
             self._open_next()
         if self.shape is None:
@@ -164,16 +175,9 @@ class ShardWriter:
         Only called right after ``add`` returned True, so no data file is open.
         """
         rows = len(self.labels)
-        with open(self.folder / self._PARTIAL_LABELS, "ab") as f:
-            f.write(np.frombuffer(self.labels, dtype=np.int64)[self._saved_rows:].tobytes())
-            f.flush()
-            os.fsync(f.fileno())
+        self._partial_labels.append(self.labels, rows)
         if self.shape is None:
-            with open(self.folder / self._PARTIAL_INDEX, "ab") as f:
-                f.write(np.frombuffer(self._index, dtype=np.int64)[5 * self._saved_rows:].tobytes())
-                f.flush()
-                os.fsync(f.fileno())
-        self._saved_rows = rows
+            self._partial_index.append(self._index, rows)
         return {"files": [dict(f) for f in self._files], "checksums": dict(self.checksums), "rows": rows}
 
     @classmethod
@@ -182,22 +186,15 @@ class ShardWriter:
         """Reopen a staging folder at a checkpoint, dropping everything written after it."""
         writer = cls(folder, shape=shape, _create=False, **options)
         rows = int(state["rows"])
-        writer._files = [dict(f) for f in state["files"]]
-        writer.checksums = dict(state["checksums"])
+        writer._files.extend(dict(f) for f in state["files"])
+        writer.checksums.update(state["checksums"])
         keep = {f["file"] for f in writer._files} | {cls._PARTIAL_LABELS, cls._PARTIAL_INDEX}
         for path in writer.folder.iterdir():
             if path.name not in keep and path.name != "progress.json":
                 path.unlink()
-        labels = np.fromfile(writer.folder / cls._PARTIAL_LABELS, dtype=np.int64)
-        if len(labels) < rows:
-            raise StoreCorruptError(f"{folder}: checkpoint lists {rows} samples, found {len(labels)}")
-        writer.labels = array("q", labels[:rows].astype(np.int64).tobytes())
-        _truncate(writer.folder / cls._PARTIAL_LABELS, rows * 8)
+        writer.labels.extend(writer._partial_labels.restore(rows))
         if shape is None:
-            index = np.fromfile(writer.folder / cls._PARTIAL_INDEX, dtype=np.int64).reshape(-1, 5)
-            writer._index = array("q", index[:rows].astype(np.int64).tobytes())
-            _truncate(writer.folder / cls._PARTIAL_INDEX, rows * 40)
-        writer._saved_rows = rows
+            writer._index.extend(writer._partial_index.restore(rows))
         return writer
 
     def finish(self) -> dict[str, Any]:
@@ -219,8 +216,8 @@ class ShardWriter:
             self._save("index.npy", index)
             layout.update(kind="variable", files=self._files, index="index.npy")
         self._save("labels.npy", np.frombuffer(self.labels, dtype=np.int64))
-        for name in (self._PARTIAL_LABELS, self._PARTIAL_INDEX):
-            (self.folder / name).unlink(missing_ok=True)
+        self._partial_labels.remove()
+        self._partial_index.remove()
         return layout
 
     def _save(self, name: str, array: np.ndarray) -> None:
@@ -234,11 +231,6 @@ class ShardWriter:
         if self._file is not None:
             self._file.f.close()
             self._file = None
-
-
-def _truncate(path: Path, size: int) -> None:
-    with open(path, "r+b") as f:
-        f.truncate(size)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -368,7 +360,7 @@ class ShardReader(ForkSafe):
         """Sample ``i`` as a uint8 (C, H, W) view into the memory map (no copy)."""
         self._ensure_open()
         if not 0 <= i < self.count:
-            raise IndexError(f"index {i} out of range for a store of {self.count} samples")
+            raise SampleIndexError(f"{self.path}: index {i} out of range for a store of {self.count} samples")
         if self.kind == "fixed":
             if self._uniform:
                 return self._map(i // self.per_shard)[i % self.per_shard]
@@ -390,7 +382,7 @@ class ShardReader(ForkSafe):
         indices = np.asarray(indices, dtype=np.int64)
         if len(indices) and (indices.min() < 0 or indices.max() >= self.count):
             bad = indices[(indices < 0) | (indices >= self.count)][0]
-            raise IndexError(f"index {bad} out of range for a store of {self.count} samples")
+            raise SampleIndexError(f"{self.path}: index {bad} out of range for a store of {self.count} samples")
         out = batch_out(out, len(indices), self.shape)
         if self._uniform:
             shard_no = indices // self.per_shard
@@ -424,11 +416,10 @@ class ShardReader(ForkSafe):
         if self.kind != "fixed":
             raise VariableShapeError(f"{self.path}: read_range needs a fixed-shape store")
         if not 0 <= start <= stop <= self.count:
-            raise IndexError(f"range [{start}, {stop}) out of range for a store of {self.count} samples")
+            raise SampleIndexError(f"{self.path}: range [{start}, {stop}) out of range for a store of "
+                                   f"{self.count} samples")
         self._ensure_open()
-        out = batch_out(out, stop - start, self.shape)
-        if not out.flags.c_contiguous:
-            raise ValueError("read_range needs a C-contiguous out= array")
+        out = batch_out(out, stop - start, self.shape)  # checks that out is C-contiguous
         sample_bytes = int(np.prod(self.shape))
         flat = memoryview(out.reshape(-1))
         jobs = []
