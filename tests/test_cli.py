@@ -54,6 +54,7 @@ def test_parse_bytes():
     assert parse_bytes("4096") == 4096
 
 
+@pytest.mark.slow
 def test_console_script_demo(tmp_path):
     out = subprocess.run([sys.executable, "-m", "dlstore.cli", "demo", "--images", "40", "--dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=300)

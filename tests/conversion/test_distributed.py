@@ -162,6 +162,7 @@ def test_rank_zero_failure_before_the_split_reaches_every_rank(rgb_folder, tmp_p
     assert results[1]["error"] == "DistributedError" and "already exists" in results[1]["message"]
 
 
+@pytest.mark.slow
 def test_torchrun_cli_converts_with_two_ranks(rgb_folder, tmp_path):
     dst = tmp_path / "cli.shards"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -197,6 +197,7 @@ def _wait_for(path: Path, proc, timeout=60.0):
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_cleanly_and_resume_gives_the_same_store(slow_folder, tmp_path, sig):
     dst = tmp_path / "s.shards"
@@ -222,6 +223,7 @@ def test_signal_stops_cleanly_and_resume_gives_the_same_store(slow_folder, tmp_p
     assert verify(dst, deep=True).ok
 
 
+@pytest.mark.slow
 def test_killed_worker_stops_the_conversion(slow_folder, tmp_path):
     dst = tmp_path / "s.shards"
     proc = _start_convert(slow_folder, dst, "--workers", "2")
@@ -235,6 +237,7 @@ def test_killed_worker_stops_the_conversion(slow_folder, tmp_path):
     assert not dst.exists()
 
 
+@pytest.mark.slow
 def test_write_error_mid_conversion_leaves_no_store(slow_folder, tmp_path):
     dst = tmp_path / "s.shards"
 
@@ -263,6 +266,7 @@ def test_second_conversion_to_the_same_destination_refuses(tmp_path):
     assert _convert(src, tmp_path / "s.shards").count == 1
 
 
+@pytest.mark.slow
 def test_resume_with_other_settings_is_refused(slow_folder, tmp_path):
     dst = tmp_path / "s.shards"
     proc = _start_convert(slow_folder, dst, "--workers", "1")
@@ -364,6 +368,7 @@ def pristine(tmp_path_factory, small_folder):
     return root
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(store=st.sampled_from(["fixed.shards", "var.shards"]),
        target=st.integers(min_value=0, max_value=50),  # which of the store's files (modulo their count)
@@ -394,6 +399,7 @@ def test_random_damage_raises_only_clear_errors(pristine, tmp_path_factory, stor
     verify(work, deep=True)  # reports, never raises
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, progress, files", [
     ("s.lmdb", ".s.lmdb.dlstore-tmp/progress.json", ["data.mdb", "lock.mdb"]),
     ("s.h5", ".s.h5.dlstore-tmp.progress.json", None),

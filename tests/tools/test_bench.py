@@ -110,6 +110,7 @@ def bench_run(tmp_path_factory):
     return report, report.write(root / "out"), root
 
 
+@pytest.mark.slow
 def test_report_files_are_well_formed(bench_run):
     report, written, _ = bench_run
     assert written["json"].name == "report.json" and written["md"].name == "report.md"
@@ -134,6 +135,7 @@ def test_report_files_are_well_formed(bench_run):
         assert f"| {name} |" in md
 
 
+@pytest.mark.slow
 def test_store_sizes_are_their_disk_usage(bench_run):
     report, _, _ = bench_run
     n = report.data["samples"]
@@ -149,6 +151,7 @@ def test_store_sizes_are_their_disk_usage(bench_run):
     assert report.stores["shards+jpeg"]["bytes"] < report.stores["shards"]["bytes"]
 
 
+@pytest.mark.slow
 def test_read_measurements_are_positive_and_consistent(bench_run):
     report, _, _ = bench_run
     cells = {(r["format"], r["order"], r["workers"], r["cache"]) for r in report.reads}
@@ -180,6 +183,7 @@ def test_read_measurements_are_positive_and_consistent(bench_run):
     assert rec["tied_with"] in ALL[1:] or rec["tied_with"] is None
 
 
+@pytest.mark.slow
 def test_cold_runs_really_were_cold(bench_run):
     report, _, root = bench_run
     if not _page_cache_works(root):
@@ -192,6 +196,7 @@ def test_cold_runs_really_were_cold(bench_run):
             assert min(r["resident_at_start"]) >= 0.98 and r["verified"]
 
 
+@pytest.mark.slow
 def test_table_lists_every_cell(bench_run):
     report, _, _ = bench_run
     table = report.table()
@@ -231,6 +236,7 @@ def test_cli_bench_reports_bad_settings(tmp_path):
     assert "unknown format 'zarr'" in result.output
 
 
+@pytest.mark.slow
 def test_plot_when_matplotlib_is_installed(bench_run, tmp_path):
     pytest.importorskip("matplotlib")
     report, _, _ = bench_run

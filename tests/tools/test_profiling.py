@@ -43,7 +43,7 @@ def store(tmp_path_factory):
     return root / "p.shards"
 
 
-@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
 def test_timed_dataset_collects_from_two_workers(context):
     if context not in multiprocessing.get_all_start_methods():
         pytest.skip(f"{context} not available here")

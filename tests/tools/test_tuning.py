@@ -132,6 +132,7 @@ def _assert_loader_accepts(ds, kwargs):
     assert sum(len(y) for _, y in batches) == len(ds)
 
 
+@pytest.mark.slow
 def test_tune_store_returns_usable_kwargs_not_slower_than_workers0(small_store):
     ds = dlstore.open_dataset(small_store / "small.shards")
     result = tune(ds, 8, budget=2.0, max_workers=2)
@@ -157,6 +158,7 @@ def test_tune_store_returns_usable_kwargs_not_slower_than_workers0(small_store):
     json.dumps(result.to_json())
 
 
+@pytest.mark.slow
 def test_tune_prefers_workers_when_loading_sleeps():
     ds = SleepyDataset()
     result = tune(ds, 4, budget=3.0, max_workers=2, memory_warn_fraction=0.0)
