@@ -44,7 +44,7 @@ from ..errors import (
 )
 from ..units import human_bytes
 from .dataset import StoreDataset, open_dataset
-from .gpu_loader import BatchFn, GPULoader, _Prefetcher, _resolve_distributed
+from .gpu_loader import GPULoader, _Prefetcher, _resolve_distributed
 
 ON_OVERFLOW = ("error", "uint8", "stream")
 DEFAULT_CHUNK_BYTES = 64 << 20
@@ -74,6 +74,20 @@ def _free_memory(device: torch.device, headroom: int | None) -> tuple[int | None
             pass
         return None, keep
     return None, 0
+
+
+def _check_device(device: Any) -> torch.device:
+    """``device`` as a torch.device that exists here; ArgumentError naming it otherwise."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ArgumentError(f"device {device!r} is not a torch device (e.g. 'cuda', 'cuda:1', 'cpu'): {exc}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ArgumentError(f"device {device!r}: CUDA is not available here (torch.cuda.is_available() is False); "
+                            "use device='cpu', which runs the same code")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ArgumentError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return dev
 
 
 class GPUDataset:
@@ -120,8 +134,8 @@ class GPUDataset:
 
         Args:
             source: a store path (anything ``open_dataset`` opens) or a dlstore
-                dataset with a fixed sample shape. Its per-sample ``transform`` is
-                not applied: pass batch transforms to :meth:`loader`.
+                dataset with a fixed sample shape. Its ``transform`` is not applied:
+                pass transforms to :meth:`loader` (they run per batch on the device).
             device: where the data lives (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
             dtype: dtype of the served images: a float dtype (scaled to ``[0, 1]``,
                 then normalised if asked) or ``torch.uint8`` (as stored).
@@ -148,7 +162,17 @@ class GPUDataset:
         """
         if on_overflow not in ON_OVERFLOW:
             raise ArgumentError(f"on_overflow must be one of {', '.join(map(repr, ON_OVERFLOW))}, "
-                             f"got {on_overflow!r}")
+                                f"got {on_overflow!r}")
+        device = _check_device(device)
+        if not isinstance(dtype, torch.dtype):
+            raise ArgumentTypeError(f"dtype must be a torch.dtype (torch.float16, torch.uint8, ...), got {dtype!r}")
+        for name, value, low in (("chunk_size", chunk_size, 1), ("max_memory", max_memory, 0),
+                                 ("headroom", headroom, 0)):
+            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+                                      or value < low):
+                raise ArgumentError(f"{name} must be None or an int >= {low}, got {value!r}")
+        if normalize is not None and (not isinstance(normalize, (tuple, list)) or len(normalize) != 2):
+            raise ArgumentError(f"normalize must be a (mean, std) pair of per-channel sequences, got {normalize!r}")
         if not (dtype.is_floating_point or dtype == torch.uint8):
             raise ArgumentError(f"dtype must be a floating dtype or torch.uint8, got {dtype}")
         if normalize is not None and dtype == torch.uint8:
@@ -414,14 +438,20 @@ class GPUDataset:
         shuffle: bool = False,
         *,
         drop_last: bool = False,
-        transform: BatchFn | None = None,
+        transform: Any = None,
         seed: int | None = None,
         channels_last: bool = False,
         rank: int | None = None,
         world_size: int | None = None,
         prefetch: int = 2,
     ) -> GPULoader:
-        """Batches ``(images, labels)`` on the device; see :class:`GPULoader`."""
+        """Batches ``(images, labels)`` on the device; see :class:`GPULoader`.
+
+        ``transform`` takes what ``open_dataset`` takes (a torchvision pipeline, a
+        :class:`HybridTransform`) or dlstore batch transforms: the result is
+        torchvision's per sample (on the uint8 pixels, padding black included)
+        followed by this dataset's conversion to ``dtype`` and ``normalize``.
+        """
         return GPULoader(self, batch_size, shuffle, drop_last=drop_last, transform=transform,
                          seed=seed, channels_last=channels_last,
                          rank=self.rank if rank is None else rank,

@@ -1,7 +1,33 @@
-"""The loader of a :class:`~dlstore.data.gpu.GPUDataset`: batches indexed and augmented on the device."""
+"""The loader of a :class:`~dlstore.data.gpu.GPUDataset`: batches indexed and augmented on the device.
+
+The transform it takes is what ``open_dataset`` takes (a torchvision pipeline,
+a :class:`HybridTransform`) or dlstore batch transforms, or any callable. It
+becomes a list of steps (``_plan``), run on each gathered group of batches:
+
+* ops with a batch equivalent (``hybrid.batch_steps``) run per batch, with
+  independent parameters per sample; torchvision ops without one run on each
+  sample in turn (``_PerSample``);
+* ops that move or overwrite pixels (crop, flip, resized crop, cutout) and
+  per-sample torchvision ops see what torchvision would see: the uint8 pixels.
+  Where the dataset holds its data converted (fp16, maybe normalised) the
+  moving ops run on those values with their fill values mapped through the same
+  conversion, so that padding is black in pixel space exactly as in
+  torchvision; per-sample torchvision ops cannot run there and are refused;
+* the dataset's conversion (uint8 -> ``dtype``, normalised) runs after the
+  pixel ops where the data are held as uint8 (``dtype=torch.uint8``,
+  ``on_overflow="uint8"`` or ``"stream"``), or before the first step that needs
+  converted values (a ``BatchNormalize``, a plain callable).
+
+The result is torchvision's per sample followed by the conversion, exactly
+(fp16: torchvision's float32 values rounded once), except a resized crop on
+data held converted: it resamples the converted values rather than uint8
+pixels, within 1.05 / (255 * std) + 2**-10 * |value| of torchvision's
+(tests/fidelity holds every path to this).
+"""
 
 from __future__ import annotations
 
+import copy
 import inspect
 import math
 import queue
@@ -12,16 +38,23 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..errors import ArgumentError
-from ..transforms.batch import BatchCompose, BatchTransform
+from ..errors import ArgumentError, TransformSpecError
+from ..transforms.batch import (
+    BatchCompose,
+    BatchCutout,
+    BatchNormalize,
+    BatchRandomCrop,
+    BatchRandomHorizontalFlip,
+    BatchRandomResizedCrop,
+    BatchTransform,
+)
+from ..transforms.hybrid import HybridTransform, _flatten, batch_steps
 
 if TYPE_CHECKING:
     from .gpu import GPUDataset
 
 # Served bytes per group of batches that the loader gathers and augments in one go.
 GROUP_BYTES = 64 << 20
-
-BatchFn = Callable[..., torch.Tensor]
 
 
 def _resolve_distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -93,20 +126,172 @@ class _Prefetcher:
         self._thread.join()
 
 
-def _per_sample(transform: Any) -> bool:
-    """Whether ``transform`` draws independent randomness per sample (dlstore batch transforms do),
-    so that running it on several batches at once changes nothing but the random stream."""
-    if isinstance(transform, BatchCompose):
-        return all(_per_sample(t) for t in transform.transforms)
-    return isinstance(transform, BatchTransform)
+# Batch transforms that move or overwrite pixels: in torchvision they run on uint8 samples.
+_PIXEL_OPS = (BatchRandomCrop, BatchRandomHorizontalFlip, BatchRandomResizedCrop, BatchCutout)
+
+
+def _is_torchvision(t: Any) -> bool:
+    return type(t).__module__.startswith("torchvision.")
+
+
+class _PerSample:
+    """A torchvision op without a batch equivalent, run on each sample of a batch in turn.
+
+    It draws from torch's global generators, as torchvision does; ``sample`` draws
+    one seed for them from the loader's generator, and ``apply`` runs the op on
+    every sample with the global generators so seeded (restoring them after):
+    draws reproducible from the loader's seed, independent per sample.
+    """
+
+    def __init__(self, op: Any):
+        self.op = op
+
+    def sample(self, shape: Any, *, generator: torch.Generator | None = None,
+               device: Any = "cpu") -> dict[str, torch.Tensor]:
+        return {"seed": torch.randint(0, 2**62, (), generator=generator, device=device)}
+
+    def apply(self, images: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        seed = int(params["seed"])
+        device = images.device
+        cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
+            if device.type == "cuda" else []
+        with torch.random.fork_rng(devices=cuda):
+            torch.default_generator.manual_seed(seed)
+            if cuda:
+                torch.cuda.default_generators[cuda[0]].manual_seed(seed)
+            out = [self.op(x) for x in images]
+        shapes = sorted({tuple(x.shape) for x in out})
+        if len(shapes) > 1:
+            raise TransformSpecError(f"{self.op!r} gave samples of different shapes {shapes[:4]}; the GPU loader "
+                                     f"stacks every batch into one tensor")
+        return torch.stack(out)
+
+    def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        return self.apply(images, self.sample(images.shape, generator=generator, device=images.device))
+
+    def __repr__(self) -> str:
+        return f"_PerSample({self.op!r})"
+
+
+def _per_sample(step: Any) -> bool:
+    """Whether ``step`` draws independent randomness per sample (dlstore batch transforms and
+    per-sample loops do), so that running it on several batches at once changes nothing but
+    the random stream."""
+    if isinstance(step, BatchCompose):
+        return all(_per_sample(t) for t in step.transforms)
+    return isinstance(step, (BatchTransform, _PerSample))
 
 
 def _accepts_generator(transform: Callable[..., Any]) -> bool:
+    """Whether ``transform`` declares a parameter named ``generator`` that can be passed by keyword
+    (``**kwargs`` does not count: torch modules forward them to ``forward``, which refuses it)."""
     try:
         params = inspect.signature(transform).parameters
     except (TypeError, ValueError):  # builtins without a signature
         return False
-    return "generator" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+    p = params.get("generator")
+    return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+
+
+def _atoms(transform: Any) -> list[Any]:
+    """``transform`` as a flat list of ops: torchvision ops, batch transforms, other callables."""
+    if transform is None:
+        return []
+    if isinstance(transform, HybridTransform):
+        return list(transform.dynamic_ops)
+    if isinstance(transform, BatchCompose):
+        return [a for t in transform.transforms for a in _atoms(t)]
+    if isinstance(transform, (list, tuple)):
+        return [a for t in transform for a in _atoms(t)]
+    if _is_torchvision(transform):
+        return _flatten(transform)
+    if isinstance(transform, torch.nn.Sequential):
+        return [a for t in transform for a in _atoms(t)]
+    if not callable(transform):
+        raise TransformSpecError(f"the GPU loader's transform must be callable (a torchvision transform or "
+                                 f"pipeline, a HybridTransform, a dlstore batch transform or a function), got "
+                                 f"{type(transform).__name__} {transform!r}")
+    return [transform]
+
+
+def _steps(transform: Any) -> list[Any]:
+    """The ops of ``transform`` in order, torchvision ops replaced by their batch equivalents."""
+    atoms = _atoms(transform)
+    steps: list[Any] = []
+    run: list[Any] = []    # consecutive torchvision ops: mapped together (ToDtype + Normalize merge)
+    for a in atoms + [None]:
+        if a is not None and _is_torchvision(a):
+            run.append(a)
+            continue
+        steps += batch_steps(run)
+        run = []
+        if a is not None:
+            steps.append(a)
+    return steps
+
+
+def _served_fill(op: BatchTransform, ds: GPUDataset) -> BatchTransform:
+    """``op`` with its fill values mapped from pixel values to the dataset's served values."""
+    from torchvision.transforms.v2 import functional as F
+
+    c = ds.shape[0]
+    fill = list(op.fill) if isinstance(op.fill, tuple) else op.fill   # type: ignore[attr-defined]
+    if isinstance(op, BatchRandomCrop):
+        if op.padding_mode != "constant":
+            return op
+        # the value torchvision pads a uint8 image with
+        pixel = F.pad(torch.zeros((c, 1, 1), dtype=torch.uint8), [1, 0, 0, 0], fill=fill)[:, 0, 0]
+    else:
+        # the value F.erase / masked_fill write into a uint8 image
+        pixel = torch.tensor(fill).to(torch.uint8).expand(c).clone()
+    served = ds._finish(pixel.view(1, c, 1, 1).to(ds.device)).view(c).tolist()
+    mapped = copy.copy(op)
+    mapped.fill = tuple(served)  # type: ignore[attr-defined]
+    return mapped
+
+
+def _plan(transform: Any, ds: GPUDataset) -> list[tuple[Callable[..., torch.Tensor], bool]]:
+    """The steps a gathered group goes through: (callable, whether it takes ``generator=``).
+
+    Includes the dataset's conversion (uint8 -> its dtype, normalised) at its place.
+    """
+    if isinstance(transform, HybridTransform) and hasattr(ds.source, "manifest"):
+        from .dataset import _check_static
+
+        _check_static(getattr(ds.source, "path", "the GPUDataset's store"), ds.source.manifest, transform)
+    steps = _steps(transform)
+    converts = ds.dtype != torch.uint8
+    converted = converts and ds.mode == "preload"  # the data are held converted
+    as_given = False   # an earlier step's output (not pixels) is what the following steps see
+    plan: list[tuple[Callable[..., torch.Tensor], bool]] = []
+    for op in steps:
+        if isinstance(op, _PIXEL_OPS):
+            if converted and not as_given and isinstance(op, (BatchRandomCrop, BatchCutout)):
+                op = _served_fill(op, ds)
+            plan.append((op, True))
+        elif _is_torchvision(op):
+            if converted and not as_given:
+                raise TransformSpecError(
+                    f"{type(op).__name__} has no batch equivalent, so it runs per sample on the pixels torchvision "
+                    f"would give it, uint8; but this GPUDataset holds its data converted to "
+                    f"{str(ds.dtype).removeprefix('torch.')}. Create it with dtype=torch.uint8 (and put "
+                    f"v2.ToDtype / v2.Normalize at the end of the transform: they run per batch), or leave "
+                    f"{type(op).__name__} out")
+            plan.append((_PerSample(op), True))
+        else:
+            if isinstance(op, BatchNormalize) and op.mean is not None and ds.normalize is not None:
+                raise TransformSpecError(
+                    f"the transform normalises ({op!r}) but the GPUDataset already does (normalize="
+                    f"{ds.normalize!r}): leave Normalize out of the transform, or create the GPUDataset "
+                    f"without normalize= (dtype=torch.uint8 runs the whole pipeline per batch)")
+            if converts and not converted:
+                plan.append((ds._finish, False))
+                converted = True
+            plan.append((op, _accepts_generator(op)))
+            as_given = True
+    if converts and not converted:
+        plan.append((ds._finish, False))
+    return plan
 
 
 class GPULoader:
@@ -123,15 +308,24 @@ class GPULoader:
     together complete, and equal in length, so every rank runs the same number
     of batches. Every rank must use the same seed (default 0 when distributed).
 
-    Batches: ``index_select`` on the device, conversion when the data is held
-    as uint8, then ``transform(images, generator=g)`` (a batch transform from
-    ``dlstore.transforms``; a callable without a ``generator`` parameter is
-    called with the images alone), then optionally channels_last. When the
-    transform is made only of ``dlstore.transforms`` batch transforms (whose
-    randomness is per sample) or is None, these steps run on groups of
+    Batches: ``index_select`` on the device, then the steps of ``transform``
+    (see the module docstring): the same transforms ``open_dataset`` takes, with
+    the same result as torchvision per sample followed by the dataset's
+    conversion (``ToDtype(dtype, scale=True)`` and ``Normalize``); then
+    optionally channels_last. A torchvision pipeline or :class:`HybridTransform`
+    runs its ops with a batch equivalent per batch (independent parameters per
+    sample) and the others on each sample in turn; dlstore batch transforms run
+    as given; any other callable gets the converted batch, with
+    ``generator=`` only if it declares a parameter of that name. When every step
+    draws per sample (or there is no transform), the steps run on groups of
     ``group_batches`` batches (about 64 MiB of output) and the batches are
     slices of the result: the same distribution of outputs with far fewer
     kernel launches. Any other callable sees one batch at a time.
+
+    Raises:
+        TransformSpecError: an op cannot run faithfully on this dataset (a
+            per-sample torchvision op on converted data, a second Normalize), or
+            a hybrid's static part differs from the store's.
     """
 
     def __init__(
@@ -141,7 +335,7 @@ class GPULoader:
         shuffle: bool = False,
         *,
         drop_last: bool = False,
-        transform: BatchFn | None = None,
+        transform: Any = None,
         seed: int | None = None,
         channels_last: bool = False,
         rank: int | None = None,
@@ -155,7 +349,7 @@ class GPULoader:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.transform = transform
-        self._transform_takes_generator = transform is not None and _accepts_generator(transform)
+        self._plan = _plan(transform, dataset)
         self.channels_last = channels_last
         self.rank, self.world_size = _resolve_distributed(rank, world_size)
         if seed is None:
@@ -172,7 +366,7 @@ class GPULoader:
     def _group_size(self) -> int:
         """Batches gathered and augmented together: 1 unless the transform is per-sample."""
         ds = self.dataset
-        if ds.mode == "stream" or (self.transform is not None and not _per_sample(self.transform)):
+        if ds.mode == "stream" or not all(_per_sample(fn) or fn == ds._finish for fn, _ in self._plan):
             return 1
         itemsize = torch.empty((), dtype=ds.dtype).element_size()
         sample = int(np.prod(ds.shape)) * itemsize
@@ -213,8 +407,7 @@ class GPULoader:
         epoch = self.epoch
         self.epoch += 1
         order = self.indices(epoch)
-        # Augmentation randomness differs per epoch and per rank, yet is reproducible.
-        self._aug_gen.manual_seed((self.seed * 1_000_003 + epoch * 7_919 + self.rank) % (2**63))
+        self._aug_gen.manual_seed(self._aug_seed(epoch))
         count = len(self) * self.batch_size if self.drop_last else len(order)
         batches = [(s, min(s + self.batch_size, count)) for s in range(0, count, self.batch_size)]
         ds = self.dataset
@@ -226,20 +419,19 @@ class GPULoader:
         step = self.group_batches * self.batch_size
         for g0 in range(0, count, step):
             idx = order[g0:min(count, g0 + step)]
-            images = ds.data.index_select(0, idx)
-            if ds.mode == "uint8":
-                images = ds._finish(images)
-            images = self._augment(images)
+            images = self._augment(ds.data.index_select(0, idx))
             labels = ds.targets.index_select(0, idx)
             for s in range(0, len(idx), self.batch_size):
                 yield images[s:s + self.batch_size], labels[s:s + self.batch_size]
 
+    def _aug_seed(self, epoch: int) -> int:
+        """Seed of the augmentation generator in ``epoch``: differs per epoch and per rank, yet is reproducible."""
+        return (self.seed * 1_000_003 + epoch * 7_919 + self.rank) % (2**63)
+
     def _augment(self, images: torch.Tensor) -> torch.Tensor:
-        if self.transform is not None:
-            if self._transform_takes_generator:
-                images = self.transform(images, generator=self._aug_gen)
-            else:
-                images = self.transform(images)
+        """A gathered group as held (uint8, or converted in preload mode) -> served and augmented."""
+        for fn, takes_generator in self._plan:
+            images = fn(images, generator=self._aug_gen) if takes_generator else fn(images)
         if self.channels_last:
             images = images.contiguous(memory_format=torch.channels_last)
         return images
@@ -256,7 +448,7 @@ class GPULoader:
         prefetcher = _Prefetcher(batches, read, depth=self.prefetch)
         try:
             for (start, stop), host in zip(batches, prefetcher):
-                images = ds._finish(host.to(ds.device, non_blocking=ds._pin))
+                images = host.to(ds.device, non_blocking=ds._pin)
                 labels = ds.targets.index_select(0, order[start:stop])
                 yield self._augment(images), labels
         finally:

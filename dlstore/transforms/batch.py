@@ -63,6 +63,18 @@ def _as_padding(padding: Any) -> tuple[int, int, int, int]:
     return tuple(values)  # type: ignore[return-value]
 
 
+def _as_fill(fill: Any, name: str) -> int | float | tuple[float, ...]:
+    """A fill value: one number, or one number per channel (a tuple)."""
+    def number(v: Any) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+    if number(fill):
+        return fill
+    if isinstance(fill, (list, tuple)) and fill and all(number(v) for v in fill):
+        return fill[0] if len(fill) == 1 else tuple(fill)
+    raise TransformSpecError(f"{name}: fill must be a number or one number per channel, got {fill!r}")
+
+
 def _randint(high: Any, n: int, generator: Any, device: Any) -> "torch.Tensor":
     """n ints, the k-th uniform in [0, high[k]) (``high`` an int or a (n,) tensor >= 1)."""
 
@@ -95,45 +107,67 @@ class BatchTransform:
 class BatchRandomCrop(BatchTransform):
     """Random crop of ``size`` after optional padding, an independent offset per sample.
 
-    Equivalent to ``v2.RandomCrop(size, padding, fill=fill, padding_mode=padding_mode)``
-    applied to each sample. Runs as one pad plus one gather over the batch.
+    Equivalent to ``v2.RandomCrop(size, padding, pad_if_needed, fill, padding_mode)``
+    applied to each sample: the same padding, the same offsets for the same
+    draws (uniform over every valid window, as torchvision's ``randint``). Runs
+    as one pad plus one gather over the batch.
 
     Args:
         size: output (height, width), or an int for a square.
         padding: int, [left/right, top/bottom] or [left, top, right, bottom], as torchvision.
-        fill: value of the padded pixels with ``padding_mode="constant"``.
+        pad_if_needed: pad an image smaller than ``size`` (after ``padding``) on both
+            sides by the difference, as torchvision does.
+        fill: value of the padded pixels with ``padding_mode="constant"``: a number,
+            or one number per channel.
         padding_mode: "constant", "edge", "reflect" or "symmetric".
     """
 
-    def __init__(self, size: int | Sequence[int], padding: Any = 0, *, fill: int | float = 0,
-                 padding_mode: str = "constant"):
+    def __init__(self, size: int | Sequence[int], padding: Any = 0, *, pad_if_needed: bool = False,
+                 fill: int | float | Sequence[float] = 0, padding_mode: str = "constant"):
         self.size = tuple(_size_pair(list(size) if isinstance(size, tuple) else size, "BatchRandomCrop"))
         self.padding = _as_padding(padding)
         if padding_mode not in PADDING_MODES:
             raise TransformSpecError(
                 f"BatchRandomCrop: unknown padding_mode {padding_mode!r}; valid: {', '.join(PADDING_MODES)}")
-        if not isinstance(fill, (int, float)) or isinstance(fill, bool):
-            raise TransformSpecError(f"BatchRandomCrop: fill must be one number, got {fill!r}")
-        self.fill = fill
+        self.fill = _as_fill(fill, "BatchRandomCrop")
+        if isinstance(self.fill, tuple) and padding_mode != "constant":
+            raise TransformSpecError(f"BatchRandomCrop: a per-channel fill needs padding_mode='constant', "
+                                     f"got {padding_mode!r}")
+        self.pad_if_needed = bool(pad_if_needed)
         self.padding_mode = padding_mode
+
+    def padding_for(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """(left, top, right, bottom) padding of an image of (height, width), ``pad_if_needed`` included."""
+        left, top, right, bottom = self.padding
+        th, tw = self.size
+        if self.pad_if_needed:
+            dy = th - (height + top + bottom)
+            dx = tw - (width + left + right)
+            if dy > 0:
+                top, bottom = top + dy, bottom + dy
+            if dx > 0:
+                left, right = left + dx, right + dx
+        return left, top, right, bottom
 
     def sample(self, shape: Sequence[int], *, generator: Any = None, device: Any = "cpu") -> BatchParams:
         b, _, h, w = shape
-        left, top, right, bottom = self.padding
+        left, top, right, bottom = self.padding_for(h, w)
         ph, pw = h + top + bottom, w + left + right
         th, tw = self.size
         if th > ph or tw > pw:
             raise TransformSpecError(
                 f"BatchRandomCrop: crop {th}x{tw} is larger than the padded image {ph}x{pw} "
-                f"(image {h}x{w}, padding {list(self.padding)})")
+                f"(image {h}x{w}, padding {list(self.padding)}); pass pad_if_needed=True to pad it")
         return {"top": _randint(ph - th + 1, b, generator, device),
                 "left": _randint(pw - tw + 1, b, generator, device)}
 
     def apply(self, images: "torch.Tensor", params: BatchParams) -> "torch.Tensor":
         from torchvision.transforms.v2 import functional as F
 
-        if any(self.padding):
-            images = F.pad(images, list(self.padding), fill=self.fill, padding_mode=self.padding_mode)
+        padding = self.padding_for(*images.shape[-2:])
+        if any(padding):
+            fill = list(self.fill) if isinstance(self.fill, tuple) else self.fill
+            images = F.pad(images, list(padding), fill=fill, padding_mode=self.padding_mode)
         images = images.contiguous()
         b, c, ph, pw = images.shape
         th, tw = self.size
@@ -156,7 +190,8 @@ class BatchRandomCrop(BatchTransform):
         return self.size  # type: ignore[return-value]
 
     def __repr__(self) -> str:
-        return (f"BatchRandomCrop(size={list(self.size)}, padding={list(self.padding)}, fill={self.fill}, "
+        extra = ", pad_if_needed=True" if self.pad_if_needed else ""
+        return (f"BatchRandomCrop(size={list(self.size)}, padding={list(self.padding)}{extra}, fill={self.fill}, "
                 f"padding_mode={self.padding_mode!r})")
 
 
@@ -187,20 +222,24 @@ class BatchRandomHorizontalFlip(BatchTransform):
 class BatchRandomResizedCrop(BatchTransform):
     """Random crop of random area and aspect ratio, resized to a fixed ``size``, per sample.
 
-    Parameters are drawn as ``v2.RandomResizedCrop.get_params`` draws them (10
-    tries, then a centre crop), for every sample at once. The resize of every
-    crop runs as one ``torchvision.ops.roi_align`` call over the batch: bilinear
-    sampling; with ``antialias`` each output pixel averages ceil(crop/size)^2
-    bilinear samples of its cell (a box prefilter, close to torchvision's
-    antialiased resize), without it one sample per pixel, which equals
-    ``F.resized_crop(..., antialias=False)`` wherever the crop is at least as
-    large as the output. uint8 input gives rounded uint8 output.
+    Parameters are drawn as ``v2.RandomResizedCrop`` draws them (up to 10 tries of
+    a uniform area fraction in ``scale`` and a log-uniform aspect ratio in
+    ``ratio``, then torchvision's centre-crop fallback), for every sample at once.
+    The resize is bilinear with torchvision's weights (``functional.resized_crop``):
+
+    * on the CPU, torchvision's own kernel per sample: identical to
+      ``F.resized_crop(x, top, left, height, width, size, antialias=antialias)``;
+    * on CUDA, one batched matmul with the same weights: float output equal to
+      torchvision's up to float32 rounding (|d| <= 1e-3 on the 0-255 scale);
+      uint8 output rounded from float32 as torchvision rounds on CUDA, at most
+      1 level (|d| <= 1) from torchvision's CPU uint8 kernel (which uses
+      fixed-point weights and rounds between its two passes).
 
     Args:
         size: output (height, width), or an int for a square.
         scale: range of the crop's area as a fraction of the image.
         ratio: range of the crop's aspect ratio (width / height).
-        antialias: average over each output cell when shrinking.
+        antialias: as torchvision's ``antialias`` (a triangle filter widened when shrinking).
     """
 
     def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
@@ -256,20 +295,10 @@ class BatchRandomResizedCrop(BatchTransform):
         return {"top": top, "left": left, "height": ch, "width": cw}
 
     def apply(self, images: "torch.Tensor", params: BatchParams) -> "torch.Tensor":
-        from torchvision.ops import roi_align
+        from .functional import resized_crop
 
-        device = images.device
-        b = images.shape[0]
-        top = params["top"].to(device=device, dtype=torch.float32)
-        left = params["left"].to(device=device, dtype=torch.float32)
-        boxes = torch.stack([torch.arange(b, device=device, dtype=torch.float32), left, top,
-                             left + params["width"].to(device), top + params["height"].to(device)], dim=1)
-        x = images if images.dtype == torch.float32 else images.to(torch.float32)
-        out = roi_align(x, boxes, self.size, spatial_scale=1.0,
-                        sampling_ratio=-1 if self.antialias else 1, aligned=True)
-        if images.dtype == torch.uint8:
-            return out.round_().clamp_(0, 255).to(torch.uint8)
-        return out.to(images.dtype)
+        return resized_crop(images, params["top"], params["left"], params["height"], params["width"],
+                            self.size, antialias=self.antialias)  # type: ignore[arg-type]
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         return self.size  # type: ignore[return-value]
@@ -282,15 +311,19 @@ class BatchRandomResizedCrop(BatchTransform):
 class BatchCutout(BatchTransform):
     """Fill one ``size`` x ``size`` square per sample, placed uniformly inside the image.
 
-    The square lies wholly inside the image (as airbench's cutout); one
-    ``masked_fill`` over the batch.
+    The square lies wholly inside the image (as airbench's cutout); per sample it
+    equals ``F.erase(x, top, left, size, size, v=fill)``. One ``where`` over the batch.
+
+    Args:
+        size: side of the square.
+        fill: a number, or one number per channel.
     """
 
-    def __init__(self, size: int, *, fill: int | float = 0):
+    def __init__(self, size: int, *, fill: int | float | Sequence[float] = 0):
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise TransformSpecError(f"BatchCutout: size must be a positive int, got {size!r}")
         self.size = size
-        self.fill = fill
+        self.fill = _as_fill(fill, "BatchCutout")
 
     def sample(self, shape: Sequence[int], *, generator: Any = None, device: Any = "cpu") -> BatchParams:
         b, _, h, w = shape
@@ -306,7 +339,11 @@ class BatchCutout(BatchTransform):
         dy = torch.arange(h, device=device)[None, :] - params["top"].to(device)[:, None]    # (B, H)
         dx = torch.arange(w, device=device)[None, :] - params["left"].to(device)[:, None]   # (B, W)
         mask = ((dy >= 0) & (dy < self.size))[:, None, :, None] & ((dx >= 0) & (dx < self.size))[:, None, None, :]
-        return images.masked_fill(mask, self.fill)
+        if not isinstance(self.fill, tuple):
+            return images.masked_fill(mask, self.fill)
+        # as F.erase: the values are cast to the images' dtype
+        value = torch.tensor(self.fill, device=device).to(images.dtype).view(1, -1, 1, 1)
+        return torch.where(mask, value, images)
 
     def __repr__(self) -> str:
         return f"BatchCutout(size={self.size}, fill={self.fill})"

@@ -8,7 +8,7 @@ from typing import Any
 
 from PIL import Image
 
-from ..errors import TransformSpecError
+from ..errors import ArgumentTypeError, TransformSpecError
 from .batch import (
     BatchNormalize,
     BatchRandomCrop,
@@ -122,6 +122,10 @@ def split_transforms(pipeline: Any) -> HybridTransform:
         A HybridTransform whose ``repr`` explains where each op went.
     """
     ops = _flatten(pipeline)
+    for t in ops:
+        if not callable(t):
+            raise ArgumentTypeError(f"split_transforms takes torchvision transforms (a Compose, a list or one "
+                                    f"transform), got {type(t).__name__} {t!r}")
     static: list[Any] = []
     dynamic: list[Any] = []
     notes: list[str] = []
@@ -164,13 +168,18 @@ def _batch_equivalent(t: Any) -> BatchTransform | None:
     name = type(t).__name__
     if name == "RandomCrop":
         fill = getattr(t, "fill", 0)
-        if getattr(t, "pad_if_needed", False) or not isinstance(fill, (int, float)):
-            return None
+        per_channel = isinstance(fill, (list, tuple)) and len(fill) > 0 \
+            and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in fill)
+        if not (per_channel or (isinstance(fill, (int, float)) and not isinstance(fill, bool))):
+            return None   # a dict of fills per input type, or None
         padding: Any = t.padding if t.padding is not None else 0
         if ".v2." in type(t).__module__ and isinstance(padding, list) and len(padding) == 4:
             # v2 keeps padding parsed as torch.nn.functional.pad's [left, right, top, bottom]
             padding = [padding[0], padding[2], padding[1], padding[3]]
-        return BatchRandomCrop(list(t.size), padding=padding, fill=fill, padding_mode=t.padding_mode)
+        if per_channel and len(fill) > 1 and t.padding_mode != "constant":
+            return None   # torchvision refuses this combination (when it has to pad): let it say so
+        return BatchRandomCrop(list(t.size), padding=padding, pad_if_needed=bool(getattr(t, "pad_if_needed", False)),
+                               fill=fill, padding_mode=t.padding_mode)
     if name == "RandomHorizontalFlip":
         return BatchRandomHorizontalFlip(t.p)
     if name == "RandomResizedCrop":
@@ -211,12 +220,36 @@ def batch_plan(ops: Sequence[Any], *, fixed_shape: bool) -> tuple[list[Any], lis
         if sized:
             cut = sized[0] + 1
     head, tail = list(ops[:cut]), [m for m in mapped[cut:] if m is not None]
+    return head, _merge_normalize(tail)
+
+
+def batch_steps(ops: Sequence[Any]) -> list[Any]:
+    """Each dynamic op as its batch equivalent where it has one, else the op itself, in order.
+
+    For a loader whose samples already share a shape and sit in one tensor (the
+    GPU loader): an op without a batch equivalent runs per sample at its place in
+    the sequence, the others per batch. A ``ToDtype`` followed by ``Normalize``
+    becomes one ``BatchNormalize``.
+    """
+    ops = [t for t in ops if type(t).__name__ not in _TO_TENSOR_NAMES]
+    steps: list[Any] = []
+    for t in ops:
+        m = _batch_equivalent(t)
+        if m is not None and steps and isinstance(steps[-1], BatchTransform):
+            steps[-1:] = _merge_normalize([steps[-1], m])
+        else:
+            steps.append(t if m is None else m)
+    return steps
+
+
+def _merge_normalize(ops: list[BatchTransform]) -> list[BatchTransform]:
+    """``BatchNormalize(dtype, scale)`` then ``BatchNormalize(mean, std)`` -> one ``BatchNormalize``."""
     merged: list[BatchTransform] = []
-    for m in tail:
+    for m in ops:
         prev = merged[-1] if merged else None
         if isinstance(m, BatchNormalize) and isinstance(prev, BatchNormalize) and prev.mean is None \
                 and m.mean is not None and not m.scale:
             merged[-1] = BatchNormalize(m.mean, m.std, dtype=prev.dtype, scale=prev.scale)
         else:
             merged.append(m)
-    return head, merged
+    return merged

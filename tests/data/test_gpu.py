@@ -315,6 +315,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow
 def test_under_torch_distributed_ranks_split_each_epoch(store, tmp_path):
     import json
     import subprocess
@@ -409,6 +410,50 @@ def test_batch_transforms_from_dlstore_transforms(store):
     assert all(torch.equal(a[0], b[0]) for a, b in zip(out, again))
 
 
+def test_torchvision_pipelines_and_hybrids_as_open_dataset_takes_them(store, stored):
+    """Ops with a batch equivalent run per batch, others per sample (uint8 pixels), or a clear error."""
+    from dlstore import TransformSpecError
+    from dlstore.data.gpu_loader import _PerSample
+    from dlstore.transforms import BatchNormalize, BatchRandomCrop, HybridTransform
+
+    u8 = GPUDataset(store, CPU, torch.uint8)
+    static = dlstore.open_dataset(store).manifest["static"]
+    hybrid = HybridTransform(static, [v2.RandomCrop((12, 10), padding=2), v2.ColorJitter(0.5),
+                                      v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+    loader = u8.loader(8, transform=hybrid, seed=0)
+    steps = [fn for fn, _ in loader._plan]
+    assert [type(s) for s in steps] == [BatchRandomCrop, _PerSample, BatchNormalize]
+    images, _ = _epoch(loader)
+    assert images.shape == (N, 3, 12, 10) and images.dtype == torch.float32
+    assert torch.equal(images, _epoch(u8.loader(8, transform=hybrid, seed=0))[0])   # seeded per-sample ops
+    with pytest.raises(dlstore.StaticMismatchError):
+        u8.loader(8, transform=HybridTransform("center_crop=8", [v2.RandomHorizontalFlip()]))
+    fp16 = GPUDataset(store, CPU, normalize=(MEAN, STD))
+    with pytest.raises(TransformSpecError, match="ColorJitter.*dtype=torch.uint8"):
+        fp16.loader(8, transform=v2.Compose([v2.RandomHorizontalFlip(), v2.ColorJitter(0.5)]))
+    with pytest.raises(TransformSpecError, match="already does"):
+        fp16.loader(8, transform=[v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+    with pytest.raises(TransformSpecError, match="callable"):
+        fp16.loader(8, transform="flip")
+
+
+def test_generator_goes_only_to_a_parameter_named_generator():
+    from dlstore.data.gpu_loader import _accepts_generator
+
+    def named(x, generator=None):
+        return x
+
+    def kw_only(x, *, generator):
+        return x
+
+    def var_kw(x, **kwargs):
+        return x
+
+    assert _accepts_generator(named) and _accepts_generator(kw_only)
+    assert not _accepts_generator(var_kw) and not _accepts_generator(lambda x, g=None: x)
+    assert not _accepts_generator(torch.nn.Identity()) and not _accepts_generator(v2.RandomHorizontalFlip())
+
+
 # --- CUDA (skipped without a GPU) ----------------------------------------------------------
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -452,6 +497,7 @@ def test_cuda_stream_mode_matches_preload(store):
 
 # --- the GPU check script, on CPU ----------------------------------------------------------
 
+@pytest.mark.slow
 def test_gpu_check_script_runs_on_cpu(tmp_path, capsys):
     import importlib.util
     import json
@@ -474,3 +520,15 @@ def test_gpu_check_script_runs_on_cpu(tmp_path, capsys):
         assert result["dataloader"][kind]["best"]["samples_per_s"]["median"] > 0
     assert "GPU loader / best DataLoader" in capsys.readouterr().out
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("dlstore-gpu-check-")]  # cleaned up
+
+
+def test_dlstore_loader_serves_a_gpu_dataset_through_its_own_loader(store):
+    """One entry point: dlstore.loader(GPUDataset) is the GPU loader, same batches, same defaults."""
+    ds = GPUDataset(store, CPU, torch.uint8)
+    got = list(dlstore.loader(ds, 5, shuffle=True, seed=3))
+    want = list(ds.loader(5, shuffle=True, seed=3))
+    assert len(got) == len(want) == len(ds.loader(5))
+    for (a, la), (b, lb) in zip(got, want):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    in_order = torch.cat([labels for _, labels in dlstore.loader(ds, 5)])
+    assert torch.equal(in_order, ds.targets), "shuffle=False is the default, as in DataLoader"

@@ -202,6 +202,7 @@ def test_fused_flip_alone_and_crop_alone(cifar_store):
         assert torch.equal(ds.get_batch(range(24), generator=_gen(1))[0], batch(raw, _gen(1)))
 
 
+@pytest.mark.slow
 def test_loader_batches_with_workers_are_complete_and_reproducible(cifar_store):
     dst, h = cifar_store
     ds = dlstore.open_dataset(dst, transform=h)
