@@ -5,7 +5,7 @@
 the ones a user calls.
 """
 
-from .._system import CpuInfo, cpu_info, usable_cpus
+from .._system import CpuInfo, cpu_info, disk_info, evict, resident_fraction, usable_cpus
 from .bench import BenchReport, run_bench
 from .profiling import LoaderReport, TimedDataset, profile_loader, synthetic_step
 from .tuning import TuneResult, loader_kwargs, measure_throughput, tune
@@ -19,9 +19,12 @@ __all__ = [
     "TuneResult",
     "VerifyReport",
     "cpu_info",
+    "disk_info",
+    "evict",
     "loader_kwargs",
     "measure_throughput",
     "profile_loader",
+    "resident_fraction",
     "run_bench",
     "synthetic_step",
     "tune",

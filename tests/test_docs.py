@@ -1,0 +1,314 @@
+"""The code blocks of README.md and docs/*.md run, on small data, so the docs cannot drift from the code.
+
+Convention (for whoever edits the docs):
+
+* every ```python, ```bash, ```sh and ```console block is executed, unless the line right
+  before its opening fence is ``<!-- not run: REASON -->`` (a reason is required);
+* what a command prints goes in a ```text block (never executed); every fence names its language;
+* the blocks of one file run in order, in one fresh temporary working directory: the python
+  blocks in one shared namespace, the shell blocks with ``bash -e`` (a ```console block: its
+  ``$ `` lines only). So each file makes its own data first (``images/`` from
+  ``dlstore.sources.demo.make_image_folder``) and later blocks use what earlier ones wrote;
+* a command expected to fail is written ``cmd || echo "exit code $?"``, a Python call expected to
+  raise inside ``try``/``except``: that is what a reader can paste, and it documents the exit code;
+* the environment is that of a one-process ``torchrun`` (RANK=0, WORLD_SIZE=1, MASTER_ADDR/PORT)
+  and ``sys.argv`` holds no arguments, so a training script written for torchrun runs as is.
+
+Starting Python and importing torch takes seconds (tens of seconds on a loaded 2-core machine),
+so ``dlstore`` in the shell blocks is a small client on PATH that asks a server process (started
+once per test session, dlstore imported once) to fork and run ``dlstore.cli.main`` with the
+command's arguments, working directory, environment and file descriptors: the code of the console
+script, without a fresh interpreter per command. ``DLSTORE_DOCS_REAL_CLI=1`` (and any platform
+but Linux) runs the installed console script instead.
+
+Run one file: ``pytest tests/test_docs.py -k reading -s`` (``-s`` shows what every block printed,
+to paste into the docs' ```text blocks).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+PYTHON = {"python", "py"}
+SHELL = {"bash", "sh", "shell", "console"}
+FENCE = re.compile(r"^(\s*)```(.*)$")
+NOT_RUN = re.compile(r"^\s*<!--\s*not run:(.*?)-->\s*$")
+SHELL_TIMEOUT = 300
+
+
+@dataclass
+class Block:
+    path: Path
+    line: int             # 1-based line of the opening fence
+    lang: str
+    code: str
+    not_run: str | None   # the reason, when the block is marked not run
+
+    @property
+    def where(self) -> str:
+        return f"{self.path.relative_to(ROOT)}:{self.line}"
+
+
+def parse_blocks(path: Path) -> list[Block]:
+    """Every fenced block of a markdown file, with its language and not-run reason."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    blocks, i = [], 0
+    while i < len(lines):
+        opening = FENCE.match(lines[i])
+        if not opening:
+            i += 1
+            continue
+        indent, lang = opening.group(1), opening.group(2).strip()
+        end = i + 1
+        while end < len(lines) and lines[end].strip() != "```":
+            end += 1
+        if end == len(lines):
+            raise AssertionError(f"{path.name}:{i + 1}: code fence never closed")
+        code = textwrap.dedent("\n".join(line.removeprefix(indent) for line in lines[i + 1:end]))
+        marker = NOT_RUN.match(lines[i - 1]) if i > 0 else None
+        blocks.append(Block(path, i + 1, lang, code + "\n", marker.group(1).strip() if marker else None))
+        i = end + 1
+    return blocks
+
+
+# --------------------------------------------------------------------------- the dlstore command
+
+# The `dlstore` the shell blocks find on PATH: hands its arguments, working directory,
+# environment and stdin/stdout/stderr to the server, and exits with the command's exit code.
+CLIENT = """\
+import json, os, socket, sys
+sock = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+sock.connect(os.environ["DLSTORE_DOCS_SOCKET"])
+request = json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "env": dict(os.environ)}).encode()
+socket.send_fds(sock, [request], [0, 1, 2])
+reply = sock.recv(64)
+sys.exit(int(reply) if reply else 70)
+"""
+
+# The server, a process of its own: it imports dlstore once and never runs a torch op, so a
+# child forked from it starts as a fresh `dlstore` process would (a process that has run
+# OpenMP work, like this test process, cannot fork safely: the child hangs in libgomp).
+SERVER = r"""
+import json, os, socket, sys, traceback
+listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+listener.bind(sys.argv[1])
+listener.listen(8)
+import torchvision.transforms.v2.functional  # paid here once, not by every command
+import dlstore.cli
+
+def run(request, fds):
+    code = 70
+    try:
+        listener.close()
+        for target, fd in enumerate(fds):
+            os.dup2(fd, target)
+        sys.stdin = open(0, closefd=False)
+        sys.stdout = open(1, "w", buffering=1, closefd=False)
+        sys.stderr = open(2, "w", buffering=1, closefd=False)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        sys.argv = ["dlstore", *request["argv"]]
+        try:
+            dlstore.cli.main.main(args=request["argv"], prog_name="dlstore")
+            code = 0
+        except SystemExit as exc:
+            code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except Exception:
+                pass
+        os._exit(code)
+
+while True:
+    conn, _ = listener.accept()
+    with conn:
+        message, fds, _, _ = socket.recv_fds(conn, 1 << 20, 3)
+        if not message:
+            continue
+        pid = os.fork()
+        if pid == 0:
+            conn.close()
+            run(json.loads(message), fds)
+        for fd in fds:
+            os.close(fd)
+        code = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+        conn.send(str(code if code >= 0 else 128 - code).encode())
+"""
+
+
+class CliServer:
+    """The server process behind the shell blocks' ``dlstore`` (see the module docstring)."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.bindir = folder / "bin"
+        self.bindir.mkdir()
+        # AF_UNIX paths are limited to ~100 bytes: the socket goes to a short folder of its own.
+        self.socket = Path(tempfile.mkdtemp(prefix="dlstore-docs-")) / "cli.sock"
+        self.log = folder / "server.log"
+        self.proc: subprocess.Popen | None = None
+        if os.environ.get("DLSTORE_DOCS_REAL_CLI") or sys.platform != "linux":  # the server is Linux-only
+            (self.bindir / "dlstore").symlink_to(Path(sys.executable).parent / "dlstore")
+        else:
+            (self.bindir / "dlstore").write_text(f"#!{sys.executable} -IS\n{CLIENT}")
+            (self.bindir / "dlstore").chmod(0o755)
+            self.start()
+
+    def start(self) -> None:
+        self.socket.unlink(missing_ok=True)
+        with open(self.log, "a") as log:
+            self.proc = subprocess.Popen([sys.executable, "-c", SERVER, str(self.socket)], stdin=subprocess.DEVNULL,
+                                         stdout=log, stderr=log, start_new_session=True)
+        deadline = time.monotonic() + 30
+        while not self.socket.exists():   # bound before the imports: commands wait in its backlog
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the dlstore command server did not start:\n{self.log.read_text()}", pytrace=False)
+            time.sleep(0.01)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, 9)   # its session: the server and any command still running
+            self.proc.wait()
+        shutil.rmtree(self.socket.parent, ignore_errors=True)
+
+    def run(self, block: Block, cwd: Path) -> str:
+        """Run a shell block with ``bash -e`` in ``cwd``; return what it printed."""
+        code = block.code
+        if block.lang == "console":
+            code = "\n".join(line[2:] for line in code.splitlines() if line.startswith("$ ")) + "\n"
+        if self.proc is not None and self.proc.poll() is not None:
+            self.start()
+        env = dict(os.environ, PATH=f"{self.bindir}{os.pathsep}{os.environ['PATH']}",
+                   DLSTORE_DOCS_SOCKET=str(self.socket))
+        try:
+            done = subprocess.run(["bash", "-e", "-c", code], check=False, cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                                  timeout=SHELL_TIMEOUT)
+        except subprocess.TimeoutExpired as exc:
+            self.stop()
+            output = exc.output.decode(errors="replace") if isinstance(exc.output, bytes) else exc.output or ""
+            pytest.fail(f"{block.where}: still running after {SHELL_TIMEOUT} s:\n{block.code}\n--- output ---\n"
+                        f"{output}", pytrace=False)
+        if done.returncode != 0:
+            server = f"\n--- server log ---\n{self.log.read_text()}" if self.log.exists() else ""
+            pytest.fail(f"{block.where}: the {block.lang} block exited with {done.returncode}:\n{block.code}\n"
+                        f"--- output ---\n{done.stdout}{server}", pytrace=False)
+        return done.stdout
+
+
+@pytest.fixture(scope="module")
+def cli(tmp_path_factory):
+    server = CliServer(tmp_path_factory.mktemp("cli"))
+    # The python blocks need torchvision's transforms: import them here while the server
+    # imports its own, so the two imports overlap instead of adding up.
+    import torchvision.transforms.v2  # noqa: F401
+    yield server
+    server.stop()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+# --------------------------------------------------------------------------- tests
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_blocks_are_marked(doc):
+    """Every fence names its language; a not-run block says why; only code runs, text never."""
+    problems = [f"{doc.name}:{n}: write <!-- not run: REASON --> on the line right before the fence"
+                for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1)
+                if line.lstrip().startswith("<!--") and "not run" in line and not NOT_RUN.match(line)]
+    for block in parse_blocks(doc):
+        if not block.lang:
+            problems.append(f"{block.where}: fence without a language (```text for output, ```bash, ```python)")
+        if block.not_run is not None and not block.not_run:
+            problems.append(f"{block.where}: <!-- not run: --> without a reason")
+        if block.not_run and block.lang not in PYTHON | SHELL:
+            problems.append(f"{block.where}: a {block.lang} block is never run; drop the not-run marker")
+    assert not problems, "\n".join(problems)
+
+
+def _anchors(doc: Path) -> set[str]:
+    """GitHub's heading anchors of a markdown file."""
+    anchors, in_code = set(), False
+    for line in doc.read_text(encoding="utf-8").splitlines():
+        if FENCE.match(line):
+            in_code = not in_code
+        elif not in_code and line.startswith("#"):
+            title = line.lstrip("#").strip().lower()
+            anchors.add(re.sub(r"[^\w\- ]", "", title).replace(" ", "-"))
+    return anchors
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_links_resolve(doc):
+    """Relative links point at files that exist, and anchors at headings that exist."""
+    text = re.sub(r"```.*?```", "", doc.read_text(encoding="utf-8"), flags=re.DOTALL)
+    problems = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue
+        file, _, anchor = target.partition("#")
+        path = (doc.parent / file).resolve() if file else doc
+        if not path.exists():
+            problems.append(f"{doc.name}: link to {target}: no such file")
+        elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
+            problems.append(f"{doc.name}: link to {target}: no such heading")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.name)
+def test_examples_run(doc, tmp_path, monkeypatch, cli):
+    """Run the file's blocks in order in a fresh working directory (see the module docstring)."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    for name, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RANK": "0",
+                        "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(sys, "argv", [str(doc)])   # as `python script.py` without arguments
+    namespace: dict = {"__name__": "__main__"}
+    ran = 0
+    for block in parse_blocks(doc):
+        if block.not_run is not None or block.lang not in PYTHON | SHELL:
+            continue
+        print(f"--- {block.where} ({block.lang})", flush=True)
+        start = time.perf_counter()
+        if block.lang in PYTHON:
+            try:
+                exec(compile(block.code, block.where, "exec"), namespace)  # noqa: S102 - the docs' own code
+            except Exception:  # noqa: BLE001 - any error of a docs block fails the test, with its traceback
+                pytest.fail(f"{block.where}: the python block raised:\n{block.code}\n"
+                            f"{traceback.format_exc()}", pytrace=False)
+        else:
+            print(cli.run(block, work), end="", flush=True)
+        print(f"--- {block.where}: {time.perf_counter() - start:.1f} s", flush=True)
+        ran += 1
+    if ran == 0:
+        pytest.skip(f"{doc.name} has no block to run")
