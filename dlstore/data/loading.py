@@ -1,4 +1,4 @@
-"""``dlstore.loader``: a DataLoader that hands whole index lists to a store's batch path."""
+"""``dlstore.loader``: whole index lists to a store's batch path, built by threads or worker processes."""
 
 from __future__ import annotations
 
@@ -16,10 +16,16 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
+from .._system import usable_cpus
 from ..errors import ArgumentError, ArgumentTypeError
 from .dataset import StoreDataset
 from .gpu import GPUDataset
 from .gpu_loader import GPULoader
+from .threads import ThreadLoader
+
+# threads=None picks min(usable CPUs, this): beyond it memory bandwidth, not CPU, bounds a
+# gather, and every thread keeps two batches in flight (2 x 9.6 MB at 64x3x224x224).
+MAX_AUTO_THREADS = 8
 
 
 class _Batches(Dataset):
@@ -48,13 +54,30 @@ class _Batches(Dataset):
 class _EpochBatchSampler(BatchSampler):
     """A BatchSampler that forwards ``set_epoch`` to a DistributedSampler inside (no-op otherwise)."""
 
+    epoch = 0   # read by ThreadLoader: the epoch enters each batch's seed
+
     def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
 
 
 def _as_is(batch: Any) -> Any:
     return batch
+
+
+def threads_apply(dataset: StoreDataset) -> bool:
+    """Whether ``dataset``'s batch path is work that threads run in parallel, reproducibly.
+
+    True when ``get_batch`` assembles a fixed-shape batch with no per-sample op: a
+    gather from the reader (numpy copies, LMDB/HDF5 reads, PIL decodes of an encoded
+    store: all release the GIL), the fused crop/flip, batch transforms, every random
+    draw from the generator ``get_batch`` is given. Per-sample ops (torchvision
+    transforms without a batch equivalent, run sample by sample) hold the GIL
+    between small kernels and draw from torch's global generator, which threads
+    share: those pipelines go to worker processes.
+    """
+    return dataset.shape is not None and not dataset.per_sample_ops
 
 
 def loader(
@@ -74,10 +97,26 @@ def loader(
     seed: int = 0,
     transform: Callable[..., torch.Tensor] | None = None,
     channels_last: bool = False,
-) -> DataLoader | GPULoader:
-    """A DataLoader that reads whole batches: one ``get_batch`` call per batch.
+    threads: int | None = None,
+) -> ThreadLoader | DataLoader | GPULoader:
+    """A loader that reads whole batches: one ``get_batch`` call per batch.
 
-    A ``BatchSampler`` yields index lists; each worker assembles a batch in one
+    Batches are built by a pool of threads in this process (a :class:`ThreadLoader`)
+    or by a ``torch.utils.data.DataLoader``, in worker processes when ``num_workers > 0``.
+    ``threads=None`` (the default) chooses threads when ``num_workers == 0`` and the
+    store's batch path releases the GIL (:func:`threads_apply`: a fixed-shape store,
+    raw or encoded, whose dynamic transforms all run per batch), with
+    ``min(usable CPUs, 8)`` threads; otherwise the DataLoader. ``threads=0`` always
+    takes the DataLoader; ``threads=N`` always N threads (with ``num_workers=0``).
+
+    With threads, batch ``k`` of a pass draws its random parameters from its own
+    generator, seeded from (a base seed drawn from ``generator`` -- or from torch's
+    default generator -- when the pass starts, the epoch, ``k``): the same batches
+    with 1 or 8 threads, in sampler order. ``prefetch_factor`` batches per thread
+    are in flight (default 2). A batch handed out is never reused by the loader
+    while any tensor refers to it. ``pin_memory`` pins on the loader threads.
+
+    Through the DataLoader, a ``BatchSampler`` yields index lists; each worker assembles a batch in one
     copy, runs the batch transforms once on it and returns ``(images, labels)``
     tensors; no per-sample collate. Random parameters come from ``generator``
     with ``num_workers=0``, and in workers from torch's default generator, which
@@ -108,12 +147,15 @@ def loader(
         seed: the distributed shuffle's seed; must be the same on every rank (GPUDataset:
             the seed of the order and of the augmentations).
         transform, channels_last: GPUDataset only, see :class:`GPULoader`.
+        threads: threads building batches in this process (None: chosen as above;
+            0: none, a DataLoader).
     """
     if isinstance(dataset, GPUDataset):
         unused = [name for name, value, default in (
             ("num_workers", num_workers, 0), ("generator", generator, None), ("pin_memory", pin_memory, False),
             ("persistent_workers", persistent_workers, False), ("prefetch_factor", prefetch_factor, None),
             ("multiprocessing_context", multiprocessing_context, None), ("worker_init_fn", worker_init_fn, None),
+            ("threads", threads, None),
         ) if value is not default and value != default]
         if unused:
             raise ArgumentError(f"dlstore.loader: {', '.join(unused)} do not apply to a GPUDataset (it has no "
@@ -135,6 +177,17 @@ def loader(
         raise ArgumentError(f"num_workers must be 0 (read in this process) or a positive int, got {num_workers!r}")
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
+        raise ArgumentError(f"threads must be None (chosen), 0 (no threads) or a positive int, got {threads!r}")
+    if threads and num_workers:
+        raise ArgumentError(f"threads={threads} and num_workers={num_workers}: batches are built either by threads "
+                            "in this process or by worker processes; pass one of them")
+    if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool)
+                                        or prefetch_factor < 1):
+        raise ArgumentError(f"prefetch_factor must be a positive int (batches in flight per worker or thread), "
+                            f"got {prefetch_factor!r}")
+    if threads is None:
+        threads = min(usable_cpus(), MAX_AUTO_THREADS) if num_workers == 0 and threads_apply(dataset) else 0
     if distributed:
         import torch.distributed as dist
 
@@ -144,10 +197,14 @@ def loader(
         sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
     else:
         sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
+    batches = _EpochBatchSampler(sampler, batch_size, drop_last)
+    if threads:
+        return ThreadLoader(dataset, batches, threads=threads, prefetch=threads * (prefetch_factor or 2),
+                            generator=generator, pin_memory=pin_memory)
     options: dict[str, Any] = {}
     if num_workers > 0:
         options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
                        multiprocessing_context=multiprocessing_context)
-    return DataLoader(_Batches(dataset, generator), sampler=_EpochBatchSampler(sampler, batch_size, drop_last),
+    return DataLoader(_Batches(dataset, generator), sampler=batches,
                       batch_size=None, num_workers=num_workers, collate_fn=_as_is, pin_memory=pin_memory,
                       worker_init_fn=worker_init_fn, generator=generator, **options)

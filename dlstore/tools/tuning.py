@@ -15,7 +15,10 @@ prefetch):
    usable count and a little over it (oversubscription sometimes helps when
    workers wait on I/O), twice round-robin when the budget allows; if the best is
    the highest count tried, doubling it while that pays (up to 4x the usable
-   CPUs); then the midpoints next to the best.
+   CPUs); then the midpoints next to the best. For a StoreDataset that threads apply to
+   (``dlstore.data.loading.threads_apply``), ``dlstore.loader(ds, threads=t)``, t = 1, 2 and
+   the usable CPUs (at most 8), joins the sweep; among equals threads (no inter-process
+   copy) beat processes. When threads win, the kwargs are for ``dlstore.loader``.
 3. ``prefetch_factor`` 1, 4, 8 around the best worker count (2 was measured).
 4. ``pin_memory`` on and off, only when the target device is CUDA.
 5. ``persistent_workers`` off, only when an epoch is short enough that the
@@ -41,7 +44,7 @@ import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -50,6 +53,7 @@ import torch
 from .._system import CpuInfo, _memory_limit_bytes, cpu_info, usable_cpus
 from ..errors import ArgumentError, StoreNotFoundError
 from ..units import human_bytes
+from .throughput import Trial, _nbytes, loader_kwargs, measure_throughput
 
 # Two measurements within this fraction of each other are considered equal.
 NOISE = 0.05
@@ -58,163 +62,10 @@ NOISE = 0.05
 # --------------------------------------------------------------------------- measuring
 
 
-@dataclass
-class Trial:
-    """One measured DataLoader configuration.
-
-    Attributes:
-        kwargs: the DataLoader keyword arguments measured (batch_size included).
-        batches_per_s: steady-state batches per second after warm-up.
-        samples_per_s: the same in samples.
-        startup_s: from ``iter(loader)`` to the first batch (worker start-up and first fetch).
-        batches: batches counted in the steady-state window.
-        stage: which search stage ran it.
-        note: remarks (slower than workers=0, skipped, ...).
-    """
-
-    kwargs: dict[str, Any]
-    batches_per_s: float
-    samples_per_s: float
-    startup_s: float
-    batches: int
-    stage: str = ""
-    note: str = ""
-
-    @property
-    def num_workers(self) -> int:
-        return int(self.kwargs.get("num_workers", 0))
-
-    @property
-    def prefetch_factor(self) -> int:
-        return int(self.kwargs.get("prefetch_factor") or 0)
-
-
-def loader_kwargs(
-    batch_size: int,
-    num_workers: int,
-    *,
-    prefetch_factor: int = 2,
-    pin_memory: bool = False,
-    persistent_workers: bool = True,
-) -> dict[str, Any]:
-    """DataLoader kwargs for one configuration; worker-only options dropped when ``num_workers == 0``
-    (the DataLoader refuses ``prefetch_factor`` and ``persistent_workers=True`` without workers)."""
-    kwargs: dict[str, Any] = {"batch_size": batch_size, "num_workers": num_workers,
-                              "pin_memory": pin_memory}
-    if num_workers > 0:
-        kwargs["prefetch_factor"] = prefetch_factor
-        kwargs["persistent_workers"] = persistent_workers
-    return kwargs
-
-
-def _move(batch: Any, device: torch.device, non_blocking: bool) -> Any:
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=non_blocking)
-    if isinstance(batch, (list, tuple)):
-        return [_move(b, device, non_blocking) for b in batch]
-    if isinstance(batch, dict):
-        return {k: _move(v, device, non_blocking) for k, v in batch.items()}
-    return batch
-
-
-def _nbytes(batch: Any) -> int:
-    if isinstance(batch, torch.Tensor):
-        return batch.element_size() * batch.nelement()
-    if isinstance(batch, (list, tuple)):
-        return sum(_nbytes(b) for b in batch)
-    if isinstance(batch, dict):
-        return sum(_nbytes(v) for v in batch.values())
-    return 0
-
-
-def _sync(device: torch.device | None) -> None:
-    if device is not None and device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def measure_throughput(
-    dataset: Any,
-    kwargs: dict[str, Any],
-    *,
-    seconds: float = 2.0,
-    device: str | torch.device | None = None,
-    warmup: int | None = None,
-    min_batches: int = 5,
-    max_seconds: float | None = None,
-    shuffle: bool = True,
-    extra: dict[str, Any] | None = None,
-) -> Trial:
-    """Steady-state throughput of ``DataLoader(dataset, shuffle=shuffle, **kwargs, **extra)``.
-
-    Starts a fresh loader, skips the first ``warmup`` batches (default
-    ``num_workers + 1``), then counts batches for ``seconds``, starting new
-    epochs as needed (with the loader's own ``persistent_workers`` setting, so a
-    restart between epochs is paid where it would be in training). With a
-    ``device`` each batch is copied there (``non_blocking`` when pinned) and the
-    device synchronised, so the copy is part of the time.
-
-    Args:
-        dataset: any map-style dataset.
-        kwargs: DataLoader keyword arguments (``batch_size`` included).
-        seconds: length of the steady-state window.
-        device: where batches go, or None to stop at the host.
-        warmup: batches discarded after start-up.
-        min_batches: batches the window must count, however long that takes (up to
-            ``max_seconds``): a rate over one or two batches is mostly noise.
-        max_seconds: hard cap on the whole trial (default ``4 * seconds + 30``);
-            a very slow loader is measured over whatever it delivered by then.
-        shuffle: passed to the DataLoader (random access, as in training).
-        extra: further DataLoader arguments not being tuned (``collate_fn``, ...).
-    """
-    from torch.utils.data import DataLoader
-
-    dev = torch.device(device) if device is not None else None
-    workers = int(kwargs.get("num_workers", 0))
-    warmup = workers + 1 if warmup is None else warmup
-    max_seconds = 4 * seconds + 30 if max_seconds is None else max_seconds
-    non_blocking = bool(kwargs.get("pin_memory")) and dev is not None and dev.type == "cuda"
-    loader = DataLoader(dataset, shuffle=shuffle, **kwargs, **(extra or {}))
-    stamps: list[float] = []
-    start = time.perf_counter()
-    iterator = iter(loader)
-    try:
-        while True:
-            try:
-                batch = next(iterator)
-            except StopIteration:
-                iterator = iter(loader)
-                continue
-            if dev is not None:
-                _move(batch, dev, non_blocking)
-                _sync(dev)
-            now = time.perf_counter()
-            stamps.append(now)
-            if len(stamps) > warmup + min_batches and now - stamps[warmup] >= seconds:
-                break
-            if now - start >= max_seconds and len(stamps) >= 2:
-                break
-    finally:
-        # Shut the workers down now rather than at garbage collection.
-        shutdown = getattr(iterator, "_shutdown_workers", None)
-        if shutdown is not None:
-            shutdown()
-        del iterator, loader
-    first = warmup if len(stamps) > warmup + 1 else 0
-    counted = len(stamps) - 1 - first
-    if counted > 0:
-        rate = counted / (stamps[-1] - stamps[first])
-    else:  # a single batch in the whole cap: the best we know
-        rate = 1.0 / (stamps[0] - start)
-    batch_size = int(kwargs.get("batch_size") or 1)
-    return Trial(kwargs=dict(kwargs), batches_per_s=rate, samples_per_s=rate * batch_size,
-                 startup_s=stamps[0] - start, batches=max(counted, 1))
-
-
-# --------------------------------------------------------------------------- search
-
-
 class TuneResult(dict):
     """The recommended DataLoader kwargs (a dict: ``DataLoader(ds, **result)``), with the evidence.
+
+    With ``result["threads"]`` (threads won) they are for ``dlstore.loader(ds, **result)``.
 
     Attributes:
         trials: every measured configuration, in the order run.
@@ -243,6 +94,11 @@ class TuneResult(dict):
         """A plain-dict copy of the recommendation."""
         return dict(self)
 
+    def call(self, name: str = "dataset") -> str:
+        """The recommended loader as code: ``DataLoader(dataset, ...)`` or ``dlstore.loader(dataset, ...)``."""
+        args = ", ".join(f"{k}={v!r}" for k, v in self.items())
+        return f"{'dlstore.loader' if self.get('threads') else 'DataLoader'}({name}, {args})"
+
     def rate(self, kwargs: dict[str, Any]) -> float:
         """Median batches/s over every trial of exactly these kwargs (0.0 if never measured)."""
         rates = [t.batches_per_s for t in self.trials if t.kwargs == dict(kwargs)]
@@ -261,7 +117,7 @@ class TuneResult(dict):
 
     def table(self) -> str:
         """The trials as an aligned text table, the recommendation marked with ``*``."""
-        head = (f"  {'workers':>7} {'prefetch':>8} {'pin':>5} {'persist':>7} {'batches/s':>10} "
+        head = (f"  {'workers':>7} {'threads':>7} {'prefetch':>8} {'pin':>5} {'persist':>7} {'batches/s':>10} "
                 f"{'samples/s':>10} {'vs w=0':>7} {'start s':>7}  stage / note")
         lines = [head]
         base = self.rate(self.baseline.kwargs)
@@ -270,7 +126,7 @@ class TuneResult(dict):
             mark = "*" if t is self.best else " "
             note = t.stage + (f": {t.note}" if t.note else "")
             lines.append(
-                f"{mark} {t.num_workers:>7} {str(k.get('prefetch_factor', '-')):>8} "
+                f"{mark} {t.num_workers:>7} {k.get('threads') or '-':>7} {str(k.get('prefetch_factor', '-')):>8} "
                 f"{'yes' if k.get('pin_memory') else 'no':>5} "
                 f"{('yes' if k.get('persistent_workers') else 'no') if t.num_workers else '-':>7} "
                 f"{t.batches_per_s:>10.1f} {t.samples_per_s:>10.0f} "
@@ -309,6 +165,7 @@ def tune(
     loader_extra: dict[str, Any] | None = None,
     cpus: CpuInfo | None = None,
     log: Callable[[str], None] | None = None,
+    threads: bool | None = None,
 ) -> TuneResult:
     """Measure DataLoader settings on ``dataset`` and return the fastest as kwargs.
 
@@ -332,6 +189,7 @@ def tune(
             ``multiprocessing_context``, ``drop_last`` ...); not part of the returned kwargs.
         cpus: override the CPU information (default: ``cpu_info()``).
         log: called with one line per finished trial (progress), e.g. ``print``.
+        threads: measure ``dlstore.loader(threads=t)`` too (None: for a StoreDataset they apply to).
 
     Returns:
         A ``TuneResult``: a dict of DataLoader kwargs (``batch_size``, ``num_workers``,
@@ -352,11 +210,14 @@ def tune(
     cuda = dev is not None and dev.type == "cuda"
     cpus = cpus or cpu_info()
     candidates = _worker_candidates(cpus.usable, max_workers)
+    thread_counts = _thread_candidates(dataset, cpus.usable) if threads is not False else []
+    if threads and not thread_counts:
+        raise ArgumentError("tune(threads=True) needs a fixed-shape StoreDataset (dlstore.open_dataset)")
     deadline = time.perf_counter() + budget
     # Two rounds of the coarse sweep need ~0.5 s a trial at least; one round otherwise.
-    rounds = 2 if budget >= 2 * (1 + len(candidates)) * 0.5 + 8 else 1
+    rounds = 2 if budget >= 2 * (1 + len(thread_counts) + len(candidates)) * 0.5 + 8 else 1
     # Planned trials: sweep, up to 2 refinements, 3 prefetch, pin, persistent, 3 confirmations.
-    planned = rounds * (1 + len(candidates)) + 2 + 3 + (1 if cuda else 0) + 1 + 3
+    planned = rounds * (1 + len(thread_counts) + len(candidates)) + 2 + 3 + (1 if cuda else 0) + 1 + 3
     trials: list[Trial] = []
     notes: list[str] = []
     skipped: list[str] = []
@@ -399,7 +260,8 @@ def tune(
         pool = list(pool)
         top = max(rate(k) for k in pool)
         return min((k for k in pool if rate(k) >= top / (1 + noise)),
-                   key=lambda k: (int(k.get("num_workers", 0)), int(k.get("prefetch_factor") or 0),
+                   key=lambda k: (int(k.get("num_workers", 0)), int(k.get("threads") or 0),
+                                  int(k.get("prefetch_factor") or 0),
                                   bool(k.get("pin_memory")), not k.get("persistent_workers", True)))
 
     def measured() -> list[dict[str, Any]]:
@@ -411,10 +273,12 @@ def tune(
 
     # 1-2. baseline and the coarse workers sweep, twice round-robin when the budget allows,
     # so a burst of outside load hits one measurement of a setting, not its only one.
-    sweep = [0] + candidates
+    # Threads (a StoreDataset) join the sweep: against the processes under the same conditions.
+    sweep = [(config(0), "baseline")] + [(config(w), "workers") for w in candidates]
+    sweep[1:1] = [(dict(config(0), threads=t), "threads") for t in thread_counts]
     for _ in range(rounds):
-        for workers in sweep:
-            if run(config(workers), "baseline" if workers == 0 else "workers") is None:
+        for kwargs, stage in sweep:
+            if run(kwargs, stage) is None:
                 break
     baseline = trials[0]
     best = pick(measured())
@@ -505,6 +369,15 @@ def tune(
                       warnings=notes, cpus=cpus, device=str(dev) if dev is not None else None)
 
 
+def _thread_candidates(dataset: Any, usable: int) -> list[int]:
+    """1, 2 and the usable CPUs (at most 8), for a StoreDataset that threads apply to; else none."""
+    from ..data.dataset import StoreDataset
+    from ..data.loading import MAX_AUTO_THREADS, threads_apply
+
+    top = max(1, min(usable, MAX_AUTO_THREADS))
+    return sorted({1, min(2, top), top}) if isinstance(dataset, StoreDataset) and threads_apply(dataset) else []
+
+
 def _batch_bytes(dataset: Any, batch_size: int, extra: dict[str, Any] | None) -> int:
     """Bytes of one collated batch, from one batch fetched in this process."""
     from torch.utils.data import DataLoader
@@ -517,7 +390,6 @@ def _batch_bytes(dataset: Any, batch_size: int, extra: dict[str, Any] | None) ->
 def _short(kwargs: dict[str, Any]) -> str:
     skip = {"batch_size"}
     return ", ".join(f"{k}={v}" for k, v in kwargs.items() if k not in skip)
-
 
 
 def open_for_tuning(

@@ -135,7 +135,7 @@ def _assert_loader_accepts(ds, kwargs):
 @pytest.mark.slow
 def test_tune_store_returns_usable_kwargs_not_slower_than_workers0(small_store):
     ds = dlstore.open_dataset(small_store / "small.shards")
-    result = tune(ds, 8, budget=2.0, max_workers=2)
+    result = tune(ds, 8, budget=2.0, max_workers=2, threads=False)   # DataLoader kwargs (threads: below)
     assert isinstance(result, dict) and result["batch_size"] == 8
     assert set(result) <= {"batch_size", "num_workers", "pin_memory", "prefetch_factor", "persistent_workers"}
     assert result["pin_memory"] is False  # no CUDA target: pinning is never tried
@@ -215,3 +215,50 @@ def test_cli_tune_cuda_without_gpu_is_refused(small_store):
     result = CliRunner().invoke(main, ["tune", str(small_store / "small.shards"), "-b", "8",
                                        "--device", "cuda"])
     assert result.exit_code != 0 and "CUDA" in result.output
+
+
+# --------------------------------------------------------------------------- threads vs processes
+
+
+def _sleepy_batches(images, generator=None):
+    time.sleep(0.01)        # latency-bound batch work that releases the GIL, as store reads do
+    return images
+
+
+def test_measure_throughput_with_threads(small_store):
+    ds = dlstore.open_dataset(small_store / "small.shards")
+    trial = measure_throughput(ds, {"batch_size": 8, "num_workers": 0, "threads": 2}, seconds=0.2)
+    assert trial.kwargs["threads"] == 2 and trial.num_workers == 0 and trial.batches_per_s > 0
+
+
+@pytest.mark.slow
+def test_tune_measures_threads_against_processes(small_store):
+    import dataclasses
+
+    from dlstore._system import cpu_info
+
+    ds = dlstore.open_dataset(small_store / "small.shards", batch_transform=_sleepy_batches)
+    cpus = dataclasses.replace(cpu_info(), usable=2)
+    result = tune(ds, 8, budget=4.0, max_workers=2, cpus=cpus)
+    threaded = [t for t in result.trials if t.stage == "threads"]
+    assert sorted({t.kwargs["threads"] for t in threaded}) == [1, 2]
+    # two threads overlap two sleeps: clearly faster than the in-process baseline
+    assert result.rate(threaded[-1].kwargs) > 1.3 * result.rate(result.baseline.kwargs), result.table()
+    # the winner overlaps batches too, by threads or by processes, and its call says which loader
+    assert result.get("threads", 0) >= 2 or result["num_workers"] >= 2, result.table()
+    if result.get("threads"):
+        assert result.call().startswith("dlstore.loader(dataset, ")
+        batches = list(dlstore.loader(ds, **result))
+    else:
+        assert result.call().startswith("DataLoader(dataset, ")
+        batches = list(DataLoader(ds, **result))
+    assert sum(len(y) for _, y in batches) == len(ds)
+    assert "threads" in result.table()
+
+
+def test_tune_threads_only_for_stores(small_store):
+    with pytest.raises(ValueError, match="threads=True"):
+        tune(SleepyDataset(8), 4, budget=0.5, threads=True)
+    ds = dlstore.open_dataset(small_store / "small.shards")
+    result = tune(ds, 8, budget=0.5, max_workers=1, threads=False)
+    assert not [t for t in result.trials if t.kwargs.get("threads")] and result.call().startswith("DataLoader(")

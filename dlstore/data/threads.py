@@ -1,0 +1,161 @@
+"""``ThreadLoader``: batches built ahead by a pool of threads, in this process.
+
+A store's batch path (``StoreDataset.get_batch`` on a fixed-shape store: a
+gather out of a memory map, an LMDB transaction or HDF5 chunks, the fused
+crop/flip copy, batch transforms) is numpy/torch work that releases the GIL.
+Threads therefore build batches in parallel with no inter-process copy: a
+batch is built once, in memory the training loop reads directly. Worker
+processes (``num_workers=``) remain for per-sample Python ops that hold the GIL.
+
+Reproducibility, whatever the thread count::
+
+    base  = one int64 drawn from `generator` (or torch's default generator) per pass,
+            as DataLoader draws its `_base_seed`
+    batch k of a pass -> torch.Generator seeded with SeedSequence([base, epoch, k])
+
+so batch k gets the same random draws with 1 thread or 4, and batches come
+out in sampler order. Random ops must take that generator (batch transforms
+and the fused crop/flip do; a torchvision per-sample op draws from torch's
+global generator, which threads share: not reproducible, which is one reason
+``dlstore.loader`` does not pick threads for such pipelines by itself).
+
+A batch handed out is never written again by the loader: each is a buffer of
+its own, and the dataset recycles a buffer only once no tensor refers to it
+(``StoreDataset._new_batch``). With ``pin_memory`` the batch is copied, on the
+loader thread, into page-locked memory from torch's caching host allocator,
+which likewise reuses a block only after its last tensor is gone.
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import BatchSampler
+
+from ..errors import ArgumentError
+
+
+def batch_seed(base: int, epoch: int, k: int) -> int:
+    """The seed of batch ``k`` of a pass whose base seed is ``base``, in epoch ``epoch``."""
+    entropy = [base % (1 << 64), epoch % (1 << 64), k]
+    return int(np.random.SeedSequence(entropy).generate_state(1, dtype=np.uint64)[0])
+
+
+def _pin(value: Any) -> Any:
+    return value.pin_memory() if isinstance(value, torch.Tensor) else value
+
+
+class ThreadLoader:
+    """Iterates ``(images, labels)`` batches of a StoreDataset, built by ``threads`` threads.
+
+    Behaves like the DataLoader that ``dlstore.loader`` returns otherwise: ``len()``,
+    re-iteration for each epoch, ``sampler.set_epoch`` (or ``set_epoch``) for a
+    distributed shuffle.
+
+    Args:
+        dataset: a StoreDataset.
+        batch_sampler: yields the index list of each batch (it may have ``set_epoch``).
+        threads: threads building batches (>= 1).
+        prefetch: batches in flight (submitted, being built or waiting to be taken), >= threads.
+        generator: the per-pass base seed is drawn from it (None: torch's default generator).
+        pin_memory: page-locked batches, when CUDA is available.
+    """
+
+    def __init__(self, dataset: Any, batch_sampler: BatchSampler, *, threads: int, prefetch: int,
+                 generator: torch.Generator | None = None, pin_memory: bool = False):
+        if not isinstance(threads, int) or isinstance(threads, bool) or threads < 1:
+            raise ArgumentError(f"threads must be a positive int, got {threads!r}")
+        if not isinstance(prefetch, int) or isinstance(prefetch, bool) or prefetch < 1:
+            raise ArgumentError(f"prefetch must be a positive int (batches in flight), got {prefetch!r}")
+        self.dataset = dataset
+        self.batch_sampler = batch_sampler
+        self.threads = threads
+        self.prefetch = max(prefetch, threads)
+        self.generator = generator
+        if pin_memory and not torch.cuda.is_available():
+            warnings.warn("dlstore.loader: pin_memory=True but CUDA is not available; batches are not pinned",
+                          stacklevel=3)
+            pin_memory = False
+        self.pin_memory = pin_memory
+        self.epoch = 0
+
+    @property
+    def sampler(self) -> BatchSampler:
+        """The batch sampler (``loader.sampler.set_epoch(epoch)`` as on the DataLoader path)."""
+        return self.batch_sampler
+
+    def set_epoch(self, epoch: int) -> None:
+        """Set the epoch: it enters every batch seed and the distributed shuffle."""
+        self.epoch = epoch
+        if hasattr(self.batch_sampler, "set_epoch"):
+            self.batch_sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def _epoch(self) -> int:
+        # the sampler's own record when it keeps one, so loader.sampler.set_epoch(e) (the
+        # DataLoader path's idiom) counts as set_epoch(e)
+        return int(getattr(self.batch_sampler, "epoch", self.epoch))
+
+    def _build(self, indices: Any, seed: int) -> tuple[torch.Tensor, Any]:
+        generator = torch.Generator()
+        generator.manual_seed(seed)
+        images, labels = self.dataset.get_batch(indices, generator=generator)
+        if self.pin_memory:
+            images, labels = _pin(images), _pin(labels)
+        return images, labels
+
+    def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
+        base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+        epoch = self._epoch()
+        _open_handles(self.dataset)
+        # Buffers in use at once: the batches in flight, the one the user holds and the one
+        # before it (still bound to the loop variable while next() runs), one for a last,
+        # smaller batch; fewer and the dataset would allocate (and page-fault) new ones.
+        if hasattr(self.dataset, "_pool_size"):
+            self.dataset._pool_size = max(self.dataset._pool_size, self.prefetch + 4)
+        batches = enumerate(iter(self.batch_sampler))
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-loader")
+        pending: deque[Future] = deque()
+
+        def submit(k: int, indices: Any) -> None:
+            pending.append(pool.submit(self._build, indices, batch_seed(base, epoch, k)))
+
+        try:
+            for k, indices in itertools.islice(batches, self.prefetch):
+                submit(k, indices)
+            while pending:
+                nxt = next(batches, None)
+                if nxt is not None:
+                    submit(*nxt)
+                # yielded straight from the future: this frame keeps no reference to the batch
+                # the user holds, so its buffer is recycled as soon as the user lets go of it
+                yield pending.popleft().result()
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def __repr__(self) -> str:
+        return (f"ThreadLoader({self.dataset!r}, batches={len(self)}, threads={self.threads}, "
+                f"prefetch={self.prefetch}, pin_memory={self.pin_memory})")
+
+
+def _open_handles(dataset: Any) -> None:
+    """Open the reader's handles here, before the threads start.
+
+    Readers open lazily on first use (``ForkSafe._ensure_open``) without a lock:
+    threads racing to open one LMDB store would both call ``lmdb.open``, and
+    py-lmdb refuses the second open in a process.
+    """
+    reader = getattr(dataset, "reader", None)
+    reader = getattr(reader, "raw", reader)             # DecodingReader wraps the format's reader
+    ensure = getattr(reader, "_ensure_open", None)
+    if ensure is not None:
+        ensure()

@@ -1,0 +1,339 @@
+"""The thread loader (``dlstore.loader(..., threads=N)``) and StoreDataset.get_batch under threads.
+
+Every format is read from several threads at once and compared with a
+single-threaded read: a deterministic crop + flip (the output is the flipped
+sample, whatever the draws) and a random one with a generator per batch.
+The loader's batches must not depend on the thread count, and a batch the
+user holds must never change.
+"""
+
+from __future__ import annotations
+
+import threading
+import types
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from torchvision.transforms import v2
+
+import dlstore
+from dlstore.data import dataset as dataset_module
+from dlstore.data.loading import threads_apply
+from dlstore.data.threads import ThreadLoader, batch_seed
+from dlstore.errors import ArgumentError
+
+# torchvision 0.29 deprecates its image decoders (for TorchCodec) and warns on every call
+pytestmark = pytest.mark.filterwarnings("ignore:The image decoding and encoding:DeprecationWarning")
+
+FORMATS = ["shards", "lmdb", "hdf5"]
+SUFFIX = {"shards": ".shards", "lmdb": ".lmdb", "hdf5": ".h5"}
+
+
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+@pytest.fixture(scope="module")
+def stores(rgb_folder, tmp_path_factory):
+    """The 24-sample RGB folder as 3x32x32 stores of every format, and a JPEG-encoded LMDB store."""
+    root = tmp_path_factory.mktemp("thread-stores")
+    out = {fmt: dlstore.convert(rgb_folder, root / f"s{SUFFIX[fmt]}", static="resize=36,center_crop=32",
+                                workers=0, progress=False).path for fmt in FORMATS}
+    out["jpeg"] = dlstore.convert(rgb_folder, root / "j.lmdb", static="resize=36,center_crop=32", workers=0,
+                                  progress=False, encoding="jpeg").path
+    return out
+
+
+def _tasks(n_samples: int, count: int, batch: int, seed: int = 0) -> list[tuple[np.ndarray, int]]:
+    rng = np.random.default_rng(seed)
+    return [(rng.integers(0, n_samples, batch), int(rng.integers(0, 2**31))) for _ in range(count)]
+
+
+def _concurrently(ds, tasks, threads: int) -> list[torch.Tensor]:
+    barrier = threading.Barrier(threads)
+
+    def one(task):
+        idx, seed = task
+        return ds.get_batch(idx, generator=_gen(seed))[0].clone()
+
+    def start(_):
+        barrier.wait()      # every thread starts reading at once
+        return None
+
+    with ThreadPoolExecutor(threads) as pool:
+        list(pool.map(start, range(threads)))
+        return list(pool.map(one, tasks))
+
+
+# --- get_batch from several threads ------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", ["windows", "loop"])
+@pytest.mark.parametrize("fmt", FORMATS + ["jpeg"])
+def test_get_batch_from_threads_equals_single_thread(fmt, kernel, stores, monkeypatch):
+    if kernel == "loop":     # the per-sample kernel, into recycled batch buffers (the pool)
+        monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
+        monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
+    # deterministic: a crop the size of the image and a certain flip give the mirrored sample
+    fixed = dlstore.open_dataset(stores[fmt], transform=v2.Compose([v2.RandomCrop(32),
+                                                                    v2.RandomHorizontalFlip(1.0)]))
+    assert fixed._fused_crop is not None and fixed._fused_flip is not None
+    # random: padded crop and a coin flip, drawn from each batch's own generator
+    random = dlstore.open_dataset(stores[fmt], transform=v2.Compose([v2.RandomCrop(32, padding=(3, 1, 5, 2)),
+                                                                     v2.RandomHorizontalFlip()]))
+    tasks = _tasks(len(fixed), 60, 9)
+    raw = fixed.read_batch(range(len(fixed)))[0]
+    got = _concurrently(fixed, tasks, 4)
+    for (idx, _), x in zip(tasks, got):
+        assert torch.equal(x, raw[torch.from_numpy(idx)].flip(-1))
+    expected = [random.get_batch(idx, generator=_gen(seed))[0].clone() for idx, seed in tasks]
+    got = _concurrently(random, tasks, 4)
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))
+
+
+def test_threads_test_catches_a_shared_scratch_buffer(stores):
+    # the check above is sensitive: with one scratch buffer for all threads (as before) it fails
+    ds = dlstore.open_dataset(stores["shards"], transform=v2.Compose([v2.RandomCrop(32),
+                                                                      v2.RandomHorizontalFlip(1.0)]))
+    ds._local = types.SimpleNamespace()      # a plain object: every thread sees one .scratch
+    raw = ds.read_batch(range(len(ds)))[0]
+    tasks = _tasks(len(ds), 300, 9)
+    for _ in range(5):
+        got = _concurrently(ds, tasks, 4)
+        if not all(torch.equal(x, raw[torch.from_numpy(idx)].flip(-1)) for (idx, _), x in zip(tasks, got)):
+            return
+    pytest.skip("no race observed in 5 tries (the scheduler never interleaved the threads)")
+
+
+def test_dataset_pickles_without_thread_state(stores):
+    import pickle
+
+    ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip(1.0))
+    ds.get_batch([0, 1])
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy._pool == [] and not hasattr(copy._local, "scratch")
+    assert torch.equal(copy.get_batch([0, 1])[0], ds.get_batch([0, 1])[0])
+
+
+# --- the loader ----------------------------------------------------------------------------------
+
+def _random(path):
+    return dlstore.open_dataset(path, transform=v2.Compose([v2.RandomCrop(32, padding=4),
+                                                           v2.RandomHorizontalFlip()]))
+
+
+def _same(a, b) -> bool:
+    return len(a) == len(b) and all(torch.equal(xa, xb) and torch.equal(ya, yb) for (xa, ya), (xb, yb) in zip(a, b))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_batches_do_not_depend_on_the_thread_count(fmt, stores):
+    ds = _random(stores[fmt])
+    runs = {t: list(dlstore.loader(ds, 5, shuffle=True, generator=_gen(4), threads=t)) for t in (1, 2, 4)}
+    assert _same(runs[1], runs[2]) and _same(runs[1], runs[4])
+    assert [len(y) for _, y in runs[1]] == [5, 5, 5, 5, 4]
+    assert sorted(torch.cat([y for _, y in runs[1]]).tolist()) == sorted(ds.targets)
+
+
+def test_batch_seeds_follow_the_documented_scheme(stores):
+    ds = _random(stores["shards"])
+    g = _gen(11)
+    got = list(dlstore.loader(ds, 6, shuffle=True, generator=g, threads=3))
+    # what the loader drew: the base seed, then the order from the same generator
+    g = _gen(11)
+    base = int(torch.empty((), dtype=torch.int64).random_(generator=g))
+    order = torch.randperm(len(ds), generator=g).tolist()
+    for k, (x, y) in enumerate(got):
+        idx = order[6 * k: 6 * k + 6]
+        want_x, want_y = ds.get_batch(idx, generator=_gen(batch_seed(base, 0, k)))
+        assert torch.equal(x, want_x) and torch.equal(y, want_y)
+
+
+def test_in_order_and_equal_to_a_plain_read(stores):
+    ds = dlstore.open_dataset(stores["lmdb"])
+    batches = list(dlstore.loader(ds, 7, threads=3, prefetch_factor=3))
+    raw, labels = ds.read_batch(range(len(ds)))
+    assert torch.equal(torch.cat([x for x, _ in batches]), raw)
+    assert torch.equal(torch.cat([y for _, y in batches]), labels)
+
+
+def test_epochs_reseed(stores):
+    ds = _random(stores["shards"])
+    dl = dlstore.loader(ds, 8, shuffle=True, generator=_gen(0), threads=2)
+    first, second = list(dl), list(dl)
+    assert not _same(first, second)                      # the generator moved on
+    assert _same(first, list(dlstore.loader(ds, 8, shuffle=True, generator=_gen(0), threads=2)))
+    # the epoch enters the seeds: same generator, another epoch, other draws
+    epoch0 = list(dlstore.loader(ds, 8, generator=_gen(0), threads=2))
+    dl = dlstore.loader(ds, 8, generator=_gen(0), threads=2)
+    dl.set_epoch(1)
+    epoch1 = list(dl)
+    assert not _same(epoch0, epoch1)
+    dl = dlstore.loader(ds, 8, generator=_gen(0), threads=1)
+    dl.sampler.set_epoch(1)                              # the DataLoader path's idiom works too
+    assert _same(list(dl), epoch1)
+
+
+def test_len_and_drop_last(stores):
+    ds = dlstore.open_dataset(stores["hdf5"])
+    assert len(dlstore.loader(ds, 5, threads=2)) == 5 == len(list(dlstore.loader(ds, 5, threads=2)))
+    dl = dlstore.loader(ds, 5, threads=2, drop_last=True)
+    assert len(dl) == 4 == len(list(dl))
+
+
+@pytest.mark.parametrize("hold", ["batches", "views"])
+def test_held_batches_are_never_overwritten(hold, stores, monkeypatch):
+    # every batch goes through the recycled buffers (the pool), with the per-sample kernel
+    monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
+    ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip(1.0))
+    raw = ds.read_batch(range(len(ds)))[0].flip(-1)
+    for _ in range(3):
+        held = []
+        for x, _ in dlstore.loader(ds, 2, threads=3, prefetch_factor=2):
+            held.append(x if hold == "batches" else x[1:])    # a view keeps the memory too
+        if hold == "views":
+            assert all(torch.equal(v, raw[2 * k + 1: 2 * k + 2]) for k, v in enumerate(held))
+        else:
+            assert torch.equal(torch.cat(held), raw)
+
+
+def test_buffers_are_recycled_when_let_go(stores, monkeypatch):
+    monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
+    monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
+    ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip(1.0))
+    raw = ds.read_batch(range(len(ds)))[0].flip(-1)
+    pointers = set()
+    for _ in range(4):
+        for k, (x, _) in enumerate(dlstore.loader(ds, 2, threads=2, prefetch_factor=1)):
+            assert torch.equal(x, raw[2 * k: 2 * k + 2])
+            pointers.add(x.data_ptr())
+            del x
+    assert len(pointers) <= dataset_module._POOL_SIZE < 4 * 12
+
+
+def test_errors_in_a_thread_reach_the_caller_and_threads_end(stores):
+    def boom(images, generator=None):
+        raise RuntimeError("boom in a batch transform")
+
+    ds = dlstore.open_dataset(stores["shards"], batch_transform=boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        list(dlstore.loader(ds, 4, threads=2))
+    ds = dlstore.open_dataset(stores["shards"])
+    it = iter(dlstore.loader(ds, 2, threads=3))
+    next(it)
+    it.close()                                            # an epoch left early
+    assert not [t for t in threading.enumerate() if t.name.startswith("dlstore-loader")]
+
+
+def test_default_chooses_threads_where_they_apply(stores):
+    ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip())
+    assert threads_apply(ds)
+    assert isinstance(dlstore.loader(ds, 4), ThreadLoader)
+    assert isinstance(dlstore.loader(ds, 4, threads=0), DataLoader)
+    assert isinstance(dlstore.loader(ds, 4, num_workers=1), DataLoader)
+    assert isinstance(dlstore.loader(dlstore.open_dataset(stores["jpeg"]), 4), ThreadLoader)
+    per_sample = dlstore.open_dataset(stores["shards"], transform=v2.Compose([v2.RandomErasing(p=1.0)]))
+    assert per_sample.per_sample_ops and not threads_apply(per_sample)
+    assert isinstance(dlstore.loader(per_sample, 4), DataLoader)
+    assert isinstance(dlstore.loader(per_sample, 4, threads=2), ThreadLoader)   # asked for explicitly
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"threads": 2, "num_workers": 2}, "either by threads"),
+    ({"threads": -1}, "threads must be"),
+    ({"threads": 1.5}, "threads must be"),
+    ({"threads": 2, "prefetch_factor": 0}, "prefetch_factor"),
+])
+def test_bad_arguments(kwargs, match, stores):
+    with pytest.raises(ArgumentError, match=match):
+        dlstore.loader(dlstore.open_dataset(stores["shards"]), 4, **kwargs)
+
+
+def test_distributed_splits_by_rank(stores, monkeypatch):
+    import torch.distributed as dist
+
+    ds = dlstore.open_dataset(stores["shards"])
+    lookup = {bytes(ds.read(i).numpy().tobytes()): i for i in range(len(ds))}
+    monkeypatch.setattr(dist, "is_available", lambda: True)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    seen = []
+    for rank in (0, 1):
+        monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
+        dl = dlstore.loader(ds, 5, shuffle=True, distributed=True, seed=3, threads=2)
+        assert isinstance(dl, ThreadLoader) and len(dl) == 3          # 12 samples per rank
+        dl.sampler.set_epoch(1)
+        seen.append([lookup[bytes(x.numpy().tobytes())] for images, _ in dl for x in images])
+    assert sorted(seen[0] + seen[1]) == list(range(len(ds)))
+
+
+def test_pin_memory(stores):
+    ds = dlstore.open_dataset(stores["shards"])
+    if not torch.cuda.is_available():
+        with pytest.warns(UserWarning, match="CUDA is not available"):
+            dl = dlstore.loader(ds, 4, threads=2, pin_memory=True)
+        x, _ = next(iter(dl))
+        assert not x.is_pinned()
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        dl = dlstore.loader(ds, 4, threads=2, pin_memory=True)
+    for x, y in dl:
+        assert x.is_pinned() and y.is_pinned()
+
+
+def test_thread_loader_arguments():
+    with pytest.raises(ArgumentError, match="threads"):
+        ThreadLoader(None, [], threads=0, prefetch=1)
+    with pytest.raises(ArgumentError, match="prefetch"):
+        ThreadLoader(None, [], threads=1, prefetch=0)
+
+
+# --- JPEG stores: batches decoded by torchvision.io.decode_jpeg, pixels as PIL's ------------------
+
+def test_jpeg_batches_decode_to_pils_pixels(stores):
+    from dlstore.formats.encoding import decode
+
+    ds = dlstore.open_dataset(stores["jpeg"])
+    reader, idx = ds.reader, list(range(len(ds)))
+    got = reader.get_many(idx)
+    assert reader._batch_jpeg is True       # this torchvision decodes exactly as this Pillow
+    pil = [decode(r) for r in reader.raw.get_many(idx)]
+    assert all(a.flags.c_contiguous and np.array_equal(a, b) for a, b in zip(got, pil))
+    assert np.array_equal(reader.get_batch(np.array(idx)), np.stack(pil))
+    threaded = torch.cat([x for x, _ in dlstore.loader(ds, 5, threads=3)])
+    assert torch.equal(threaded, torch.from_numpy(np.stack(pil)))
+
+
+def test_jpeg_batches_keep_to_pil_when_torchvision_differs(stores, monkeypatch):
+    import torchvision.io
+
+    from dlstore.formats.encoding import decode
+
+    real = torchvision.io.decode_jpeg
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", lambda data: [x ^ 1 for x in real(data)])
+    ds = dlstore.open_dataset(stores["jpeg"])
+    got = ds.reader.get_many([0, 1, 2])
+    assert ds.reader._batch_jpeg is False
+    assert all(np.array_equal(a, decode(r)) for a, r in zip(got, ds.reader.raw.get_many([0, 1, 2])))
+
+
+def test_jpeg_batch_with_a_damaged_record_names_it(stores):
+    from dlstore.errors import StoreCorruptError
+    from dlstore.formats.encoding import DecodingReader
+
+    good = dlstore.open_dataset(stores["jpeg"]).reader.raw
+
+    class Damaged:
+        manifest, labels, count, path = good.manifest, good.labels, good.count, good.path
+
+        def get_many(self, indices):
+            records = good.get_many(indices)
+            return [r.reshape(-1)[: r.size // 2] if i == 2 else r for r, i in zip(records, indices)]
+
+    with pytest.raises(StoreCorruptError, match="sample 2"):
+        DecodingReader(Damaged()).get_batch(np.array([0, 1, 2, 3]))
