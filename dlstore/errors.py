@@ -96,3 +96,12 @@ class VariableShapeError(DlstoreError, ValueError):
 
 class StaticMismatchError(DlstoreError, ValueError):
     """A store was converted with other static transforms than the hybrid transform opening it."""
+
+
+class StoreWriteError(DlstoreError, OSError):
+    """Writing a store failed in the operating system (I/O error, file too large); names the path."""
+
+
+class DiskFullError(StoreWriteError):
+    """The filesystem holding a store being written is full (or the quota is used up); the
+    message names the path, the free and needed bytes, and what to do."""

@@ -57,8 +57,12 @@ def detect_format(path: str | os.PathLike) -> str:
             return "lmdb"
     elif p.is_file():
         with open(p, "rb") as f:
-            if f.read(8) == _HDF5_SIGNATURE:
-                return "hdf5"
+            head = f.read(520)
+        # HDF5 looks for its signature at 0, 512, 1024, ...; dlstore's own files have a 512-byte
+        # user block (the seal, see _common) -- or its damaged remains: a sealed store is an
+        # HDF5 store even when its signature is gone, so that the damage is reported as such.
+        if head[:8] == _HDF5_SIGNATURE or head[512:520] == _HDF5_SIGNATURE or head.startswith(b"dlstore-seal "):
+            return "hdf5"
         if p.name == "data.mdb":
             return "lmdb"
     elif not p.exists():

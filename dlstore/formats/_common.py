@@ -13,6 +13,7 @@ staging store at each checkpoint (``PartialRows``).
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import os
@@ -21,7 +22,15 @@ from array import array
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArgumentError, StoreBusyError, StoreCorruptError, StoreExistsError
+from ..errors import (
+    ArgumentError,
+    DiskFullError,
+    SampleIndexError,
+    StoreBusyError,
+    StoreCorruptError,
+    StoreExistsError,
+    StoreWriteError,
+)
 
 
 def staging_path(dst: Path) -> Path:
@@ -49,24 +58,141 @@ class DestinationLock:
 
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise StoreBusyError(
+                    f"{self.path.with_name(self.path.name[1:-len('.dlstore-lock')])}: another conversion "
+                    f"to this destination is running (lock {self.path}); wait for it or stop it"
+                ) from None
+            # The holder before us unlinks the lock file when it releases it. If that happened
+            # between our open and our flock, we hold a lock on a file nobody else can find, and
+            # a third converter would create a new one and lock it too. So the lock counts only
+            # if the path still names the inode we locked; otherwise try again with the new file.
+            held = os.fstat(fd)
+            try:
+                named = os.stat(self.path)
+            except FileNotFoundError:
+                named = None
+            if named is not None and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
+                self._fd = fd
+                return
             os.close(fd)
-            raise StoreBusyError(
-                f"{self.path.with_name(self.path.name[1:-len('.dlstore-lock')])}: another conversion "
-                f"to this destination is running (lock {self.path}); wait for it or stop it"
-            ) from None
-        self._fd = fd
 
     def release(self) -> None:
         if self._fd is not None:
             try:
-                self.path.unlink(missing_ok=True)
+                self.path.unlink(missing_ok=True)  # while still locked: see acquire
             finally:
                 os.close(self._fd)
                 self._fd = None
+
+
+# --- full disks ------------------------------------------------------------------------
+# A full disk reaches a writer in several guises: OSError ENOSPC/EDQUOT (Python's own
+# writes, h5py), or an LMDB commit failing with EIO (LMDB reports a short write, which is
+# what ENOSPC looks like to pwrite, as EIO). `write_error` turns each into one DlstoreError
+# that says "disk full" and names the path; `ensure_space` lets a writer whose library
+# cannot survive a failed write (HDF5: see hdf5.py) refuse before writing.
+
+SPACE_MARGIN = 64 << 10  # bytes kept free for a library's metadata after a data write (HDF5: one block's index entries)
+
+
+def free_bytes(path: Path) -> int | None:
+    """Bytes an unprivileged writer may still use on the filesystem holding ``path`` (None if unknown)."""
+    path = Path(path)
+    for folder in (path, *path.parents):
+        try:
+            st = os.statvfs(folder)
+        except OSError:
+            continue
+        return st.f_bavail * st.f_frsize
+    return None
+
+
+def mount_point(path: Path) -> Path:
+    """The mount point of the filesystem holding ``path`` (or its nearest existing parent)."""
+    path = Path(os.path.abspath(path))
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    while not os.path.ismount(path):
+        path = path.parent
+    return path
+
+
+def disk_full(path: Path, needed: int | None = None) -> DiskFullError:
+    """The DiskFullError for a store written at ``path``."""
+    from ..units import human_bytes
+
+    free = free_bytes(path)
+    numbers = f"{human_bytes(free)} free" if free is not None else "free space unknown"
+    if needed:
+        numbers += f", {human_bytes(needed)} needed for the next write"
+    return DiskFullError(f"{path}: disk full: no space left on the filesystem at {mount_point(path)} "
+                         f"({numbers}); free space or write the store elsewhere, then rerun")
+
+
+def ensure_space(path: Path, nbytes: int) -> None:
+    """Raise DiskFullError unless ``nbytes`` (plus a margin for metadata) fit beside ``path``."""
+    needed = int(nbytes) + int(nbytes) // 64 + SPACE_MARGIN
+    free = free_bytes(path)
+    if free is not None and free < needed:
+        raise disk_full(path, needed)
+
+
+def write_error(path: Path, exc: BaseException, *, nbytes: int = 0) -> StoreWriteError | None:
+    """The DlstoreError a failed store write ``exc`` means, or None if it is not an I/O failure.
+
+    ENOSPC/EDQUOT, and EIO (or a library's "Input/output error") while less than ``nbytes``
+    plus a margin is free, mean a full disk; EFBIG and other EIO are write errors naming
+    ``path``. ``exc`` may be an OSError or a library's own error (``lmdb.Error``).
+    """
+    if isinstance(exc, StoreWriteError):
+        return exc
+    code = getattr(exc, "errno", None)
+    text = str(exc)
+    where = getattr(exc, "filename", None) or path
+    if code in (errno.ENOSPC, errno.EDQUOT) or "No space left on device" in text or "Disk quota" in text:
+        return disk_full(Path(where))
+    if code == errno.EIO or "Input/output error" in text:
+        free = free_bytes(Path(where))
+        if free is not None and free < int(nbytes) + SPACE_MARGIN:
+            return disk_full(Path(where), int(nbytes) or None)
+        return StoreWriteError(f"{where}: input/output error while writing the store ({text}); "
+                               "check the disk (dmesg), then rerun")
+    if code == errno.EFBIG:
+        return StoreWriteError(f"{where}: File too large: the filesystem or this process's file-size limit "
+                               f"(ulimit -f) refuses a bigger file ({text}); use smaller data files "
+                               "(--shard-size) or another filesystem")
+    return None
+
+
+# --- sample indices ----------------------------------------------------------------------
+# Readers take positions 0..count-1 only: a negative index is refused like any other
+# out-of-range one (SampleIndexError, an IndexError), never wrapped and never taken for
+# damage. Python's negative indexing belongs to the Dataset (StoreDataset wraps, as a
+# sequence does, then calls the reader with the position).
+
+def check_index(path: Path, i: int, count: int) -> int:
+    """``i`` as an int if ``0 <= i < count``, else SampleIndexError naming the store."""
+    i = int(i)
+    if not 0 <= i < count:
+        raise SampleIndexError(f"{path}: index {i} out of range for a store of {count} samples "
+                               f"(readers take 0..{count - 1}; negative indices are refused)")
+    return i
+
+
+def check_indices(path: Path, indices: Any, count: int) -> Any:
+    """``indices`` as a flat int64 array, all within ``0..count-1``, else SampleIndexError."""
+    import numpy as np
+
+    indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+    if len(indices) and (indices.min() < 0 or indices.max() >= count):
+        check_index(path, indices[(indices < 0) | (indices >= count)][0], count)
+    return indices
 
 
 def check_destination(dst: Path, overwrite: bool) -> None:
@@ -134,6 +260,86 @@ class ForkSafe:
             state[name] = None
         state["_pid"] = None
         return state
+
+
+# --- whole-file seals (LMDB, HDF5) -------------------------------------------------------
+# The manifest of an LMDB or HDF5 store lives inside its one data file, so it cannot hold
+# that file's own digest. The sums it records cover the samples, labels and shapes only;
+# bytes that reach no sample (page headers, B-tree and free pages, HDF5 metadata and free
+# space) could change unseen. A seal closes that gap: the sha256 of the data file, written
+# after the last byte of the store, where the library does not look:
+#
+#   HDF5: the file's 512-byte user block (HDF5 skips it; h5py.File(..., userblock_size=512))
+#         b"dlstore-seal sha256 <64 hex> of bytes 512..end\n", zero padded
+#   LMDB: a file ``data.mdb.sha256`` beside data.mdb: "<64 hex>  data.mdb\n" (sha256sum format)
+#
+# ``dlstore verify`` checks it, and so does a reader opened with check="open". Stores
+# written before seals existed have none; they are reported as unsealed, not as damaged.
+
+SEAL_BLOCK = 512
+SEAL_MAGIC = b"dlstore-seal sha256 "
+
+
+def sha256_range(path: Path, start: int = 0) -> str:
+    """sha256 hex digest of a file's bytes from ``start`` to the end."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        f.seek(start)
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def seal_userblock(path: Path) -> None:
+    """Write the digest of bytes ``SEAL_BLOCK..end`` of ``path`` into its user block, and fsync."""
+    line = SEAL_MAGIC + sha256_range(path, SEAL_BLOCK).encode() + b" of bytes 512..end\n"
+    with open(path, "r+b") as f:
+        f.write(line.ljust(SEAL_BLOCK, b"\0"))
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_userblock_seal(path: Path) -> str | None:
+    """None if the user-block seal of ``path`` matches its bytes, else what is wrong (or "unsealed")."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(SEAL_BLOCK)
+    except OSError as exc:
+        return f"unreadable ({exc})"
+    if not head.startswith(SEAL_MAGIC):
+        # HDF5 files start with their signature when there is no user block
+        return "unsealed" if head.startswith(b"\x89HDF\r\n\x1a\n") else \
+            "the first 512 bytes hold neither an HDF5 signature nor a dlstore seal: the file is damaged"
+    digest = head[len(SEAL_MAGIC):len(SEAL_MAGIC) + 64].decode("ascii", "replace")
+    actual = sha256_range(path, SEAL_BLOCK)
+    if digest != actual:
+        return (f"sha256 mismatch: the file changed since conversion (bytes 512..end hash to {actual[:16]}..., "
+                f"its seal says {digest[:16]}...)")
+    return None
+
+
+def seal_sidecar(path: Path) -> None:
+    """Write ``path.sha256`` (sha256sum format) beside ``path``, and fsync it."""
+    write_synced(path.with_name(path.name + ".sha256"), f"{sha256_file(path)}  {path.name}\n".encode())
+
+
+def check_sidecar_seal(path: Path) -> str | None:
+    """None if ``path.sha256`` matches ``path``'s bytes, else what is wrong (or "unsealed")."""
+    seal = path.with_name(path.name + ".sha256")
+    try:
+        text = seal.read_text("ascii", errors="replace")
+    except FileNotFoundError:
+        return "unsealed"
+    except OSError as exc:
+        return f"{seal.name} unreadable ({exc})"
+    try:
+        actual = sha256_file(path)
+    except OSError as exc:
+        return f"unreadable ({exc})"
+    if text.split()[:1] != [actual]:
+        return (f"sha256 mismatch: the file changed since conversion (it hashes to {actual[:16]}..., "
+                f"{seal.name} says {text[:16]!r}...)")
+    return None
 
 
 def sha256_file(path: Path) -> str:

@@ -12,7 +12,10 @@ What the checksums cover (recorded by each Writer, recomputed here):
   ``index.npy``, ``labels.npy``);
 * LMDB / HDF5: ``samples`` = sha256 of every sample's CHW bytes in sample order,
   ``labels`` = sha256 of the int64 little-endian labels, ``shapes`` (variable
-  shape stores) = sha256 of the int64 (N, 3) shapes.
+  shape stores) = sha256 of the int64 (N, 3) shapes; and the whole data file
+  against its seal (``data.mdb.sha256``; the HDF5 user block), which covers
+  the bytes no sample reaches (see ``formats._common``). The seal is checked
+  before the file is handed to LMDB or HDF5.
 """
 
 from __future__ import annotations
@@ -61,7 +64,18 @@ def verify(path: str | os.PathLike, *, deep: bool = False) -> VerifyReport:
     report = VerifyReport(Path(path))
     try:
         report.format = formats.detect_format(path)
-        reader = formats.get_format(report.format).Reader(Path(path))
+        module = formats.get_format(report.format)
+    except (DlstoreError, OSError, ValueError) as exc:
+        report.problem("open", str(exc))
+        return report
+    if not _check_seal(module, Path(path), report):
+        # A file that is not what was written may crash or hang LMDB/HDF5 (both seen with
+        # damaged metadata pages): it is reported, not handed to the library.
+        report.problem("open", f"{path}: not opened: the data file differs from its seal, and LMDB/HDF5 may "
+                               "crash or hang on damaged pages; convert again or restore a copy")
+        return report
+    try:
+        reader = module.Reader(Path(path))
     except (DlstoreError, OSError, ValueError) as exc:
         report.problem("open", str(exc))
         return report
@@ -75,6 +89,24 @@ def verify(path: str | os.PathLike, *, deep: bool = False) -> VerifyReport:
     else:
         _check_samples(reader, manifest, report, digest=True, decode=deep)
     return report
+
+
+def _check_seal(module: Any, path: Path, report: VerifyReport) -> bool:
+    """LMDB/HDF5: the whole data file against its seal (bytes no sample checksum covers).
+
+    False if the file differs from its seal."""
+    if not hasattr(module, "check_seal"):
+        return True
+    data, problem = module.check_seal(path)
+    if problem is None:
+        report.checked.append(f"seal: sha256 of {data.name} matches")
+    elif problem == "unsealed":
+        report.checked.append(f"seal: none ({data.name} was written before dlstore sealed stores; "
+                              "only its samples, labels and shapes are checked)")
+    else:
+        report.problem(str(data), problem)
+        return False
+    return True
 
 
 def _check_labels(reader: Any, manifest: dict[str, Any], report: VerifyReport) -> None:

@@ -70,7 +70,7 @@ def _store_digest(path: Path) -> dict:
 def _convert_all(rank: int, src: str, dst_dir: str, kwargs: dict) -> dict:
     results = {}
     for fmt, suffix in SUFFIX.items():
-        r = convert(src, Path(dst_dir) / f"dist{suffix}", progress=False, workers=1, **kwargs)
+        r = convert(src, Path(dst_dir) / f"dist{suffix}", progress=False, workers=1, distributed=True, **kwargs)
         results[fmt] = {"count": r.count, "workers": r.workers}
     return results
 
@@ -113,7 +113,7 @@ def test_distributed_conversion_equals_single_process(rgb_folder, varsize_folder
 
 
 def _convert_one(rank: int, src: str, dst: str, kwargs: dict) -> dict:
-    r = convert(src, dst, progress=False, workers=1, **kwargs)
+    r = convert(src, dst, progress=False, workers=1, distributed=True, **kwargs)
     return {"count": r.count, "skipped": r.skipped}
 
 

@@ -401,7 +401,7 @@ def test_random_damage_raises_only_clear_errors(pristine, tmp_path_factory, stor
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name, progress, files", [
-    ("s.lmdb", ".s.lmdb.dlstore-tmp/progress.json", ["data.mdb", "lock.mdb"]),
+    ("s.lmdb", ".s.lmdb.dlstore-tmp/progress.json", ["data.mdb", "data.mdb.sha256", "lock.mdb"]),
     ("s.h5", ".s.h5.dlstore-tmp.progress.json", None),
 ])
 def test_lmdb_and_hdf5_conversions_resume_from_their_last_written_block(slow_folder, tmp_path, name, progress,

@@ -1,0 +1,206 @@
+"""Random damage to LMDB and HDF5 stores: a clear error or a report, never a crash.
+
+LMDB and HDF5 are C libraries: a damaged page may crash the process instead of
+raising. So each case runs in its own process, forked from a helper that has
+imported dlstore once (a fresh interpreter per case would spend seconds
+importing torch): a crash or a hang kills only that case's process, and the
+test sees it as such.
+
+Damage anywhere in the data file (not only metadata): random byte changes,
+truncation, zeroed 4 KiB pages. For each case:
+
+* the process must not crash nor hang (60 s);
+* opening (with ``check="open"``) and reading every sample raises only
+  DlstoreError subclasses, and never returns pixels that differ from the
+  original;
+* whenever the file's bytes differ from the original, ``verify(deep=True)``
+  reports a problem naming the file (the whole-file seal covers bytes that no
+  sample checksum reaches), so pixels that read back damaged never pass
+  unreported.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import dlstore
+from dlstore.sources.demo import make_image_folder
+
+hypothesis = pytest.importorskip("hypothesis")
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+CASES_PER_FORMAT = 30
+PAGE = 4096
+
+# Reads JSON lines {"path", "pristine"}; forks one process per case; answers one JSON line each.
+HELPER = r"""
+import json, os, signal, sys, tempfile, time
+import numpy as np
+import dlstore
+from dlstore.errors import DlstoreError
+
+def case(path, pristine):
+    res = {"open": None, "read_errors": 0, "wrong": 0, "foreign": None}
+    ref = dlstore.open_dataset(pristine)
+    try:
+        ds = dlstore.open_dataset(path, check="open")
+        if len(ds) != len(ref):
+            res["wrong"] += 1
+        for i in range(min(len(ds), len(ref))):
+            try:
+                x, y = ds[i]
+            except DlstoreError:
+                res["read_errors"] += 1
+                continue
+            rx, ry = ref[i]
+            if y != ry or tuple(x.shape) != tuple(rx.shape) or not bool((x == rx).all()):
+                res["wrong"] += 1
+    except DlstoreError as exc:
+        res["open"] = f"{type(exc).__name__}: {exc}"[:300]
+    except Exception as exc:
+        res["foreign"] = f"{type(exc).__name__}: {exc}"[:300]
+    try:
+        report = dlstore.verify(path, deep=True)
+        res["verify_ok"] = report.ok
+        res["problems"] = [f"{w}: {m}"[:300] for w, m in report.problems]
+    except Exception as exc:
+        res["foreign"] = f"verify raised {type(exc).__name__}: {exc}"[:300]
+    return res
+
+for line in sys.stdin:
+    job = json.loads(line)
+    out = tempfile.mktemp()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            res = case(job["path"], job["pristine"])
+        except BaseException as exc:
+            import traceback
+            res = {"foreign": "helper: " + traceback.format_exc()[-600:]}
+        try:
+            with open(out, "w") as f:
+                json.dump(res, f)
+        finally:
+            os._exit(0)
+    end = time.monotonic() + 60
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > end:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            status = None
+            break
+        time.sleep(0.01)
+    if status is None:
+        answer = {"status": "hang"}
+    elif os.WIFSIGNALED(status):
+        answer = {"status": f"crash: {signal.Signals(os.WTERMSIG(status)).name}"}
+    else:
+        try:
+            with open(out) as f:
+                answer = {"status": "exit", **json.load(f)}
+            os.unlink(out)
+        except OSError:
+            answer = {"status": "exit without a result"}
+    print(json.dumps(answer), flush=True)
+"""
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    root = tmp_path_factory.mktemp("damage")
+    src = make_image_folder(root / "images", classes=2, per_class=6, size=(24, 30))
+    stores = {}
+    for name in ("s.lmdb", "s.h5"):
+        stores[name] = root / name
+        dlstore.convert(src, root / name, static="resize=20,center_crop=16", workers=0, progress=False)
+    return stores
+
+
+@pytest.fixture(scope="module")
+def helper():
+    proc = subprocess.Popen([sys.executable, "-c", HELPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    yield proc
+    proc.stdin.close()
+    proc.wait(timeout=60)
+
+
+def _run(helper, path: Path, pristine: Path) -> dict:
+    helper.stdin.write(json.dumps({"path": str(path), "pristine": str(pristine)}) + "\n")
+    helper.stdin.flush()
+    line = helper.stdout.readline()
+    assert line, "the helper process died"
+    return json.loads(line)
+
+
+damage = st.one_of(
+    st.tuples(st.just("bytes"), st.lists(st.tuples(st.floats(0, 1, exclude_max=True), st.integers(0, 255)),
+                                         min_size=1, max_size=8)),
+    st.tuples(st.just("truncate"), st.floats(0, 1, exclude_max=True)),
+    st.tuples(st.just("zero_page"), st.floats(0, 1, exclude_max=True)),
+)
+
+
+def _damage(path: Path, what) -> None:
+    data = bytearray(path.read_bytes())
+    kind, arg = what
+    if kind == "bytes":
+        for where, value in arg:
+            data[int(where * len(data))] = value
+    elif kind == "truncate":
+        del data[int(arg * len(data)):]
+    else:
+        start = int(arg * len(data)) // PAGE * PAGE
+        data[start:start + PAGE] = bytes(len(data[start:start + PAGE]))
+    path.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name, data_file", [("s.lmdb", "data.mdb"), ("s.h5", None)])
+def test_random_damage_is_a_clear_error_or_reported_never_a_crash(pristine, helper, tmp_path_factory, name,
+                                                                  data_file):
+    outcomes = []
+
+    @settings(max_examples=CASES_PER_FORMAT, deadline=None, derandomize=True,
+              suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+    @given(what=damage)
+    def case(what):
+        work = tmp_path_factory.mktemp("damaged") / name
+        if pristine[name].is_dir():
+            shutil.copytree(pristine[name], work)
+        else:
+            shutil.copy2(pristine[name], work)
+        target = work / data_file if data_file else work
+        before = target.read_bytes()
+        _damage(target, what)
+        changed = target.read_bytes() != before
+        res = _run(helper, work, pristine[name])
+        outcomes.append({"damage": what[0], "changed": changed, **res})
+        assert res["status"] == "exit", (what, res)
+        assert res["foreign"] is None, (what, res)
+        if changed:
+            assert res["verify_ok"] is False, (what, res)
+            assert any(target.name in p for p in res["problems"]), (what, res)
+            assert res["wrong"] == 0, ("check='open' let damaged pixels through", what, res)
+        shutil.rmtree(work.parent)
+
+    case()
+    summary = {k: sum(1 for o in outcomes if cond(o)) for k, cond in {
+        "cases": lambda o: True,
+        "changed": lambda o: o["changed"],
+        "error_at_open": lambda o: o.get("open"),
+        "error_at_read": lambda o: o.get("read_errors"),
+        "wrong_pixels_read": lambda o: o.get("wrong"),
+        "reported_by_verify": lambda o: o.get("verify_ok") is False,
+    }.items()}
+    print(f"\n{name} damage summary: {json.dumps(summary)}")
