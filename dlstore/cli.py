@@ -35,12 +35,14 @@ def main() -> None:
 
 
 @main.command()
-@click.argument("src", type=click.Path(exists=True, file_okay=False))
+@click.argument("src", type=click.Path(exists=True))
 @click.argument("dst", type=click.Path())
+@click.option("--root", type=click.Path(exists=True, file_okay=False), default=None,
+              help="For a list file SRC: the folder its paths are relative to (default: the list's folder).")
 @click.option("--format", "fmt", type=click.Choice(formats.names()), default=None,
               help="Store format (default: from DST's suffix: .shards, .lmdb, .h5).")
 @click.option("--static", "static", default="", show_default=False,
-              help='Static transforms run once per image, e.g. "resize=256,center_crop=224".')
+              help='Static transforms run once per image, e.g. "resize=256,center_crop=224" or "resize_max=512".')
 @click.option("--workers", type=int, default=None, help="Decode processes (default: usable CPUs).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing store at DST.")
 @click.option("--on-error", type=click.Choice(["fail", "skip"]), default="fail", show_default=True,
@@ -60,9 +62,13 @@ def main() -> None:
 @click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True,
               help="JPEG quality with --encoding jpeg.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, resume, exif_transpose,
+def convert(src, dst, root, fmt, static, workers, overwrite, on_error, shard_size, resume, exif_transpose,
             max_pixels, compression, encoding, quality, quiet):
-    """Convert image folder SRC (ImageFolder layout) into store DST."""
+    """Convert SRC into store DST.
+
+    SRC is an image folder (ImageFolder layout) or a CSV / JSON-lines list of
+    path,label rows (paths relative to --root).
+    """
     from .conversion import convert as run_convert
     from .sources.decode import DEFAULT_MAX_PIXELS
 
@@ -85,7 +91,7 @@ def convert(src, dst, fmt, static, workers, overwrite, on_error, shard_size, res
         result = run_convert(src, dst, store_format=fmt, static=static, workers=workers, overwrite=overwrite,
                              on_error=on_error, shard_size=parse_bytes(shard_size), resume=resume, **options,
                              exif_transpose=exif_transpose, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
-                             encoding=encoding, quality=quality,
+                             encoding=encoding, quality=quality, root=root, distributed=env_world_size() > 1,
                              progress=not quiet, log=lambda msg: click.echo(msg, err=True))
     except KeyboardInterrupt:
         click.echo(f"interrupted: stopped the workers; {dst} was not written", err=True)
@@ -123,7 +129,8 @@ def parse_bytes(text: str) -> int:
 
 @main.command()
 @click.argument("store", type=click.Path(exists=True))
-def info(store):
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest and a summary as one JSON object.")
+def info(store, as_json):
     """Describe STORE: samples, classes, shape, static transforms, size, skipped files."""
     from .conversion.job import disk_usage
     from .data import open_dataset
@@ -139,6 +146,20 @@ def info(store):
     virtual = m["layout"].get("virtual") if m["format"] == "hdf5" else None
     if virtual and (Path(store).parent / virtual["folder"]).is_dir():  # per-rank files of a torchrun conversion
         size += disk_usage(Path(store).parent / virtual["folder"])
+    if as_json:
+        import json
+
+        import numpy as np
+
+        counts = np.bincount(np.asarray(ds.targets, dtype=np.int64) + 1, minlength=len(ds.classes) + 1)
+        summary = {"store": str(store), "format": m["format"], "samples": m["count"], "bytes": size,
+                   "shape": list(ds.shape) if ds.shape else None, "static": describe(m["static"]),
+                   "classes": len(ds.classes), "per_class": {name: int(counts[i + 1])
+                                                             for i, name in enumerate(ds.classes)},
+                   "skipped": len(m["source"].get("skipped", [])),
+                   "provenance": (m["layout"].get("provenance") or {}).get("kind")}
+        click.echo(json.dumps({"summary": summary, "manifest": m}, indent=1, sort_keys=True, ensure_ascii=False))
+        return
     shape = "x".join(map(str, ds.shape)) if ds.shape else "variable (per-sample shapes)"
     source = m["source"]
     click.echo(f"store     {store}")
@@ -159,11 +180,51 @@ def info(store):
     click.echo(f"sample    {shape} {m['sample']['dtype']} {m['sample']['layout']}, encoding {encoding}")
     click.echo(f"static    {describe(m['static'])}")
     click.echo(f"size      {human_bytes(size)} ({size / max(m['count'], 1):,.0f} B/sample)")
-    click.echo(f"source    {source.get('root')} ({source.get('files')} files)")
+    unit = "files" if source.get("kind", "folder") in ("folder", "list") else "items"
+    click.echo(f"source    {source.get('root')} ({source.get('files')} {unit}, {source.get('kind', 'folder')})")
     skipped = source.get("skipped", [])
     click.echo(f"skipped   {len(skipped)}")
     for entry in skipped[:20]:
-        click.echo(f"  {entry.get('path')}: {entry.get('reason')}")
+        name = entry["path"] if "path" in entry else f"item {entry.get('index')}"
+        click.echo(f"  {name}: {entry.get('reason')}")
+
+
+@main.command()
+@click.argument("store", type=click.Path(exists=True))
+@click.argument("index", type=int)
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Write the sample (as stored: after the static transforms) to this image file (.png, ...).")
+def show(store, index, out):
+    """Print sample INDEX of STORE: its label, class and where it came from; --out writes it as an image."""
+    from PIL import Image
+
+    from .data import open_dataset
+
+    try:
+        ds = open_dataset(store)
+        sample = ds.read(index)
+    except (DlstoreError, ValueError, OSError, IndexError) as exc:
+        _fail(exc)
+    label = ds.targets[index]
+    name = f" ({ds.classes[label]})" if 0 <= label < len(ds.classes) else ""
+    click.echo(f"sample    {index} of {len(ds)}")
+    click.echo(f"label     {label}{name}")
+    click.echo(f"shape     {'x'.join(map(str, sample.shape))} uint8 CHW")
+    try:
+        origin = ds.samples[index][0]
+    except DlstoreError:
+        origin = None
+    if origin is not None:
+        where = origin if ds.origins.kind == "path" else f"item {origin} of {ds.manifest['source'].get('root')}"
+        click.echo(f"source    {where}")
+    if out is not None:
+        array = sample.numpy()
+        image = Image.fromarray(array[0] if array.shape[0] == 1 else array.transpose(1, 2, 0))
+        try:
+            image.save(out)
+        except (OSError, ValueError) as exc:
+            _fail(exc)
+        click.echo(f"wrote     {out}")
 
 
 @main.command()
@@ -300,8 +361,7 @@ def tune(path, batch_size, device, budget, max_workers, static, as_json):
         click.echo(f"warning: {warning}")
     if result.best.note:
         click.echo(f"note: {result.best.note}")
-    args = ", ".join(f"{k}={v!r}" for k, v in result.items())
-    click.echo(f"recommended ({result.speedup:.2f}x workers=0): DataLoader(dataset, {args})")
+    click.echo(f"recommended ({result.speedup:.2f}x workers=0): {result.call()}")
 
 
 @main.command()

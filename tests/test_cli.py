@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from click.testing import CliRunner
 
@@ -61,3 +62,41 @@ def test_console_script_demo(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "identical to ImageFolder on checked samples: yes" in out.stdout
     assert (tmp_path / "demo.shards" / "manifest.json").is_file()
+
+
+def test_info_json_and_show_with_provenance(src, tmp_path):
+    import json
+
+    from PIL import Image
+
+    runner = CliRunner()
+    dst = tmp_path / "out.h5"
+    assert runner.invoke(main, ["convert", str(src), str(dst), "--static", "resize=16,center_crop=12",
+                                "--quiet"]).exit_code == 0
+    info = runner.invoke(main, ["info", str(dst), "--json"])
+    assert info.exit_code == 0, info.output
+    doc = json.loads(info.output)
+    assert doc["summary"]["samples"] == 8 and doc["summary"]["per_class"] == {"class_00": 4, "class_01": 4}
+    assert doc["summary"]["provenance"] == "path" and doc["manifest"]["format"] == "hdf5"
+    shown = runner.invoke(main, ["show", str(dst), "5", "--out", str(tmp_path / "s.png")])
+    assert shown.exit_code == 0, shown.output
+    assert "label     1 (class_01)" in shown.output
+    assert f"source    {src / 'class_01' / 'img_0001.jpg'}" in shown.output
+    import dlstore
+
+    stored = dlstore.open_dataset(dst).read(5).permute(1, 2, 0).numpy()
+    assert (np.asarray(Image.open(tmp_path / "s.png")) == stored).all()
+    bad = runner.invoke(main, ["show", str(dst), "99"])
+    assert bad.exit_code != 0 and "99" in bad.output
+
+
+def test_convert_a_csv_list_with_root(src, tmp_path):
+    listing = tmp_path / "l.csv"
+    listing.write_text("class_01/img_0002.jpg,1\nclass_00/img_0000.jpg,0\n")
+    runner = CliRunner()
+    result = runner.invoke(main, ["convert", str(listing), str(tmp_path / "l.shards"), "--root", str(src),
+                                  "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "samples  2 in 2 classes" in result.output
+    shown = runner.invoke(main, ["show", str(tmp_path / "l.shards"), "0"])
+    assert "source    " + str(src / "class_01" / "img_0002.jpg") in shown.output

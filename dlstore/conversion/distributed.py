@@ -115,11 +115,15 @@ def init_from_env(timeout_s: float | None = None) -> bool:
 def active_group(distributed: bool | None) -> Any | None:
     """The process group to convert with, or None for a single-process conversion.
 
-    ``distributed=None`` uses an initialised group of more than one rank if there
-    is one; True requires one; False ignores it. A group whose backend is not gloo
-    (e.g. NCCL in a training script) gets a gloo twin for the CPU-side exchanges.
+    Only ``distributed=True`` converts collectively, and requires an initialised group
+    of 2+ ranks; None (the default) and False convert in this process alone, even
+    inside a group: ``if rank == 0: dlstore.convert(...)`` in a DDP script must not
+    join a collective the other ranks never enter (it would wait for them until the
+    group's timeout). The command line passes True under torchrun. A group whose
+    backend is not gloo (e.g. NCCL in a training script) gets a gloo twin for the
+    CPU-side exchanges.
     """
-    if distributed is False:
+    if not distributed:
         return None
     dist = sys.modules.get("torch.distributed")  # an initialised group means torch is imported
     if dist is None or not dist.is_available() or not dist.is_initialized() or dist.get_world_size() < 2:
@@ -157,7 +161,8 @@ class _Status:
     error: str | None = None  # "ExcType: message" of a failure
     aborted: bool = False  # stopped because another rank failed
     count: int = 0
-    skipped: list[dict[str, str]] | None = None
+    skipped: list[dict[str, Any]] | None = None
+    labels_seen: list[int] | None = None  # [largest label, any -1]: names the classes of an unnamed source
 
 
 class _Exchange:
@@ -219,15 +224,16 @@ def _raise_if_failed(statuses: list[_Status], rank: int, own: BaseException | No
                            f"rank {rank} stopped too and nothing was written") from own
 
 
-def convert_distributed(group: Any, src: str | os.PathLike, dst: Path, *, module: Any, job_for: Any,
+def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, job_for: Any,
                         overwrite: bool, resume: bool, progress: bool, log: Any) -> Any:
     """Run the conversion ``dlstore.convert`` describes on every rank of ``group``; see the module doc.
 
-    ``job_for(source)`` builds the conversion's ``_Job`` for a (partial) Source.
+    ``open_src()`` opens the source; ``job_for(source)`` builds the conversion's ``_Job`` for a
+    part of it. A file listing (folder, list file) is opened by rank 0 and its parts are sent
+    to the ranks; an in-memory source (dataset, arrays), which every rank was given, is only
+    measured by rank 0 and each rank takes its own part of its own copy.
     Every rank returns the same ConvertResult (``workers`` is per rank).
     """
-    from ..sources.folder import Source, scan
-
     ex = _Exchange(group)
     rank, world = ex.rank, ex.world
     if resume:
@@ -249,15 +255,15 @@ def convert_distributed(group: Any, src: str | os.PathLike, dst: Path, *, module
                 candidate = DestinationLock(dst)
                 candidate.acquire()
                 lock = candidate  # from here on this conversion owns the work and staging paths
-                source = scan(src)
+                source = open_src()
                 if source.empty_classes:
                     log(f"warning: {len(source.empty_classes)} class folder(s) hold no image and keep their "
                         f"label index: {', '.join(source.empty_classes)}")
                 remove_path(work)
                 (work / "parts").mkdir(parents=True)
                 total = len(source)
-                parts_msg = [(Source(source.root, source.classes, source.class_to_idx, source.samples[a:b],
-                                     source.empty_classes), a, total)
+                listing = source.origin_kind == "path"  # small and picklable: send it
+                parts_msg = [(source.part(a, b) if listing else (a, b), a, total)
                              for a, b in part_ranges(total, world)]
                 del source
             except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
@@ -269,6 +275,8 @@ def convert_distributed(group: Any, src: str | os.PathLike, dst: Path, *, module
             raise DistributedError(f"rank 0 could not start the distributed conversion: {verdict}")
         part, first, total = ex.scatter(parts_msg)
         del parts_msg
+        if isinstance(part, tuple):  # an in-memory source: this rank's part of its own copy
+            part = open_src().part(*part)
 
         # --- phase 1: every rank converts its range into a part ---------------------------
         job = job_for(part)
@@ -278,6 +286,7 @@ def convert_distributed(group: Any, src: str | os.PathLike, dst: Path, *, module
         try:
             status.count, status.skipped = _convert_part(job, part_path, first, total, work, rank, world,
                                                          progress, dst.name, _feed, _finish)
+            status.labels_seen = list(job.labels_seen)
         except BaseException as exc:  # noqa: BLE001 - reported to all ranks, then re-raised below
             own = exc
             status.error = _describe(exc)
@@ -301,6 +310,8 @@ def convert_distributed(group: Any, src: str | os.PathLike, dst: Path, *, module
 
                     raise SourceError(f"{part.root}: no file could be converted ({len(skipped)} skipped)")
                 full_job = job_for(part)  # carries root/classes/spec; samples unused below
+                seen = [s.labels_seen for s in statuses if s.labels_seen]
+                full_job.labels_seen[:] = [max(x[0] for x in seen), max(x[1] for x in seen)]
                 parts = [work / "parts" / _part_name(r, module.SUFFIXES[0]) for r in range(world)]
                 counts = [s.count for s in statuses]
                 _assemble(full_job, dst, parts, counts, count, skipped, total, overwrite, _finish)
@@ -308,7 +319,8 @@ def convert_distributed(group: Any, src: str | os.PathLike, dst: Path, *, module
                 if fmt == "hdf5" and hdf5_parts_path(dst).exists():
                     size += disk_usage(hdf5_parts_path(dst))
                 result = ConvertResult(
-                    path=dst, store_format=fmt, count=count, classes=part.classes, shape=job.shape, static=job.spec,
+                    path=dst, store_format=fmt, count=count, classes=full_job.classes(), shape=job.shape,
+                    static=job.spec,
                     nbytes=size, seconds=time.perf_counter() - start, workers=job.workers, skipped=skipped,
                     empty_classes=part.empty_classes)
             except Exception as exc:  # noqa: BLE001 - reported to every rank
@@ -404,15 +416,18 @@ def _assemble(job: Any, dst: Path, parts: list[Path], counts: list[int], count: 
 
 def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """Move every part's data files into ``staged`` (renames, no copy); concatenate labels/index."""
-    from ..formats.shards import read_manifest
+    from ..formats.shards import ShardReader, read_manifest
+    from ..sources.origins import Origins
 
     staged.mkdir()
     files: list[dict[str, Any]] = []
     checksums: dict[str, str] = {}
     labels, indexes = [], []
     kind = per_shard = None
+    origins = []
     for r, part in enumerate(parts):
         m = read_manifest(part)
+        origins.append(ShardReader(part, m).origins())
         layout = m["layout"]
         kind = layout["kind"]
         per_shard = layout.get("per_shard", per_shard)
@@ -434,6 +449,11 @@ def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], d
         checksums["index.npy"] = save_npy_synced(staged / "index.npy", np.concatenate(indexes).astype(np.int64))
         layout_out.update(files=files, index="index.npy")
     checksums["labels.npy"] = save_npy_synced(staged / "labels.npy", np.concatenate(labels).astype(np.int64))
+    merged = Origins.concat(origins)
+    files = {name: f"provenance-{name}.npy" for name in merged.arrays()}
+    for name, values in merged.arrays().items():
+        checksums[files[name]] = save_npy_synced(staged / files[name], values)
+    layout_out["provenance"] = {"kind": merged.kind, "files": files}
     _fsync_dir(staged)
     return layout_out, checksums
 
@@ -444,6 +464,9 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
     import h5py
 
     from ..formats.hdf5 import LIBVER, VLEN_CHUNK
+    from ..sources.origins import Origins
+
+    origins = []
 
     folder = hdf5_parts_path(dst).name
     samples = hashlib.sha256()
@@ -460,6 +483,9 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
             if k != expected:
                 raise ConversionInterrupted(f"{part}: holds {k} samples, its rank reported {expected}")
             labels.append(f["labels"][()])
+            group = f["provenance"]
+            origins.append(Origins.from_arrays(layout["provenance"]["kind"], {k: group[k][()] for k in group},
+                                               str(part)))
             variable = layout["kind"] == "variable"
             if variable:
                 shapes.append(f["shapes"][()])
@@ -490,8 +516,13 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
             f.create_dataset("shapes", data=all_shapes, chunks=(VLEN_CHUNK, 3) if n else None,
                              maxshape=(None, 3) if n else None)
             checksums["shapes"] = hashlib.sha256(all_shapes.tobytes()).hexdigest()
+        merged = Origins.concat(origins)
+        group = f.create_group("provenance")
+        for name, values in merged.arrays().items():
+            group.create_dataset(name, data=values)
     layout = dict(layout)
     layout.pop("chunks", None)
+    layout["provenance"] = {"kind": merged.kind, "group": "provenance"}
     layout["virtual"] = {"folder": folder, "parts": [{"file": p.name, "count": c} for p, c in zip(parts, counts)]}
     return layout, checksums
 
@@ -514,16 +545,19 @@ def _merge_lmdb(job: Any, parts: list[Path], staged: Path, count: int, skipped: 
                 total: int, finish: Any) -> None:
     """Copy the parts' records in order into one environment at ``staged`` (the documented merge step)."""
     from ..formats.lmdb import LmdbReader
+    from ..sources.origins import Origins
 
     writer = job.module.Writer(staged, shape=job.record_shape, **job.options)
+    origins = []
     try:
         for part in parts:
             reader = LmdbReader(part, readahead=True)
+            origins.append(reader.origins())
             for lo in range(0, len(reader), 1024):
                 hi = min(len(reader), lo + 1024)
                 for sample, label in zip(reader.get_many(list(range(lo, hi))), reader.labels[lo:hi].tolist()):
                     writer.add(sample, label)
             del reader
-        finish(job, writer, count, skipped, files=total)
+        finish(job, writer, count, skipped, files=total, origins=Origins.concat(origins))
     finally:
         writer.close()

@@ -3,20 +3,18 @@
 from __future__ import annotations
 
 import functools
-import hashlib
 import itertools
-import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..errors import DecodeError
+from ..errors import DecodeError, SourceError
 from ..formats.manifest import dumps, make_manifest
-from ..sources.folder import Source
+from ..sources.origins import Origins
 from ..transforms.static import StaticSpec, describe
 from ..units import human_bytes
-from .pool import _decoded
+from .pool import _CHUNK, _CHUNK_IN_MEMORY, _decoded
 
 ON_ERROR = ("fail", "skip")
 
@@ -56,11 +54,15 @@ class ConvertResult:
                          + ", ".join(self.empty_classes[:10]))
         if self.skipped:
             lines.append(f"  skipped  {len(self.skipped)} file(s):")
-            lines += [f"    {s['path']}: {s['reason']}" for s in self.skipped[:20]]
+            lines += [f"    {_skipped_name(s)}: {s['reason']}" for s in self.skipped[:20]]
             if len(self.skipped) > 20:
                 lines.append(f"    ... and {len(self.skipped) - 20} more (all listed in the manifest)")
         return "\n".join(lines)
 
+
+
+def _skipped_name(entry: dict[str, Any]) -> str:
+    return entry["path"] if "path" in entry else f"item {entry.get('index')}"
 
 
 def disk_usage(path: Path) -> int:
@@ -74,7 +76,7 @@ def disk_usage(path: Path) -> int:
 class _Job:
     """Everything that determines a conversion's output (and so must match to resume)."""
 
-    source: Source
+    source: Any  # anything with the source interface (dlstore.sources)
     spec: StaticSpec
     shape: tuple[int, int, int] | None
     module: Any
@@ -83,6 +85,8 @@ class _Job:
     on_error: str
     options: dict[str, Any]
     codec: tuple[str, int] = ("raw", 0)
+    # Largest label met and whether -1 was met: names the classes of a source without names.
+    labels_seen: list[int] = field(default_factory=lambda: [-1, 0])
 
     @property
     def record_shape(self) -> tuple[int, int, int] | None:
@@ -92,52 +96,94 @@ class _Job:
     @functools.cached_property
     def _fingerprint(self) -> dict[str, Any]:
         # Computed once: it hashes the whole file listing, and every checkpoint records it.
-        listing = hashlib.sha256()
-        for path, label in self.source.samples:
-            listing.update(f"{os.path.relpath(path, self.source.root)}\0{label}\n".encode("utf-8", "surrogateescape"))
         return {
             "format": self.module.FORMAT, "format_version": self.module.FORMAT_VERSION,
             "static": self.spec, "decode": self.decode, "on_error": self.on_error, "codec": list(self.codec),
             "options": {k: v for k, v in sorted(self.options.items())},
-            "source_root": os.path.abspath(self.source.root), "source_files": len(self.source),
-            "source_listing": listing.hexdigest(),
+            **self.source.fingerprint(),
         }
+
+    def classes(self) -> list[str]:
+        """Class names: the source's, or ``"0"``.. up to the largest label met (a source without names)."""
+        if self.source.classes is not None:
+            return list(self.source.classes)
+        top, unlabelled = self.labels_seen
+        if top >= 0 and unlabelled:
+            raise SourceError(f"{self.source.root}: some items have a label and others none (-1); "
+                              "label every item or none")
+        return [str(k) for k in range(top + 1)]
 
     def fingerprint(self) -> dict[str, Any]:
         """What must match for ``--resume`` to continue this job (JSON-able)."""
         return self._fingerprint
 
 
-def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, str]], bar: Any,
+def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, Any]], bar: Any,
           on_file_done: Callable[[int], None] | None = None,
           check: Callable[[], None] | None = None) -> None:
-    """Decode ``job.source.samples[start:]`` in order and add them to ``writer``.
+    """Load items ``start:`` of ``job.source`` in order, apply the static ops, add them to ``writer``.
 
     ``on_file_done(pos)`` runs when the writer completes a data file (checkpoints);
-    ``check()`` runs every few hundred files and may raise to stop (distributed aborts).
+    ``check()`` runs every few hundred items and may raise to stop (distributed aborts).
     """
     source = job.source
-    # One walk over the listing, shared by the decoder (which reads a bounded window ahead)
+    n_classes = None if source.classes is None else len(source.classes)
+    seen = job.labels_seen
+    # One walk over the keys, shared by the decoder (which reads a bounded window ahead)
     # and the writer loop; tee buffers only that window.
-    todo, ahead = itertools.tee(itertools.islice(source.samples, start, None))
-    results = _decoded((p for p, _ in ahead), job.spec, job.decode, job.codec, job.workers)
-    for pos, ((path, label), result) in enumerate(zip(todo, results), start=start):
+    todo, ahead = itertools.tee(source.item_keys(start))
+    chunk = _CHUNK if source.origin_kind == "path" else _CHUNK_IN_MEMORY
+    results = _decoded(ahead, source.loader(job.decode), job.spec, job.codec, job.workers, chunk)
+    for pos, (key, result) in enumerate(zip(todo, results), start=start):
+        if not isinstance(result, str):
+            record, label = result
+            if job.record_shape is not None and tuple(record.shape) != job.record_shape:
+                raise DecodeError(source.where(key), f"static spec produced shape {tuple(record.shape)}, expected "
+                                                     f"{job.shape} (every item must have one shape: add a "
+                                                     "resize + center_crop to the static ops)")
+            if n_classes is None:
+                ok = label >= -1
+            else:
+                ok = 0 <= label < n_classes if n_classes else label == -1
+            if not ok:
+                result = f"label {label} is not a class index (0..{(n_classes or 0) - 1})"
         if isinstance(result, str):
             if job.on_error == "fail":
-                raise DecodeError(path, result + " (use --on-error skip to leave such files out)")
-            skipped.append({"path": os.path.relpath(path, source.root), "reason": result})
-        elif job.record_shape is not None and tuple(result.shape) != job.record_shape:
-            raise DecodeError(path, f"static spec produced shape {tuple(result.shape)}, "
-                                    f"expected {job.shape}")
-        elif writer.add(result, label) and on_file_done is not None:
-            on_file_done(pos + 1)
+                raise DecodeError(source.where(key), result + " (pass on_error=\"skip\" (--on-error skip) to leave such items out)")
+            origin = source.origin(key)
+            skipped.append({"path" if source.origin_kind == "path" else "index": origin, "reason": result})
+        else:
+            if label > seen[0]:
+                seen[0] = label
+            elif label == -1:
+                seen[1] = 1
+            if writer.add(record, label) and on_file_done is not None:
+                on_file_done(pos + 1)
         bar.update(1)
         if check is not None and pos % 256 == 255:
             check()
 
 
-def _finish(job: _Job, writer: Any, count: int, skipped: list[dict[str, str]], *, files: int) -> dict[str, Any]:
-    """Complete ``writer`` and write its manifest; return the manifest."""
+def origins_for(source: Any, skipped: list[dict[str, Any]]) -> Origins:
+    """Provenance of the samples a conversion of ``source`` wrote: every item's origin but the skipped ones."""
+    kind = source.origin_kind
+    dropped = {entry["path" if kind == "path" else "index"] for entry in skipped}
+    origins = (source.origin(key) for key in source.item_keys())
+    return Origins.build(kind, (o for o in origins if o not in dropped) if dropped else origins)
+
+
+def _finish(job: _Job, writer: Any, count: int, skipped: list[dict[str, Any]], *, files: int,
+            origins: Origins | None = None) -> dict[str, Any]:
+    """Complete ``writer`` and write its manifest; return the manifest.
+
+    ``origins``: the samples' provenance (default: from the job's source, less ``skipped``).
+    """
+    if origins is None:
+        origins = origins_for(job.source, skipped)
+    if len(origins) != count:
+        raise SourceError(f"{job.source.root}: provenance of {len(origins)} samples for {count} written "
+                          "(the source changed during the conversion?)")
+    writer.set_provenance(origins)
     layout = writer.finish()
     manifest = manifest_for(job, count=count, skipped=skipped, files=files, checksums=writer.checksums,
                             layout=layout)
@@ -145,15 +191,14 @@ def _finish(job: _Job, writer: Any, count: int, skipped: list[dict[str, str]], *
     return manifest
 
 
-def manifest_for(job: _Job, *, count: int, skipped: list[dict[str, str]], files: int,
+def manifest_for(job: _Job, *, count: int, skipped: list[dict[str, Any]], files: int,
                  checksums: dict[str, str], layout: dict[str, Any]) -> dict[str, Any]:
     """The manifest of a store that ``job`` produced (one writer, or assembled from parts)."""
     source, module = job.source, job.module
     return make_manifest(
         format=module.FORMAT, format_version=module.FORMAT_VERSION, count=count, shape=job.record_shape,
-        classes=source.classes, static=job.spec, encoding=job.codec[0], decoded_shape=job.shape,
+        classes=job.classes(), static=job.spec, encoding=job.codec[0], decoded_shape=job.shape,
         quality=job.codec[1] if job.codec[0] == "jpeg" else None,
-        source={"root": os.path.abspath(source.root), "files": files, "skipped": skipped,
-                "empty_classes": source.empty_classes, "decode": job.decode},
+        source={**source.describe(), "files": files, "skipped": skipped, "decode": job.decode},
         checksums=checksums, layout=layout,
     )

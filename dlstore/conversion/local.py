@@ -31,13 +31,15 @@ from ..formats._common import (
     publish,
     remove_path,
     staging_path,
+    write_error,
 )
 from ..formats.encoding import ENCODINGS
+from ..sources import open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS
-from ..sources.folder import Source, scan
 from ..transforms.static import output_shape, parse_static
 from .distributed import active_group, convert_distributed
 from .job import ON_ERROR, ConvertResult, _feed, _finish, _Job, disk_usage
+from .pool import apply_static_any, usable_workers
 
 # --- the conversion ----------------------------------------------------------------------
 
@@ -72,8 +74,20 @@ def _check_writer_options(module: Any, fmt: str, options: dict[str, Any]) -> Non
                             f"{', '.join(valid) or 'none'}")
 
 
+def sample_shape(spec: list[dict[str, Any]], source: Any) -> tuple[int, int, int] | None:
+    """(C, H, W) of every stored sample, or None when it varies (a variable-shape store)."""
+    if source.sample_shape is not None:  # every image has one shape: run the spec on a blank one
+        import torch
+
+        return tuple(apply_static_any(torch.zeros(source.sample_shape, dtype=torch.uint8), spec).shape)
+    shape = output_shape(spec)
+    if shape is None or any(op["op"] == "grayscale" for op in spec):
+        return shape
+    return (source.channels, shape[1], shape[2])
+
+
 def convert(
-    src: str | os.PathLike,
+    src: Any,
     dst: str | os.PathLike,
     *,
     store_format: str | None = None,
@@ -90,12 +104,27 @@ def convert(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     distributed: bool | None = None,
+    root: str | os.PathLike | None = None,
+    image_key: str | int | None = None,
+    label_key: str | int | None = None,
     **format_options: Any,
 ) -> ConvertResult:
-    """Convert an image folder (torchvision ImageFolder layout) into a store.
+    """Convert a source of images into a store.
+
+    Sample ``i`` of the store is item ``i`` of the source after the static ops
+    (torchvision's kernels, on what the source yields), whatever ``workers`` is.
 
     Args:
-        src: the image folder (``ROOT/CLASS/IMAGE``, or a flat folder: unlabelled).
+        src: what to convert (see ``dlstore.sources``):
+
+            * an image folder (``ROOT/CLASS/IMAGE``, or a flat folder: unlabelled),
+              in ``ImageFolder``'s order, with its ``classes``;
+            * a CSV or JSON-lines file of ``path,label`` rows, paths relative to ``root``;
+            * a map-style dataset yielding ``(image, target)`` (torchvision ``CIFAR10``,
+              ``MNIST``, ``FakeData``, any ``Dataset``) or dicts (Hugging Face; ``image_key``,
+              ``label_key``), the image a PIL image or a uint8 ndarray/tensor;
+            * arrays ``(images, labels)``: uint8 (N, H, W, C), (N, C, H, W) or (N, H, W);
+            * a source object from ``dlstore.sources`` (e.g. ``DatasetSource(ds, fixed_shape=True)``).
         dst: the store to write; its suffix picks the format when ``store_format`` is None
             (``.shards``, ``.lmdb``, ``.h5``/``.hdf5``).
         store_format: ``"shards"``, ``"lmdb"`` or ``"hdf5"`` (``--format`` on the command line).
@@ -124,12 +153,15 @@ def convert(
         distributed: convert on every rank of the initialised ``torch.distributed``
             process group (each rank decodes a contiguous range with its own
             ``workers`` processes; rank 0 scans and assembles; see
-            ``dlstore.distributed``). None (default): when a group of 2+ ranks is
-            initialised; False: this process alone. Every rank must call ``convert``
-            with the same arguments (calling it on one rank only would wait for the
-            others until the group's timeout: pass ``distributed=False`` there); the
-            destination must be on a filesystem all ranks share. ``workers`` defaults to the CPUs divided by the ranks on
+            ``dlstore.distributed``) when True: every rank must then call ``convert``
+            with the same arguments, and the destination must be on a filesystem all
+            ranks share. None (default) or False: this process alone, also inside an
+            initialised group (``if rank == 0: dlstore.convert(...)`` is safe). The
+            command line converts collectively under torchrun. ``workers`` defaults to the CPUs divided by the ranks on
             this node (``LOCAL_WORLD_SIZE``).
+        root: the folder the paths of a list file are relative to (default: the list's folder).
+        image_key, label_key: where a dataset's dict items (or tuple positions) hold the image
+            and the label (default ``"image"`` / ``"label"``, or ``(image, target)`` pairs).
         **format_options: passed to the format's Writer (e.g. HDF5 ``compression``).
 
     Returns:
@@ -146,9 +178,8 @@ def convert(
         raise ArgumentError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     if encoding not in ENCODINGS:
         raise ArgumentError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
-    for name, path in (("src", src), ("dst", dst)):
-        if not isinstance(path, (str, os.PathLike)):
-            raise ArgumentTypeError(f"{name} must be a path (str or os.PathLike), got {type(path).__name__}")
+    if not isinstance(dst, (str, os.PathLike)):
+        raise ArgumentTypeError(f"dst must be a path (str or os.PathLike), got {type(dst).__name__}")
     if max_pixels is not None and (not _is_int(max_pixels) or max_pixels < 1):
         raise ArgumentError(f"max_pixels must be None (no limit) or a positive int, got {max_pixels!r}")
     if not _is_int(quality) or not 1 <= quality <= 100:
@@ -163,12 +194,17 @@ def convert(
     fmt = store_format or formats.format_for_destination(dst)
     module = formats.get_format(fmt)
     spec = parse_static(static)
-    shape = output_shape(spec)
     _check_writer_options(module, fmt, format_options)
     if shard_size is not None and fmt == "shards":   # the other formats have no data files to size
         format_options["shard_size"] = shard_size
     decode = {"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels}
     codec = (encoding, int(quality))
+    if root is not None and not isinstance(root, (str, os.PathLike)):
+        raise ArgumentTypeError(f"root must be a path (str or os.PathLike), got {type(root).__name__}")
+
+    def open_src() -> Any:
+        return open_source(src, root=root, image_key=image_key, label_key=label_key)
+
     group = active_group(distributed)
     if group is not None:
         if workers is None:
@@ -176,20 +212,22 @@ def convert(
             workers = max(1, usable_cpus() // local)
         part_workers = max(0, int(workers))
 
-        def job_for(part: Source) -> _Job:
-            return _Job(source=part, spec=spec, shape=shape, module=module, decode=decode, workers=part_workers,
-                        on_error=on_error, options=format_options, codec=codec)
+        def job_for(part: Any) -> _Job:
+            return _Job(source=part, spec=spec, shape=sample_shape(spec, part), module=module, decode=decode,
+                        workers=usable_workers(part.loader(decode), part_workers, log), on_error=on_error,
+                        options=format_options, codec=codec)
 
-        return convert_distributed(group, src, dst, module=module, job_for=job_for, overwrite=overwrite,
+        return convert_distributed(group, open_src, dst, module=module, job_for=job_for, overwrite=overwrite,
                                    resume=resume, progress=progress, log=log)
     check_destination(dst, overwrite)
-    source = scan(src)
+    source = open_src()
     if source.empty_classes:
         log(f"warning: {len(source.empty_classes)} class folder(s) hold no image and keep their "
             f"label index: {', '.join(source.empty_classes)}")
     workers = usable_cpus() if workers is None else max(0, int(workers))
-    job = _Job(source=source, spec=spec, shape=shape, module=module, decode=decode, workers=workers,
-               on_error=on_error, options=format_options, codec=codec)
+    workers = usable_workers(source.loader(decode), workers, log)
+    job = _Job(source=source, spec=spec, shape=sample_shape(spec, source), module=module, decode=decode,
+               workers=workers, on_error=on_error, options=format_options, codec=codec)
 
     lock = DestinationLock(dst)
     lock.acquire()
@@ -205,17 +243,20 @@ def convert(
         except (DecodeError, SourceError):
             remove_staging(staged)  # bad input: nothing worth resuming
             raise
-        except BaseException:
-            if progress_path(staged).is_file():
+        except BaseException as exc:
+            if progress_path(staged).is_file() and staged.exists():
                 log(f"partial conversion kept in {staged}; run the same command with --resume to continue")
             else:
-                remove_staging(staged)
+                remove_staging(staged)  # (an HDF5 writer removes a file it could not close intact)
+            mapped = write_error(staged, exc) if isinstance(exc, Exception) else None
+            if mapped is not None and mapped is not exc:
+                raise mapped from exc  # a full disk, EFBIG, EIO: named, not a traceback
             raise
         seconds = time.perf_counter() - start
     finally:
         lock.release()
     return ConvertResult(
-        path=dst, store_format=fmt, count=count, classes=source.classes, shape=shape, static=spec,
+        path=dst, store_format=fmt, count=count, classes=job.classes(), shape=job.shape, static=spec,
         nbytes=disk_usage(dst), seconds=seconds, workers=workers, skipped=skipped,
         empty_classes=source.empty_classes,
     )
@@ -239,19 +280,25 @@ def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dic
         raise SourceError(
             f"{staged}: the interrupted conversion used other settings or another source listing; "
             "rerun without --resume to start over (or with the original settings)")
-    log(f"resuming after {checkpoint['source_pos']} of {len(job.source)} files")
+    job.labels_seen[:] = checkpoint.get("labels_seen", job.labels_seen)
+    unit = "files" if job.source.origin_kind == "path" else "items"
+    log(f"resuming after {checkpoint['source_pos']} of {len(job.source)} {unit}")
     return checkpoint
 
 
 def _save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skipped: list) -> None:
-    state = {"job": job.fingerprint(), "source_pos": source_pos, "skipped": skipped,
+    state = {"job": job.fingerprint(), "source_pos": source_pos, "skipped": skipped, "labels_seen": job.labels_seen,
              "writer": writer.checkpoint()}
     path = progress_path(staged)
     tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(state, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # (a full disk): the previous checkpoint stays valid
+        raise
     os.replace(tmp, path)
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import collections
 import itertools
 import multiprocessing
+import pickle
 import signal
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
 from concurrent.futures.process import BrokenProcessPool
@@ -17,14 +18,22 @@ import numpy as np
 from ..errors import ConversionInterrupted, DecodeError
 from ..formats.encoding import encode
 from ..sources.decode import pil_loader
-from ..transforms.static import StaticSpec, apply_static
+from ..transforms.static import StaticSpec, apply_static_any
 
-_CHUNK = 8  # files per task: amortises inter-process overhead, keeps ordering latency low
+_CHUNK = 8  # items per task: amortises inter-process overhead, keeps ordering latency low
+_CHUNK_IN_MEMORY = 64  # an in-memory item (dataset, array) costs far less than a file: bigger tasks
 
 
 # --- decoding, in worker processes -------------------------------------------------------
 
-def _init_worker() -> None:
+# The item loader of this worker process (a source's ``loader(decode)``), set once by the pool's
+# initializer: with ``fork`` it is inherited, not pickled, so a dataset is never copied per task.
+_LOADER: Callable[[Any], tuple[Any, int]] | None = None
+
+
+def _init_worker(loader: Callable[[Any], tuple[Any, int]] | None = None) -> None:
+    global _LOADER
+    _LOADER = loader
     # Ctrl-C goes to the whole process group; the parent handles it and stops the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A forked worker inherits the parent's Python SIGTERM handler (the CLI's); the pool stops
@@ -40,22 +49,27 @@ def decode_sample(path: str, spec: StaticSpec, decode: dict[str, Any] | None = N
     ``codec`` is (encoding, quality): for "jpeg"/"png" the result is the encoded
     record (see dlstore.codecs).
     """
-    img = pil_loader(path, **(decode or {}))
+    return _process(pil_loader(path, **(decode or {})), path, spec, codec)
+
+
+def _process(image: Any, where: str, spec: StaticSpec, codec: tuple[str, int]) -> np.ndarray:
     try:
-        sample = apply_static(img, spec)
-    except (OSError, ValueError) as exc:
-        raise DecodeError(path, f"static transform failed ({type(exc).__name__}: {exc})") from exc
+        sample = apply_static_any(image, spec)
+    except (OSError, ValueError, RuntimeError, TypeError) as exc:
+        raise DecodeError(where, f"static transform failed ({type(exc).__name__}: {exc})") from exc
     encoding, quality = codec
     return sample if encoding == "raw" else encode(sample, encoding, quality=quality)
 
 
-def _decode_chunk(paths: list[str], spec: StaticSpec, decode: dict[str, Any],
-                  codec: tuple[str, int]) -> list[np.ndarray | str]:
-    """Decoded arrays, or the error text for files that failed (the parent decides what to do)."""
-    out: list[np.ndarray | str] = []
-    for path in paths:
+def _decode_chunk(keys: list[Any], spec: StaticSpec, codec: tuple[str, int],
+                  loader: Callable[[Any], tuple[Any, int]] | None = None) -> list[tuple[np.ndarray, int] | str]:
+    """(record, label) per item, or the error text for items that failed (the parent decides)."""
+    load = loader or _LOADER
+    out: list[tuple[np.ndarray, int] | str] = []
+    for key in keys:
         try:
-            out.append(decode_sample(path, spec, decode, codec))
+            image, label = load(key)
+            out.append((_process(image, str(key), spec, codec), label))
         except DecodeError as exc:
             out.append(exc.reason)
     return out
@@ -67,33 +81,51 @@ def _mp_context() -> multiprocessing.context.BaseContext:
     return multiprocessing.get_context("fork" if "fork" in methods else "spawn")
 
 
-def _decoded(paths: Iterable[str], spec: StaticSpec, decode: dict[str, Any], codec: tuple[str, int],
-             workers: int) -> Iterator[np.ndarray | str]:
-    """Yield decode results in the order of ``paths`` (consumed lazily: no list of all chunks)."""
-    source = iter(paths)
-    chunks = iter(lambda: list(itertools.islice(source, _CHUNK)), [])
+def usable_workers(loader: Any, workers: int, log: Callable[[str], None]) -> int:
+    """``workers``, or 0 when the loader cannot reach worker processes (with a warning).
+
+    Workers started by ``fork`` inherit the loader; by ``spawn`` they get a pickled copy,
+    and a dataset holding a lambda or an open file cannot be pickled: such a source is
+    decoded in this process instead of failing (or hanging) in the pool.
+    """
+    if workers <= 1 or _mp_context().get_start_method() == "fork":
+        return workers
+    try:
+        pickle.dumps(loader)
+    except Exception as exc:  # noqa: BLE001 - pickling user objects fails in many ways
+        log(f"warning: the source cannot be sent to worker processes ({type(exc).__name__}: {exc}); "
+            "decoding in this process instead (workers=0). Make the dataset picklable to use workers.")
+        return 0
+    return workers
+
+
+def _decoded(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]], spec: StaticSpec,
+             codec: tuple[str, int], workers: int, chunk_size: int = _CHUNK) -> Iterator[tuple[np.ndarray, int] | str]:
+    """Yield load + static results in the order of ``keys`` (consumed lazily: no list of all chunks)."""
+    source = iter(keys)
+    chunks = iter(lambda: list(itertools.islice(source, chunk_size)), [])
     # Import the decode-side torchvision kernels once here: forked workers share them instead
     # of each paying the import (seconds) on its first file.
     import torchvision.transforms.v2.functional  # noqa: F401
     if workers <= 1:
         for chunk in chunks:
-            yield from _decode_chunk(chunk, spec, decode, codec)
+            yield from _decode_chunk(chunk, spec, codec, loader)
         return
     window = 4 * workers
-    pool = ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=_init_worker)
+    pool = ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=_init_worker, initargs=(loader,))
     pending: collections.deque = collections.deque()
     broken = False
     try:
         todo = iter(chunks)
         for chunk in todo:
-            pending.append(pool.submit(_decode_chunk, chunk, spec, decode, codec))
+            pending.append(pool.submit(_decode_chunk, chunk, spec, codec))
             if len(pending) >= window:
                 break
         while pending:
             results = _result(pending.popleft(), pool)
             next_chunk = next(todo, None)
             if next_chunk is not None:
-                pending.append(pool.submit(_decode_chunk, next_chunk, spec, decode, codec))
+                pending.append(pool.submit(_decode_chunk, next_chunk, spec, codec))
             yield from results
     except BrokenProcessPool as exc:
         broken = True

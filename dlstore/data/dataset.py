@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,11 @@ from ..errors import (
     StaticMismatchError,
     StoreCorruptError,
     TransformSpecError,
+    UsageError,
     WrongFormatError,
 )
 from ..formats.encoding import DecodingReader
+from ..sources.origins import OriginPairs
 from ..transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip
 from ..transforms.functional import (
     VECTORISED_MAX_PIXELS,
@@ -87,7 +90,10 @@ class StoreDataset(Dataset):
         *,
         batch_transform: Callable[..., torch.Tensor] | None = None,
         reader_options: dict[str, Any] | None = None,
+        check: str = "none",
     ):
+        if check not in CHECKS:
+            raise ArgumentError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
         if not isinstance(path, (str, os.PathLike)):
             raise ArgumentTypeError(f"{type(self).__name__} takes the path of a store (str or os.PathLike), "
                                     f"got {type(path).__name__}")
@@ -113,7 +119,12 @@ class StoreDataset(Dataset):
                               for name in formats.names())
             raise ArgumentError(f"{self.path}: reader_options {unknown} do not apply to {self.format} stores "
                                 f"(options per format: {valid})")
+        self.check = check
+        if check == "open" and hasattr(module, "check_seal"):
+            _check_sealed(module, self.path)  # before the file reaches the C library (LMDB, HDF5)
         self.reader = module.Reader(self.path, **options)
+        if check == "open" and hasattr(self.reader, "check_files"):
+            self.reader.check_files = True   # shards: each file's sha256, when first mapped
         self.manifest: dict[str, Any] = self.reader.manifest
         if self.manifest["sample"]["encoding"] != "raw":  # JPEG/PNG records, decoded with PIL on read
             self.reader = DecodingReader(self.reader)
@@ -159,14 +170,48 @@ class StoreDataset(Dataset):
             if rest and isinstance(rest[0], BatchRandomHorizontalFlip):
                 self._fused_flip = rest.pop(0)
         self._batch_rest = rest
-        self._scratch: tuple[tuple, np.ndarray] | None = None   # padded buffer of the vectorised gather
+        # Loader threads (dlstore.loader(threads=...)) call get_batch at once: each thread has
+        # its own padded buffer of the vectorised gather, and the pool's check-and-take is locked.
+        self._local = threading.local()                           # .scratch: see crop_flip_windows
         self._pool: list[np.ndarray] = []                          # batch buffers, see _new_batch
+        self._pool_lock = threading.Lock()
+        self._pool_size = _POOL_SIZE   # a ThreadLoader raises it to cover the batches it keeps in flight
+
+    @property
+    def origins(self) -> Any:
+        """Where each sample came from (``Origins``: a path relative to the source root, or the
+        source index); read from the store on first use."""
+        origins = self.__dict__.get("_origins")
+        if origins is None:
+            origins = getattr(self.reader, "raw", self.reader).origins()
+            if origins is None:
+                raise UsageError(f"{self.path}: this store records no provenance (converted by an older "
+                                 "dlstore); convert it again to get samples/imgs")
+            self.__dict__["_origins"] = origins
+        return origins
+
+    @property
+    def samples(self) -> Sequence[tuple[str | int, int]]:
+        """``(path, target)`` of every sample, as ``ImageFolder.samples``: the source file (its path
+        under the source root recorded at conversion), or the source index for datasets and arrays."""
+        root = self.manifest["source"].get("root")
+        return OriginPairs(self.origins, self._labels, root if isinstance(root, str) else None)
+
+    @property
+    def imgs(self) -> Sequence[tuple[str | int, int]]:
+        """Same as ``samples`` (ImageFolder's older name)."""
+        return self.samples
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_scratch"] = None    # scratch memory is per process, never pickled to workers
+        del state["_local"], state["_pool_lock"]   # scratch memory is per process, never pickled
         state["_pool"] = []
         return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self._local = threading.local()
+        self._pool_lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._labels)
@@ -175,11 +220,12 @@ class StoreDataset(Dataset):
         n = len(self._labels)
         if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
             raise ArgumentTypeError(f"{self.path}: sample index must be an int, got {type(i).__name__} {i!r}")
-        i = int(i)
-        if i < 0:
+        given = i = int(i)
+        if i < 0:  # Python sequence semantics: -1 is the last sample (readers take 0..n-1 only)
             i += n
         if not 0 <= i < n:
-            raise SampleIndexError(f"index {i} out of range for a store of {n} samples")
+            raise SampleIndexError(f"{self.path}: index {given} out of range for a dataset of {n} samples "
+                                   f"(valid: -{n}..{n - 1})")
         return i
 
     def _indices(self, indices: Sequence[int]) -> np.ndarray:
@@ -304,8 +350,9 @@ class StoreDataset(Dataset):
         flips = flip.sample((b, c, th, tw), generator=generator)["flip"].numpy() if flip is not None \
             else np.zeros(b, dtype=bool)
         if th * tw <= VECTORISED_MAX_PIXELS and hasattr(self.reader, "get_batch"):
-            batch, self._scratch = crop_flip_windows(self.reader.get_batch, idx, self.shape, (th, tw), tops, lefts,
-                                                     flips, padding, fill, self._scratch)
+            batch, self._local.scratch = crop_flip_windows(self.reader.get_batch, idx, self.shape, (th, tw), tops,
+                                                           lefts, flips, padding, fill,
+                                                           getattr(self._local, "scratch", None))
             return batch
         out = self._new_batch((b, c, th, tw))
         crop_flip_loop(self.reader.get_many(idx.tolist()), out.numpy(), tops, lefts, flips, padding, fill)
@@ -328,19 +375,20 @@ class StoreDataset(Dataset):
         nbytes = int(np.prod(shape))
         if nbytes < _POOL_MIN_BYTES:
             return torch.empty(shape, dtype=torch.uint8)
-        pool = self._pool
-        for k in range(len(pool)):
-            # references: the list and getrefcount's argument. Any more: a batch tensor (or a
-            # view of one) handed out earlier still uses this memory.
-            if pool[k].nbytes == nbytes and sys.getrefcount(pool[k]) <= 2:
-                buf = pool.pop(k)
-                pool.append(buf)                             # most recently used last
-                return torch.from_numpy(buf.reshape(shape))
-        if len(pool) >= _POOL_SIZE:
-            pool.pop(0)                                      # forget the oldest; its user keeps it
-        buf = np.empty(nbytes, dtype=np.uint8)
-        pool.append(buf)
-        return torch.from_numpy(buf.reshape(shape))
+        with self._pool_lock:   # two loader threads must not both take the same free buffer
+            pool = self._pool
+            for k in range(len(pool)):
+                # references: the list and getrefcount's argument. Any more: a batch tensor (or a
+                # view of one) handed out earlier still uses this memory.
+                if pool[k].nbytes == nbytes and sys.getrefcount(pool[k]) <= 2:
+                    buf = pool.pop(k)
+                    pool.append(buf)                             # most recently used last
+                    return torch.from_numpy(buf.reshape(shape))
+            if len(pool) >= self._pool_size:
+                pool.pop(0)                                      # forget the oldest; its user keeps it
+            buf = np.empty(nbytes, dtype=np.uint8)
+            pool.append(buf)
+            return torch.from_numpy(buf.reshape(shape))
 
     def __repr__(self) -> str:
         shape = "x".join(map(str, self.shape)) if self.shape else "variable"
@@ -377,6 +425,7 @@ def open_dataset(
     *,
     batch_transform: Callable[..., torch.Tensor] | None = None,
     reader_options: dict[str, Any] | None = None,
+    check: str = "none",
 ) -> StoreDataset:
     """Open a store written by ``dlstore convert`` as a map-style Dataset of the matching class.
 
@@ -394,6 +443,13 @@ def open_dataset(
         reader_options: passed to the format's Reader: ``{"readahead": False}`` for
             LMDB (default: on when the store is under half the RAM),
             ``{"chunk_cache_bytes": N}`` for HDF5.
+        check: integrity check on read. ``"none"`` (default): reads trust the files
+            (``dlstore verify`` checks them). ``"open"``: each shards data file's
+            sha256 is checked the first time this process maps it; an LMDB or HDF5
+            data file is checked against its seal before the library sees it (which
+            also keeps damaged metadata from crashing or hanging LMDB/HDF5). A
+            mismatch raises StoreCorruptError naming the file and its samples. See
+            docs/robustness.md for the cost.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
@@ -406,7 +462,21 @@ def open_dataset(
                                 f"{type(path).__name__}")
     cls = _CLASSES[formats.detect_format(path)]
     return cls(path, transform=transform, target_transform=target_transform, batch_transform=batch_transform,
-               reader_options=reader_options)
+               reader_options=reader_options, check=check)
+
+
+CHECKS = ("none", "open")
+
+
+def _check_sealed(module: Any, path: Path) -> None:
+    """check="open" on an LMDB/HDF5 store: its data file against its seal, or StoreCorruptError."""
+    data, problem = module.check_seal(path)
+    if problem == "unsealed":
+        raise StoreCorruptError(f"{data}: has no seal (written before dlstore sealed stores), so "
+                                "check='open' cannot check it; run dlstore verify on it, or convert it again")
+    if problem is not None:
+        raise StoreCorruptError(f"{data}: damaged (every sample it holds is suspect): {problem}; "
+                                "convert again or restore a copy")
 
 
 def _check_static(path: Path, manifest: dict[str, Any], hybrid: HybridTransform) -> None:

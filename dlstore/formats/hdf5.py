@@ -45,6 +45,7 @@ to choose.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 from array import array
@@ -62,7 +63,21 @@ from ..errors import (
     StoreNotFoundError,
     VariableShapeError,
 )
-from ._common import ForkSafe, PartialRows, batch_out
+from ..sources.origins import Origins
+from ._common import (
+    SEAL_BLOCK,
+    SPACE_MARGIN,
+    ForkSafe,
+    PartialRows,
+    batch_out,
+    check_index,
+    check_indices,
+    check_userblock_seal,
+    ensure_space,
+    free_bytes,
+    seal_userblock,
+    write_error,
+)
 from .manifest import loads as load_manifest_text
 from .manifest import validate
 
@@ -121,6 +136,7 @@ class Hdf5Writer:
         self._hash = hashlib.sha256()
         self._count = 0
         self._written = 0
+        self._broken = False  # a write failed: the file cannot be closed as it is (see _writing)
         # labels of written samples, saved at checkpoints beside the file (the store itself gets
         # its `labels` dataset at the end); shapes need no such file: /shapes is written as it goes
         self._partial_labels = PartialRows(self.path.with_name(self.path.name + ".labels.partial"), 1)
@@ -135,7 +151,8 @@ class Hdf5Writer:
             if self.path.exists():
                 raise StoreExistsError(f"{self.path}: staging file already exists (left by another writer?); "
                                        "remove it first")
-            self._file: h5py.File | None = h5py.File(self.path, "w", libver=LIBVER)
+            # a user block holds the whole-file seal, written after the file is complete
+            self._file: h5py.File | None = h5py.File(self.path, "w", libver=LIBVER, userblock_size=SEAL_BLOCK)
             self._images, self._shapes = self._create_datasets(compression_level)
         else:  # reopen the file of an interrupted conversion (resume)
             try:
@@ -208,9 +225,10 @@ class Hdf5Writer:
 
         Only called right after ``add`` returned True, so nothing is buffered.
         """
-        self._file.flush()
-        with open(self.path, "rb+") as f:
-            os.fsync(f.fileno())
+        with self._writing():
+            self._file.flush()
+            with open(self.path, "rb+") as f:
+                os.fsync(f.fileno())
         self._partial_labels.append(self.labels, self._written)
         return {"rows": self._written}
 
@@ -248,10 +266,33 @@ class Hdf5Writer:
         writer._count = writer._written = rows
         return writer
 
+    # A full disk: HDF5 (2.0, h5py 3.16) cannot recover from a failed write. Its metadata
+    # cache then fails to flush at close, and the library crashes (SIGSEGV) when it tries
+    # again at exit. So each block is written only when the free space holds it
+    # (ensure_space: the file stays as the last checkpoint left it, and a resume continues
+    # it), and a file whose write failed anyway (the disk filled from elsewhere) is emptied
+    # before it is closed and then removed (see close).
+    @contextlib.contextmanager
+    def _writing(self, nbytes: int = 0):
+        try:
+            yield
+        except OSError as exc:
+            self._broken = True
+            mapped = write_error(self.path, exc, nbytes=nbytes)
+            if mapped is None:
+                raise
+            raise mapped from exc
+
     def _flush(self) -> None:
         k = self._count - self._written
         if k == 0:
             return
+        nbytes = k * self.sample_bytes if self.shape is not None else self._pending_bytes + 16 * k
+        ensure_space(self.path, nbytes)
+        with self._writing(nbytes):
+            self._write_block(k)
+
+    def _write_block(self, k: int) -> None:
         start, end = self._written, self._count
         self._images.resize(end, axis=0)
         if self.shape is not None:
@@ -273,7 +314,9 @@ class Hdf5Writer:
         self._flush()
         self._partial_labels.remove()
         labels = np.asarray(self.labels, dtype=INT_DTYPE)
-        self._file.create_dataset("labels", data=labels)
+        ensure_space(self.path, labels.nbytes + self.shapes.itemsize * len(self.shapes))
+        with self._writing(labels.nbytes):
+            self._file.create_dataset("labels", data=labels)
         self.checksums["samples"] = self._hash.hexdigest()
         self.checksums["labels"] = hashlib.sha256(labels.tobytes()).hexdigest()
         hashed = {"samples": "every sample's CHW bytes (images[i]) concatenated in sample order",
@@ -291,22 +334,55 @@ class Hdf5Writer:
             self.checksums["shapes"] = hashlib.sha256(shapes.tobytes()).hexdigest()
             hashed["shapes"] = "shapes as int64 little-endian bytes"
             layout["shapes"] = "shapes"
+        origins = getattr(self, "origins", None)
+        if origins is not None:  # /provenance/indices, or /provenance/offsets + /provenance/blob
+            arrays = origins.arrays()
+            with self._writing(sum(a.nbytes for a in arrays.values())):
+                group = self._file.create_group("provenance")
+                for name, values in arrays.items():
+                    group.create_dataset(name, data=values)
+            layout["provenance"] = {"kind": origins.kind, "group": "provenance"}
         layout["hashed"] = hashed
         return layout
 
+    def set_provenance(self, origins: Origins) -> None:
+        """Where each sample came from (``sources.origins``), written by ``finish``."""
+        self.origins = origins
+
     def write_manifest(self, text: str) -> None:
-        self._file.attrs[MANIFEST_ATTR] = text
-        self._file.flush()
-        self._file.close()
+        ensure_space(self.path, len(text.encode("utf-8")))
+        with self._writing(len(text)):
+            self._file.attrs[MANIFEST_ATTR] = text
+            self._file.flush()
+            self._file.close()
         self._file = None
         with open(self.path, "rb+") as f:
             os.fsync(f.fileno())
+        seal_userblock(self.path)
 
     def close(self) -> None:
-        """Close the file; safe after write_manifest() and after an error."""
-        if self._file is not None:
-            self._file.close()
-            self._file = None
+        """Close the file; safe after write_manifest() and after an error.
+
+        After a failed write (or with the disk too full for HDF5 to flush its metadata)
+        the file is emptied first, so that HDF5 can close it, and then removed: it cannot
+        be resumed (see ``_writing``).
+        """
+        if self._file is None:
+            return
+        free = free_bytes(self.path)
+        # (closing writes little: what changed since the last flush, which ensure_space kept
+        # to nothing when it refused a block; a quarter of the margin covers the superblock)
+        if self._broken or (free is not None and free < SPACE_MARGIN // 4):
+            os.truncate(self.path, 0)
+            try:
+                self._file.close()
+            finally:
+                self._file = None
+                self.path.unlink(missing_ok=True)
+                self._partial_labels.remove()
+            return
+        self._file.close()
+        self._file = None
 
 
 # --- reading -------------------------------------------------------------------------------
@@ -318,6 +394,11 @@ def _open_file(path: Path, **cache: Any) -> h5py.File:
         raise StoreNotFoundError(f"{path}: no such store") from None
     except OSError as exc:
         raise StoreCorruptError(f"{path}: not a readable HDF5 file ({exc})") from exc
+
+
+def check_seal(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """(the file, None if its user-block seal matches its bytes, else the problem or "unsealed")."""
+    return Path(path), check_userblock_seal(Path(path))
 
 
 def _manifest_from(f: h5py.File, path: Path) -> dict[str, Any]:
@@ -437,6 +518,16 @@ class Hdf5Reader(ForkSafe):
     def __len__(self) -> int:
         return self.count
 
+    def origins(self) -> Origins | None:
+        """Where each sample came from; None for a store converted before provenance was kept."""
+        spec = self.manifest["layout"].get("provenance")
+        if spec is None:
+            return None
+        with _open_file(self.path) as f:
+            group = f.get("provenance")
+            arrays = {name: group[name][()] for name in group} if isinstance(group, h5py.Group) else {}
+        return Origins.from_arrays(spec.get("kind"), arrays, str(self.path), count=self.count)
+
     def _read_fixed(self, i: int, out: np.ndarray) -> None:
         """Sample ``i`` into ``out`` (a C-contiguous (C, H, W) uint8 array)."""
         try:
@@ -461,9 +552,9 @@ class Hdf5Reader(ForkSafe):
         return flat.reshape(c, h, w)
 
     def get(self, i: int) -> np.ndarray:
-        """Sample ``i`` as a fresh, writable uint8 (C, H, W) array."""
+        """Sample ``i`` (0 <= i < len) as a fresh, writable uint8 (C, H, W) array."""
+        i = check_index(self.path, i, self.count)
         self._ensure_open()
-        i = int(i)
         if self.shape is None:
             return self._read_variable(i)
         out = np.empty(self.shape, dtype=np.uint8)
@@ -472,8 +563,8 @@ class Hdf5Reader(ForkSafe):
 
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
         """Samples ``indices`` in that order, read in file order, each its own array."""
+        indices = check_indices(self.path, indices, self.count).tolist()
         self._ensure_open()
-        indices = [int(i) for i in indices]
         out: list[np.ndarray | None] = [None] * len(indices)
         for k in sorted(range(len(indices)), key=indices.__getitem__):
             if self.shape is None:
@@ -490,7 +581,7 @@ class Hdf5Reader(ForkSafe):
             raise VariableShapeError(f"{self.path}: get_batch needs a fixed-shape store (read samples "
                                      "with get/get_many, or convert with a size-fixing static op)")
         self._ensure_open()
-        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        indices = check_indices(self.path, indices, self.count)
         out = batch_out(out, len(indices), self.shape)
         for k in np.argsort(indices, kind="stable").tolist():
             self._read_fixed(int(indices[k]), out[k])

@@ -48,6 +48,7 @@ needed for neighbours that are not); pass ``readahead=`` to choose.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import weakref
@@ -65,7 +66,17 @@ from ..errors import (
     StoreCorruptError,
     VariableShapeError,
 )
-from ._common import ForkSafe, PartialRows, batch_out
+from ..sources.origins import Origins
+from ._common import (
+    ForkSafe,
+    PartialRows,
+    batch_out,
+    check_index,
+    check_indices,
+    check_sidecar_seal,
+    seal_sidecar,
+    write_error,
+)
 from .manifest import loads as load_manifest_text
 from .manifest import validate
 
@@ -171,6 +182,13 @@ class LmdbWriter:
                 # The transaction was aborted; a bigger map lets the same batch commit.
                 size = self._env.info()["map_size"]
                 self._env.set_mapsize(2 * size + 2 * sum(len(v) for _, v in items))
+            except lmdb.Error as exc:
+                # A full disk shows as "mdb_txn_commit: Input/output error" (a short write).
+                # The transaction is aborted; earlier commits and the checkpoint stay valid.
+                mapped = write_error(self.folder / "data.mdb", exc, nbytes=sum(len(v) for _, v in items))
+                if mapped is None:
+                    raise
+                raise mapped from exc
 
     def _flush(self) -> None:
         if self._pending:
@@ -185,7 +203,13 @@ class LmdbWriter:
 
         Only called right after ``add`` returned True, so nothing is pending.
         """
-        self._env.sync(True)
+        try:
+            self._env.sync(True)
+        except lmdb.Error as exc:
+            mapped = write_error(self.folder / "data.mdb", exc)
+            if mapped is None:
+                raise
+            raise mapped from exc
         rows = self._count
         self._partial_labels.append(self.labels, rows)
         if self.shape is None:
@@ -250,13 +274,27 @@ class LmdbWriter:
             self.checksums["shapes"] = hashlib.sha256(shapes).hexdigest()
             hashed["shapes"] = f"value of key {SHAPES_KEY.decode()}"
             layout["shapes_key"] = SHAPES_KEY.decode()
+        origins = getattr(self, "origins", None)
+        if origins is not None:  # __provenance_indices__ (int64), or __provenance_offsets__ + __provenance_blob__
+            keys = {}
+            for name, values in origins.arrays().items():
+                keys[name] = f"__provenance_{name}__"
+                dtype = INT_DTYPE if values.dtype.kind == "i" else np.uint8
+                items.append((keys[name].encode(), np.asarray(values, dtype=dtype).tobytes()))
+            layout["provenance"] = {"kind": origins.kind, "keys": keys}
         layout["hashed"] = hashed
         self._put(items, append=False)
         return layout
 
+    def set_provenance(self, origins: Origins) -> None:
+        """Where each sample came from (``sources.origins``), written by ``finish``."""
+        self.origins = origins
+
     def write_manifest(self, text: str) -> None:
         self._put([(MANIFEST_KEY, text.encode("utf-8"))], append=False)
         self._env.sync(True)
+        self.close()  # nothing writes data.mdb after this: seal it (see _common, whole-file seals)
+        seal_sidecar(self.folder / "data.mdb")
 
     def close(self) -> None:
         """Close the environment; safe after finish() and after an error."""
@@ -318,7 +356,11 @@ def _shared_env(path: Path, readahead: bool) -> lmdb.Environment:
             raise StoreCorruptError(f"{path}: cannot open the LMDB environment ({exc})") from exc
         # Pages are read through a memory map: one past the end of a truncated file would
         # kill the process with SIGBUS instead of raising, so check the length first.
-        needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        try:
+            needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+        except lmdb.Error as exc:
+            env.close()
+            raise StoreCorruptError(f"{path / 'data.mdb'}: damaged: LMDB reports {exc}") from exc
         if st.st_size < needed:
             env.close()
             raise StoreCorruptError(f"{path}: data.mdb is {st.st_size} bytes but its pages reach {needed}: "
@@ -334,13 +376,35 @@ def _get_required(txn: lmdb.Transaction, key: bytes, path: Path) -> bytes:
     return bytes(value)
 
 
+def check_seal(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """(data file, None if its seal ``data.mdb.sha256`` matches, else the problem or "unsealed")."""
+    data = _env_folder(path) / "data.mdb"
+    return data, check_sidecar_seal(data)
+
+
 def read_manifest(path: Path) -> dict[str, Any]:
     """The validated manifest of the LMDB store at ``path``."""
     path = _env_folder(path)
     env = _shared_env(path, readahead=False)
-    with env.begin() as txn:
-        text = _get_required(txn, MANIFEST_KEY, path)
+    try:
+        with env.begin() as txn:
+            text = _get_required(txn, MANIFEST_KEY, path)
+    except lmdb.Error as exc:
+        raise StoreCorruptError(f"{path / 'data.mdb'}: damaged: LMDB reports {exc}") from exc
     return load_manifest_text(text, f"{path} (key {MANIFEST_KEY.decode()})")
+
+
+def _lmdb_errors_as_damage(method):
+    """LMDB's own errors while reading a published store (MDB_CORRUPTED, MDB_PAGE_NOTFOUND,
+    a bad page type, ...) mean a damaged file: raise them as StoreCorruptError naming it."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except lmdb.Error as exc:
+            raise StoreCorruptError(f"{self.path / 'data.mdb'}: damaged: LMDB reports {exc}; run dlstore verify, "
+                                    "then convert the store again or restore a copy") from exc
+    return wrapper
 
 
 class LmdbReader(ForkSafe):
@@ -358,6 +422,7 @@ class LmdbReader(ForkSafe):
     format = FORMAT
     _handles = ("_env",)
 
+    @_lmdb_errors_as_damage
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
                  readahead: bool | None = None):
         self.path = _env_folder(path)
@@ -409,6 +474,19 @@ class LmdbReader(ForkSafe):
     def __len__(self) -> int:
         return self.count
 
+    def origins(self) -> Origins | None:
+        """Where each sample came from; None for a store converted before provenance was kept."""
+        spec = self.manifest["layout"].get("provenance")
+        if spec is None:
+            return None
+        dtypes = {"indices": np.int64, "offsets": np.int64, "blob": np.uint8}
+        self._ensure_open()
+        with self._env.begin() as txn:
+            arrays = {name: np.frombuffer(_get_required(txn, str(key).encode(), self.path),
+                                          dtype=INT_DTYPE if name != "blob" else np.uint8).astype(dtypes.get(name, np.uint8))
+                      for name, key in dict(spec.get("keys", {})).items()}
+        return Origins.from_arrays(spec.get("kind"), arrays, str(self.path), count=self.count)
+
     def _shape_of(self, i: int) -> tuple[int, int, int]:
         if self.shape is not None:
             return self.shape
@@ -422,8 +500,10 @@ class LmdbReader(ForkSafe):
             raise StoreCorruptError(f"{self.path}: sample {i} (key {sample_key(i).decode()}) is {found}")
         return value
 
+    @_lmdb_errors_as_damage
     def get(self, i: int) -> np.ndarray:
-        """Sample ``i`` as a fresh, writable uint8 (C, H, W) array."""
+        """Sample ``i`` (0 <= i < len) as a fresh, writable uint8 (C, H, W) array."""
+        i = check_index(self.path, i, self.count)
         self._ensure_open()
         shape = self._shape_of(i)
         with self._env.begin(buffers=True) as txn:
@@ -431,12 +511,14 @@ class LmdbReader(ForkSafe):
             value = self._value(txn, i, shape[0] * shape[1] * shape[2])
             return np.frombuffer(value, dtype=np.uint8).reshape(shape).copy()
 
+    @_lmdb_errors_as_damage
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
         """Samples ``indices``, in that order, read in one transaction.
 
         Each sample is its own array (not a view of one batch block), so a sample
         kept by the caller pins only its own memory.
         """
+        indices = check_indices(self.path, indices, self.count).tolist()
         self._ensure_open()
         out = []
         with self._env.begin(buffers=True) as txn:
@@ -446,13 +528,14 @@ class LmdbReader(ForkSafe):
                 out.append(np.frombuffer(value, dtype=np.uint8).reshape(shape).copy())
         return out
 
+    @_lmdb_errors_as_damage
     def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Samples ``indices`` of a fixed-shape store as one (B, C, H, W) array (one transaction)."""
         if self.shape is None:
             raise VariableShapeError(f"{self.path}: get_batch needs a fixed-shape store (read samples "
                                      "with get/get_many, or convert with a size-fixing static op)")
         self._ensure_open()
-        indices = np.asarray(indices, dtype=np.int64).reshape(-1)
+        indices = check_indices(self.path, indices, self.count)
         out = batch_out(out, len(indices), self.shape)
         flat = out.reshape(len(indices), -1)
         nbytes = flat.shape[1]

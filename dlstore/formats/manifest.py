@@ -13,11 +13,18 @@ Every format stores the same JSON document in its native place (shards:
                  # encoded stores ("jpeg"/"png") add "decoded_shape" and "quality"
       "classes": ["n01440764", ...],    # label i is classes[i]; [] when unlabelled (-1)
       "static": [{"op": "resize", ...}], # canonical static spec that produced the samples
-      "source": {"root": "/data/train", "files": 1281167,
+      "source": {"kind": "folder", "root": "/data/train", "files": 1281167,
                  "skipped": [{"path": "n01/x.JPEG", "reason": "..."}]},
+                 # kind: folder | list (+ "list": the CSV/JSON-lines file) | dataset (+ "type")
+                 # | arrays (+ "shape", "layout"); skipped items of datasets/arrays: {"index": i, ...}
       "checksums": {"algorithm": "sha256", "files": {"shard-00000.npy": "ab12..."}},
       "layout": {...}                   # format-specific: file list, counts, ...
+                                        # "provenance": {"kind": "path" | "index", where it is kept}
     }
+
+Provenance (where each sample came from, ``sources.origins``) is kept as plain
+arrays in each format's native place: shards ``provenance-{indices | offsets,
+blob}.npy``; HDF5 group ``/provenance``; LMDB keys ``__provenance_{name}__``.
 
 Nothing in it depends on when or with how many workers the store was written,
 so converting the same folder twice gives the same bytes.

@@ -40,10 +40,13 @@ from ..errors import (
     StoreCorruptError,
     VariableShapeError,
 )
+from ..sources.origins import Origins
 from ._common import (
     ForkSafe,
     PartialRows,
     batch_out,
+    check_index,
+    check_indices,
     safe_member,
     save_npy_synced,
     sha256_file,
@@ -216,12 +219,22 @@ class ShardWriter:
             self._save("index.npy", index)
             layout.update(kind="variable", files=self._files, index="index.npy")
         self._save("labels.npy", np.frombuffer(self.labels, dtype=np.int64))
+        origins = getattr(self, "origins", None)
+        if origins is not None:  # provenance-{indices | offsets, blob}.npy
+            files = {name: f"provenance-{name}.npy" for name in origins.arrays()}
+            for name, values in origins.arrays().items():
+                self._save(files[name], values)
+            layout["provenance"] = {"kind": origins.kind, "files": files}
         self._partial_labels.remove()
         self._partial_index.remove()
         return layout
 
     def _save(self, name: str, array: np.ndarray) -> None:
         self.checksums[name] = save_npy_synced(self.folder / name, array)
+
+    def set_provenance(self, origins: Origins) -> None:
+        """Where each sample came from (``sources.origins``), written by ``finish``."""
+        self.origins = origins
 
     def write_manifest(self, text: str) -> None:
         write_synced(self.folder / MANIFEST_NAME, text.encode("utf-8"))
@@ -334,11 +347,28 @@ class ShardReader(ForkSafe):
         # files it needs, and one damaged file fails only the samples it holds.
         self._maps = [None] * len(self.files)
 
+    check_files = False  # True (open_dataset(check="open")): each file's sha256 checked when first mapped
+
+    def _check_file(self, k: int, f: Path) -> None:
+        expected = self.manifest["checksums"]["files"].get(f.name)
+        try:
+            actual = sha256_file(f)
+        except FileNotFoundError:
+            raise StoreCorruptError(f"{f}: missing data file named in the manifest") from None
+        if actual != expected:
+            held = (f"samples {int(self._starts[k])}..{int(self._starts[k + 1]) - 1}" if self.kind == "fixed"
+                    else "the samples stored in it")
+            raise StoreCorruptError(f"{f}: sha256 mismatch ({actual[:16]}..., the manifest records "
+                                    f"{str(expected)[:16]}...): {held} are damaged; convert again or restore "
+                                    "a copy")
+
     def _map(self, k: int) -> np.ndarray:
         arr = self._maps[k]
         if arr is not None:
             return arr
         f = self.files[k]
+        if self.check_files:
+            self._check_file(k, f)
         if self.kind == "fixed":
             arr = _load_npy(f, mmap=True)
             n = self._counts[k]
@@ -356,11 +386,19 @@ class ShardReader(ForkSafe):
     def __len__(self) -> int:
         return self.count
 
+    def origins(self) -> Origins | None:
+        """Where each sample came from; None for a store converted before provenance was kept."""
+        spec = self.manifest["layout"].get("provenance")
+        if spec is None:
+            return None
+        files = spec.get("files", {}) if isinstance(spec, dict) else {}
+        arrays = {name: _load_npy(safe_member(self.path, file), mmap=False) for name, file in files.items()}
+        return Origins.from_arrays(spec.get("kind"), arrays, str(self.path), count=self.count)
+
     def get(self, i: int) -> np.ndarray:
         """Sample ``i`` as a uint8 (C, H, W) view into the memory map (no copy)."""
         self._ensure_open()
-        if not 0 <= i < self.count:
-            raise SampleIndexError(f"{self.path}: index {i} out of range for a store of {self.count} samples")
+        i = check_index(self.path, i, self.count)
         if self.kind == "fixed":
             if self._uniform:
                 return self._map(i // self.per_shard)[i % self.per_shard]
@@ -379,10 +417,7 @@ class ShardReader(ForkSafe):
         if self.kind != "fixed":
             raise VariableShapeError(f"{self.path}: get_batch needs a fixed-shape store (read samples "
                                      "with get/get_many, or convert with a size-fixing static op)")
-        indices = np.asarray(indices, dtype=np.int64)
-        if len(indices) and (indices.min() < 0 or indices.max() >= self.count):
-            bad = indices[(indices < 0) | (indices >= self.count)][0]
-            raise SampleIndexError(f"{self.path}: index {bad} out of range for a store of {self.count} samples")
+        indices = check_indices(self.path, indices, self.count)
         out = batch_out(out, len(indices), self.shape)
         if self._uniform:
             shard_no = indices // self.per_shard

@@ -1,9 +1,70 @@
-"""Where samples come from: an ImageFolder-exact folder scan, decoding with guards, demo images.
+"""Where samples come from: an ImageFolder-exact folder scan, datasets, arrays, CSV lists; decoding with guards.
+
+Every source presents the interface the conversion consumes, so ``conversion/``
+stays generic::
+
+    kind, root, classes (None: named from the labels), class_to_idx, empty_classes,
+    channels, sample_shape (C, H, W when every image has it, else None),
+    origin_kind ("path" | "index")
+    len(source); source.item_keys(start) -> picklable per-item keys, in order
+    source.loader(decode) -> picklable callable: key -> (image, label)
+                             image: an RGB/L PIL image or a uint8 (C, H, W) tensor
+    source.origin(key) -> provenance (path relative to root, or index)
+    source.where(key) -> the item named in errors
+    source.part(start, stop), source.fingerprint(), source.describe()
 
 Nothing here knows about stores or transforms.
 """
 
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import ArgumentTypeError, SourceError
+from .arrays import ArraySource
+from .dataset import DatasetSource
 from .decode import DEFAULT_MAX_PIXELS, pil_loader
 from .folder import IMG_EXTENSIONS, UNLABELLED, Source, find_classes, scan
+from .listfile import LIST_SUFFIXES, read_list
 
-__all__ = ["DEFAULT_MAX_PIXELS", "IMG_EXTENSIONS", "UNLABELLED", "Source", "find_classes", "pil_loader", "scan"]
+__all__ = ["DEFAULT_MAX_PIXELS", "IMG_EXTENSIONS", "UNLABELLED", "ArraySource", "DatasetSource", "Source",
+           "find_classes", "open_source", "pil_loader", "read_list", "scan"]
+
+
+def is_source(obj: Any) -> bool:
+    """True for an object that already presents the source interface."""
+    return all(hasattr(obj, name) for name in ("item_keys", "loader", "origin", "part", "fingerprint", "describe"))
+
+
+def open_source(src: Any, *, root: str | os.PathLike | None = None, image_key: str | int | None = None,
+                label_key: str | int | None = None) -> Any:
+    """The source ``src`` names: a folder, a CSV/JSON-lines list, ``(images, labels)``, or a dataset.
+
+    Raises:
+        SourceError: a path that is neither a folder nor a list file.
+        ArgumentTypeError: an object of another kind.
+    """
+    if is_source(src):
+        return src
+    if isinstance(src, (str, os.PathLike)):
+        path = Path(src)
+        if path.is_dir():
+            if root is not None:
+                raise SourceError(f"{src}: root= is for a list file; a folder is its own root")
+            return scan(path)
+        if path.is_file() and path.suffix.lower() in LIST_SUFFIXES:
+            return read_list(path, root)
+        if path.is_file():
+            raise SourceError(f"{src}: not a folder nor a list file ({', '.join(LIST_SUFFIXES)})")
+        return scan(path)  # raises SourceError naming the missing folder
+    if isinstance(src, tuple) and len(src) == 2 and hasattr(src[0], "shape") and hasattr(src[0], "dtype"):
+        return ArraySource(src[0], src[1])
+    if hasattr(src, "shape") and hasattr(src, "dtype"):
+        return ArraySource(src)
+    if hasattr(src, "__getitem__") and hasattr(src, "__len__") and not isinstance(src, (str, bytes, dict)):
+        return DatasetSource(src, image_key=image_key, label_key=label_key)
+    raise ArgumentTypeError(
+        f"cannot convert a {type(src).__name__}: give an image folder, a CSV/JSON-lines list of path,label "
+        "(with root=), a map-style dataset yielding (image, target), or arrays (images, labels)")

@@ -19,16 +19,20 @@ This module knows nothing about stores.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import os
 from array import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
+from PIL import Image
 
 from ..errors import SampleIndexError, SourceError
+from .decode import pil_loader
 
 # Same tuple as torchvision.datasets.folder.IMG_EXTENSIONS (a test keeps them in sync).
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -153,15 +157,39 @@ class SampleList(Sequence):
         return f"SampleList({len(self)} files under {self.root!r})"
 
 
+class FileLoader:
+    """Loads the item ``(path, label)`` of a file source: ``(pil_loader(path), label)``.
+
+    Picklable (it holds only the decode options), so worker processes get it cheaply.
+    """
+
+    def __init__(self, decode: dict[str, Any] | None = None):
+        self.decode = dict(decode or {})
+
+    def __call__(self, key: tuple[str, int]) -> tuple[Image.Image, int]:
+        path, label = key
+        return pil_loader(path, **self.decode), label
+
+
 @dataclass
 class Source:
-    """A scanned image folder: what will become the samples of a store, in order."""
+    """A scanned image folder: what will become the samples of a store, in order.
+
+    Implements the source interface the conversion consumes (see ``dlstore.sources``):
+    items are ``(path, label)`` pairs, provenance is the path relative to ``root``.
+    """
 
     root: str
     classes: list[str]
     class_to_idx: dict[str, int]
     samples: Sequence[tuple[str, int]]  # a SampleList from scan()
     empty_classes: list[str] = field(default_factory=list)
+    kind: str = "folder"
+    list_file: str | None = None  # the CSV/JSON-lines list a "list" source was read from
+
+    origin_kind = "path"  # provenance: path relative to root
+    channels = 3  # pil_loader converts every file to RGB
+    sample_shape = None  # files differ in size
 
     @property
     def labelled(self) -> bool:
@@ -169,6 +197,34 @@ class Source:
 
     def __len__(self) -> int:
         return len(self.samples)
+
+    def item_keys(self, start: int = 0) -> Iterator[tuple[str, int]]:
+        return itertools.islice(self.samples, start, None)
+
+    def loader(self, decode: dict[str, Any] | None = None) -> FileLoader:
+        return FileLoader(decode)
+
+    def origin(self, key: tuple[str, int]) -> str:
+        return os.path.relpath(key[0], self.root)
+
+    def where(self, key: tuple[str, int]) -> str:
+        return key[0]
+
+    def part(self, start: int, stop: int) -> Source:
+        return replace(self, samples=self.samples[start:stop])
+
+    def fingerprint(self) -> dict[str, Any]:
+        listing = hashlib.sha256()
+        for path, label in self.samples:
+            listing.update(f"{os.path.relpath(path, self.root)}\0{label}\n".encode("utf-8", "surrogateescape"))
+        return {"source_root": os.path.abspath(self.root), "source_files": len(self),
+                "source_listing": listing.hexdigest()}
+
+    def describe(self) -> dict[str, Any]:
+        out = {"kind": self.kind, "root": os.path.abspath(self.root), "empty_classes": self.empty_classes}
+        if self.list_file is not None:
+            out["list"] = self.list_file
+        return out
 
 
 def scan(root: str | os.PathLike) -> Source:

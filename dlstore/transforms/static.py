@@ -5,6 +5,10 @@ A spec is a list of plain dicts, stored in every manifest::
     [{"op": "resize", "size": 256, "interpolation": "bilinear", "antialias": True, "max_size": None},
      {"op": "center_crop", "size": [224, 224]}]
 
+``resize_max=N`` downscales so the longer side is at most N and never upscales
+(FFCV's ``max_resolution``): it keeps large photos from being stored at full
+decoded size when the training pipeline starts with a random crop.
+
 It can be written three ways, all normalised to the same canonical list:
 
 * the CLI string ``"resize=256,center_crop=224"`` (or a JSON list);
@@ -16,6 +20,8 @@ It can be written three ways, all normalised to the same canonical list:
 that ``pil_loader`` returns, then converts to a uint8 CHW array exactly as
 ``v2.PILToTensor`` does; the stored sample is therefore bit-identical to
 ``v2.Compose([same ops, v2.PILToTensor()])(pil_loader(path))``.
+``apply_static_any`` does the same on a uint8 (C, H, W) tensor (array and
+tensor sources).
 
 Random ops are refused: a random op in a static spec would freeze one random
 draw into the data for ever, so every epoch would see the same "augmentation".
@@ -36,7 +42,7 @@ StaticSpec = list[dict[str, Any]]
 
 INTERPOLATIONS = ("nearest", "nearest-exact", "bilinear", "bicubic", "box", "hamming", "lanczos")
 PADDING_MODES = ("constant", "edge", "reflect", "symmetric")
-STATIC_OPS = ("resize", "center_crop", "grayscale", "pad")
+STATIC_OPS = ("resize", "resize_max", "center_crop", "grayscale", "pad")
 
 # Ops with no place in a static spec, with the reason shown to the user.
 _RANDOM_HINT = (
@@ -66,6 +72,13 @@ def _size_pair(value: Any, op: str) -> list[int]:
     return pair
 
 
+def _interpolation(value: Any, op: str) -> str:
+    value = getattr(value, "value", value)  # InterpolationMode
+    if value not in INTERPOLATIONS:
+        raise TransformSpecError(f"{op}: unknown interpolation {value!r}; valid: {', '.join(INTERPOLATIONS)}")
+    return value
+
+
 def _canonical_op(entry: Any) -> dict[str, Any]:
     """One op dict with every field present, validated, in JSON-able types."""
     if not isinstance(entry, dict) or "op" not in entry:
@@ -84,18 +97,22 @@ def _canonical_op(entry: Any) -> dict[str, Any]:
             canon_size = _size_pair(size, op)[0]
         else:
             canon_size = _size_pair(size, op)
-        interpolation = take("interpolation", "bilinear")
-        interpolation = getattr(interpolation, "value", interpolation)  # InterpolationMode
-        if interpolation not in INTERPOLATIONS:
-            raise TransformSpecError(
-                f"resize: unknown interpolation {interpolation!r}; valid: {', '.join(INTERPOLATIONS)}"
-            )
+        interpolation = _interpolation(take("interpolation", "bilinear"), op)
         antialias = take("antialias", True)
         max_size = take("max_size", None)
         if antialias is None:
             antialias = True  # torchvision v2's default for PIL input
         out = {"op": op, "size": canon_size, "interpolation": interpolation,
                "antialias": bool(antialias), "max_size": None if max_size is None else int(max_size)}
+    elif op == "resize_max":
+        size = take("size", None)
+        if isinstance(size, (list, tuple)) and len(size) == 1:
+            size = size[0]
+        if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
+            raise TransformSpecError(f"resize_max: size must be a positive int (the longer side), got {size!r}")
+        antialias = take("antialias", True)
+        out = {"op": op, "size": size, "interpolation": _interpolation(take("interpolation", "bilinear"), op),
+               "antialias": True if antialias is None else bool(antialias)}
     elif op == "center_crop":
         out = {"op": op, "size": _size_pair(take("size", None), op)}
     elif op == "grayscale":
@@ -142,6 +159,9 @@ def _from_torchvision(t: Any) -> StaticSpec:
     if name == "Resize":
         return [_canonical_op({"op": "resize", "size": t.size, "interpolation": t.interpolation,
                                "antialias": t.antialias, "max_size": t.max_size})]
+    if name == "ResizeMax":
+        return [_canonical_op({"op": "resize_max", "size": t.size, "interpolation": t.interpolation,
+                               "antialias": t.antialias})]
     if name == "CenterCrop":
         return [_canonical_op({"op": "center_crop", "size": list(t.size)})]
     if name == "Grayscale":
@@ -155,7 +175,7 @@ def _from_torchvision(t: Any) -> StaticSpec:
     if name in _FLOAT_NAMES:
         raise TransformSpecError(f"{name} {_FLOAT_HINT}")
     raise TransformSpecError(
-        f"{name} has no static equivalent; static ops: Resize, CenterCrop, Grayscale, Pad "
+        f"{name} has no static equivalent; static ops: Resize, ResizeMax, CenterCrop, Grayscale, Pad "
         "(apply other ops at read time)"
     )
 
@@ -196,6 +216,10 @@ def _parse_string(text: str) -> list[dict[str, Any]]:
                 op: dict[str, Any] = {"op": name, "size": _parse_size(parts[0], single_ok=True)}
                 if len(parts) > 1:
                     op["interpolation"] = parts[1]
+            elif name == "resize_max":
+                op = {"op": name, "size": int(parts[0])}
+                if len(parts) > 1:
+                    op["interpolation"] = parts[1]
             elif name == "center_crop":
                 op = {"op": name, "size": _parse_size(parts[0])}
             elif name == "grayscale":
@@ -214,7 +238,7 @@ def _parse_string(text: str) -> list[dict[str, Any]]:
         except (ValueError, IndexError) as exc:
             raise TransformSpecError(
                 f"cannot parse {item!r} in static spec {text!r}; examples: resize=256, resize=256x320, "
-                "resize=256:bicubic, center_crop=224, grayscale, grayscale=3, pad=4, pad=4:reflect"
+                "resize=256:bicubic, resize_max=512, center_crop=224, grayscale, grayscale=3, pad=4, pad=4:reflect"
             ) from exc
         ops.append(op)
     return ops
@@ -259,6 +283,8 @@ def output_shape(spec: StaticSpec) -> tuple[int, int, int] | None:
     for op in spec:
         if op["op"] == "resize":
             hw = tuple(op["size"]) if isinstance(op["size"], list) else None
+        elif op["op"] == "resize_max":
+            hw = None  # depends on each image's size
         elif op["op"] == "center_crop":
             hw = tuple(op["size"])
         elif op["op"] == "pad" and hw is not None:
@@ -279,6 +305,11 @@ def describe(spec: StaticSpec) -> str:
             if op["interpolation"] != "bilinear":
                 text += f":{op['interpolation']}"
             parts.append(text)
+        elif op["op"] == "resize_max":
+            text = f"resize_max={op['size']}"
+            if op["interpolation"] != "bilinear":
+                text += f":{op['interpolation']}"
+            parts.append(text)
         elif op["op"] == "center_crop":
             parts.append(f"center_crop={op['size'][0]}x{op['size'][1]}")
         elif op["op"] == "grayscale":
@@ -294,6 +325,22 @@ def apply_static(img: Image.Image, spec: StaticSpec) -> np.ndarray:
     Uses torchvision's v2 kernels on the PIL image, so the result is exactly what
     the equivalent ``v2.Compose([..., v2.PILToTensor()])`` returns.
     """
+    return pil_to_chw(_run_ops(img, spec))
+
+
+def apply_static_any(image: Any, spec: StaticSpec) -> np.ndarray:
+    """``spec`` on a PIL image (``apply_static``) or on a uint8 (C, H, W) tensor: uint8 CHW array.
+
+    A tensor goes through the same torchvision v2 kernels, so the result equals
+    ``v2.Compose(to_torchvision(spec))(tensor)``.
+    """
+    if isinstance(image, Image.Image):
+        return apply_static(image, spec)
+    return np.ascontiguousarray(_run_ops(image, spec).numpy())
+
+
+def _run_ops(image: Any, spec: StaticSpec) -> Any:
+    """The ops of ``spec`` on a PIL image or a (C, H, W) tensor, with torchvision's v2 kernels."""
     from torchvision.transforms.v2 import InterpolationMode
     from torchvision.transforms.v2 import functional as F
 
@@ -301,16 +348,56 @@ def apply_static(img: Image.Image, spec: StaticSpec) -> np.ndarray:
         kind = op["op"]
         if kind == "resize":
             size = op["size"] if isinstance(op["size"], list) else [op["size"]]
-            img = F.resize(img, size, interpolation=InterpolationMode(op["interpolation"]),
-                           max_size=op["max_size"], antialias=op["antialias"])
+            image = F.resize(image, size, interpolation=InterpolationMode(op["interpolation"]),
+                             max_size=op["max_size"], antialias=op["antialias"])
+        elif kind == "resize_max":
+            image = _resize_max(image, op["size"], InterpolationMode(op["interpolation"]), op["antialias"])
         elif kind == "center_crop":
-            img = F.center_crop(img, op["size"])
+            image = F.center_crop(image, op["size"])
         elif kind == "grayscale":
-            img = F.rgb_to_grayscale(img, num_output_channels=op["num_output_channels"])
+            image = F.rgb_to_grayscale(image, num_output_channels=op["num_output_channels"])
         elif kind == "pad":
-            fill = op["fill"]
-            img = F.pad(img, op["padding"], fill=fill, padding_mode=op["padding_mode"])
-    return pil_to_chw(img)
+            image = F.pad(image, op["padding"], fill=op["fill"], padding_mode=op["padding_mode"])
+    return image
+
+
+def _resize_max(image: Any, size: int, interpolation: Any, antialias: bool) -> Any:
+    """Longer side down to ``size``, aspect kept; an image already that small is returned untouched.
+
+    The output size is torchvision's for ``Resize(size=None, max_size=size)`` (shorter side
+    truncated), except that the shorter side is at least 1 where torchvision would fail on 0;
+    and that resize would also upscale smaller images, hence the check.
+    """
+    from torchvision.transforms.v2 import functional as F
+
+    height, width = F.get_size(image)
+    longer, shorter = max(height, width), min(height, width)
+    if longer <= size:
+        return image
+    new_shorter = max(1, int(size * shorter / longer))
+    new_size = [size, new_shorter] if height >= width else [new_shorter, size]
+    return F.resize(image, new_size, interpolation=interpolation, antialias=antialias)
+
+
+class ResizeMax:
+    """torchvision-style transform of the ``resize_max`` op (PIL images and tensors).
+
+    ``v2.Resize(size=None, max_size=N)`` would upscale images smaller than N; this does not.
+    """
+
+    def __init__(self, size: int, interpolation: Any = "bilinear", antialias: bool = True) -> None:
+        from torchvision.transforms.v2 import InterpolationMode
+
+        self.size = size
+        self.interpolation = InterpolationMode(getattr(interpolation, "value", interpolation))
+        self.antialias = antialias
+
+    def __call__(self, image: Any) -> Any:
+        return _resize_max(image, self.size, self.interpolation, self.antialias)
+
+    def __repr__(self) -> str:
+        return (f"ResizeMax(size={self.size}, interpolation={self.interpolation.value}, "
+                f"antialias={self.antialias})")
 
 
 def pil_to_chw(img: Image.Image) -> np.ndarray:
@@ -326,7 +413,10 @@ def pil_to_chw(img: Image.Image) -> np.ndarray:
 
 
 def to_torchvision(spec: StaticSpec) -> Sequence[Any]:
-    """The torchvision v2 transforms equivalent to ``spec`` (without the final PILToTensor)."""
+    """The torchvision v2 transforms equivalent to ``spec`` (without the final PILToTensor).
+
+    ``resize_max`` maps to ``ResizeMax``: ``v2.Resize(size=None, max_size=N)`` would also upscale.
+    """
     from torchvision.transforms import v2
     from torchvision.transforms.v2 import InterpolationMode
 
@@ -335,6 +425,8 @@ def to_torchvision(spec: StaticSpec) -> Sequence[Any]:
         if op["op"] == "resize":
             out.append(v2.Resize(op["size"], interpolation=InterpolationMode(op["interpolation"]),
                                  max_size=op["max_size"], antialias=op["antialias"]))
+        elif op["op"] == "resize_max":
+            out.append(ResizeMax(op["size"], interpolation=op["interpolation"], antialias=op["antialias"]))
         elif op["op"] == "center_crop":
             out.append(v2.CenterCrop(op["size"]))
         elif op["op"] == "grayscale":

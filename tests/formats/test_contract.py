@@ -606,7 +606,8 @@ def test_native_shards_read(stores, rgb_folder):
 def test_shards_checksums_are_the_sha256_of_each_file(stores):
     path = stores["shards"]
     files = json.loads((path / "manifest.json").read_text())["checksums"]["files"]
-    assert set(files) == {f"shard-{i:05d}.npy" for i in range(5)} | {"labels.npy"}
+    assert set(files) == {f"shard-{i:05d}.npy" for i in range(5)} | {"labels.npy", "provenance-offsets.npy",
+                         "provenance-blob.npy"}
     for name, digest in files.items():
         assert hashlib.sha256((path / name).read_bytes()).hexdigest() == digest, name
 

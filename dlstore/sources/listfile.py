@@ -1,0 +1,101 @@
+"""A CSV or JSON-lines list of ``path,label`` rows as a source.
+
+Paths are relative to ``root`` (default: the list file's folder); files are
+decoded with ``pil_loader`` exactly like an image folder's, in the order of the
+list. Provenance is the path as listed.
+
+* CSV (``.csv``, ``.tsv``, ``.txt``): ``path,label`` per row; a first row
+  ``path,label`` (any names) whose label is not an integer is a header.
+* JSON lines (``.jsonl``, ``.ndjson``, ``.json``): one object per line with
+  ``"path"`` and ``"label"`` keys.
+
+Labels: all integers (class indices; classes named ``"0"``... up to the largest) or
+all names (classes sorted, as ImageFolder sorts its folders); an empty or
+missing label everywhere means unlabelled (-1).
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+from pathlib import Path
+
+from ..errors import SourceError
+from .folder import UNLABELLED, SampleList, Source
+
+LIST_SUFFIXES = (".csv", ".tsv", ".txt", ".jsonl", ".ndjson", ".json")
+
+
+def _rows(path: Path):
+    """(line number, path, label text or None) of every row."""
+    suffix = path.suffix.lower()
+    with open(path, newline="", encoding="utf-8") as f:
+        if suffix in (".jsonl", ".ndjson", ".json"):
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise SourceError(f"{path}:{n}: not a JSON object ({exc})") from exc
+                if not isinstance(row, dict) or not isinstance(row.get("path"), str):
+                    raise SourceError(f"{path}:{n}: expected an object with a \"path\" string (and \"label\")")
+                label = row.get("label")
+                yield n, row["path"], None if label is None else str(label)
+            return
+        reader = csv.reader(f, delimiter="\t" if suffix == ".tsv" else ",")
+        for n, row in enumerate(reader, 1):
+            if not row or not "".join(row).strip():
+                continue
+            if len(row) > 2:
+                raise SourceError(f"{path}:{n}: expected path,label; got {len(row)} fields")
+            label = row[1].strip() if len(row) == 2 else ""
+            if n == 1 and label and not _is_int(label) and row[0].strip().lower() in ("path", "file", "filename",
+                                                                                          "image"):
+                continue  # header
+            yield n, row[0].strip(), label or None
+
+
+def _is_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
+def read_list(list_file: str | os.PathLike, root: str | os.PathLike | None = None) -> Source:
+    """The file list ``list_file`` as a source (raises SourceError naming the bad row)."""
+    list_path = Path(list_file)
+    if not list_path.is_file():
+        raise SourceError(f"{list_file}: no such list file")
+    root_str = str(Path(root) if root is not None else list_path.parent)
+    if not Path(root_str).is_dir():
+        raise SourceError(f"{root_str}: the root of {list_file} is not a folder (give --root DIR)")
+    rows = []
+    for n, rel, label in _rows(list_path):
+        if not rel or os.path.isabs(rel):
+            raise SourceError(f"{list_path}:{n}: path {rel!r} must be relative to the root {root_str}")
+        rows.append((rel, label))
+    if not rows:
+        raise SourceError(f"{list_file}: lists no file")
+    texts = {label for _, label in rows}
+    if texts == {None}:
+        classes, to_int = [], lambda text: UNLABELLED
+    elif None in texts:
+        missing = next(rel for rel, label in rows if label is None)
+        raise SourceError(f"{list_file}: {missing} has no label but others have; label every row or none")
+    elif all(_is_int(t) for t in texts):
+        top = max(int(t) for t in texts)
+        if min(int(t) for t in texts) < 0:
+            raise SourceError(f"{list_file}: negative label {min(int(t) for t in texts)}; labels are class "
+                              "indices 0.. (or class names)")
+        classes, to_int = [str(k) for k in range(top + 1)], int
+    else:
+        classes = sorted(texts)
+        index = {c: i for i, c in enumerate(classes)}
+        to_int = index.__getitem__
+    samples = SampleList.build(root_str, ((os.path.join(root_str, rel), to_int(label)) for rel, label in rows))
+    return Source(root_str, classes, {c: i for i, c in enumerate(classes)}, samples, [], kind="list",
+                  list_file=os.path.abspath(list_path))
