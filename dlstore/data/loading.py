@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -187,7 +188,12 @@ def loader(
         raise ArgumentError(f"prefetch_factor must be a positive int (batches in flight per worker or thread), "
                             f"got {prefetch_factor!r}")
     if threads is None:
-        threads = min(usable_cpus(), MAX_AUTO_THREADS) if num_workers == 0 and threads_apply(dataset) else 0
+        # DataLoader-only options ask for the DataLoader; under torchrun the node's CPUs are shared
+        # by its LOCAL_WORLD_SIZE ranks, so each takes its share
+        dataloader_only = worker_init_fn is not None or multiprocessing_context is not None or persistent_workers
+        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+        threads = (max(1, min(usable_cpus() // ranks, MAX_AUTO_THREADS))
+                   if num_workers == 0 and not dataloader_only and threads_apply(dataset) else 0)
     if distributed:
         import torch.distributed as dist
 

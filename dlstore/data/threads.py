@@ -120,8 +120,9 @@ class ThreadLoader:
         # Buffers in use at once: the batches in flight, the one the user holds and the one
         # before it (still bound to the loop variable while next() runs), one for a last,
         # smaller batch; fewer and the dataset would allocate (and page-fault) new ones.
-        if hasattr(self.dataset, "_pool_size"):
-            self.dataset._pool_size = max(self.dataset._pool_size, self.prefetch + 4)
+        pool_size = getattr(self.dataset, "_pool_size", None)
+        if pool_size is not None:
+            self.dataset._pool_size = max(pool_size, self.prefetch + 4)
         batches = enumerate(iter(self.batch_sampler))
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-loader")
         pending: deque[Future] = deque()
@@ -141,6 +142,8 @@ class ThreadLoader:
                 yield pending.popleft().result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
+            if pool_size is not None:     # the dataset's other users keep their own pool size
+                self.dataset._pool_size = pool_size
 
     def __repr__(self) -> str:
         return (f"ThreadLoader({self.dataset!r}, batches={len(self)}, threads={self.threads}, "

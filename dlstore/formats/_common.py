@@ -312,6 +312,9 @@ def check_userblock_seal(path: Path) -> str | None:
             "the first 512 bytes hold neither an HDF5 signature nor a dlstore seal: the file is damaged"
     digest = head[len(SEAL_MAGIC):len(SEAL_MAGIC) + 64].decode("ascii", "replace")
     actual = sha256_range(path, SEAL_BLOCK)
+    expected_head = (SEAL_MAGIC + actual.encode() + b" of bytes 512..end\n").ljust(SEAL_BLOCK, b"\0")
+    if digest == actual and head != expected_head:   # the rest of the user block is covered too
+        return "the seal's user block was changed after conversion (bytes 0..511 differ from the seal written)"
     if digest != actual:
         return (f"sha256 mismatch: the file changed since conversion (bytes 512..end hash to {actual[:16]}..., "
                 f"its seal says {digest[:16]}...)")

@@ -243,6 +243,9 @@ class Hdf5Writer:
         rows = int(state["rows"])
         writer = cls(path, shape=shape, _create=False, **options)
         try:
+            if writer._file.userblock_size != SEAL_BLOCK:   # staged by a dlstore without seals
+                raise StoreCorruptError(f"{writer.path}: this partial conversion was started by an older dlstore "
+                                        "(no room for the seal); rerun without --resume")
             held = writer._images.shape[0]
             if held < rows or (shape is None and writer._shapes.shape[0] < rows):
                 raise StoreCorruptError(f"{writer.path}: holds {held} samples, the checkpoint counts {rows}; "

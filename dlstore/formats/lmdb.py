@@ -401,10 +401,16 @@ def _lmdb_errors_as_damage(method):
     def wrapper(self, *args, **kwargs):
         try:
             return method(self, *args, **kwargs)
-        except lmdb.Error as exc:
+        except _DAMAGE as exc:     # other lmdb errors (readers full, map resized, ...) are not damage
             raise StoreCorruptError(f"{self.path / 'data.mdb'}: damaged: LMDB reports {exc}; run dlstore verify, "
                                     "then convert the store again or restore a copy") from exc
     return wrapper
+
+
+# LMDB errors that mean the file's contents are wrong
+_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError, lmdb.InvalidError,
+           lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadChecksumError, lmdb.PanicError,
+           lmdb.NotFoundError)
 
 
 class LmdbReader(ForkSafe):

@@ -74,10 +74,13 @@ def read_list(list_file: str | os.PathLike, root: str | os.PathLike | None = Non
     if not Path(root_str).is_dir():
         raise SourceError(f"{root_str}: the root of {list_file} is not a folder (give --root DIR)")
     rows = []
-    for n, rel, label in _rows(list_path):
-        if not rel or os.path.isabs(rel):
-            raise SourceError(f"{list_path}:{n}: path {rel!r} must be relative to the root {root_str}")
-        rows.append((rel, label))
+    try:
+        for n, rel, label in _rows(list_path):
+            if not rel or os.path.isabs(rel):
+                raise SourceError(f"{list_path}:{n}: path {rel!r} must be relative to the root {root_str}")
+            rows.append((rel, label))
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise SourceError(f"{list_path}: not a UTF-8 CSV/TSV or JSON-lines list of path,label rows ({exc})") from None
     if not rows:
         raise SourceError(f"{list_file}: lists no file")
     texts = {label for _, label in rows}

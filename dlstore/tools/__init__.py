@@ -5,7 +5,14 @@
 the ones a user calls.
 """
 
-from .._system import CpuInfo, cpu_info, disk_info, evict, resident_fraction, usable_cpus
+from .._system import (
+    CpuInfo,
+    cpu_info,
+    disk_info,
+    evict,
+    resident_fraction,
+    usable_cpus,
+)
 from .bench import BenchReport, run_bench
 from .profiling import LoaderReport, TimedDataset, profile_loader, synthetic_step
 from .tuning import TuneResult, loader_kwargs, measure_throughput, tune

@@ -40,7 +40,6 @@ Path x op matrix (what these tests assert)::
 
 from __future__ import annotations
 
-import inspect
 
 import pytest
 import torch
@@ -294,7 +293,6 @@ def test_get_batch_any_padding_and_batch(stores, padding, p, grow, fill, idx, se
 
 # --- dlstore.loader: in process, forked and spawned workers ------------------------------------
 
-HAS_THREADS = "threads" in inspect.signature(dlstore.loader).parameters
 
 
 def _check_loader(ds, batch_size: int, seed: int, *, workers: int = 0, threads: int = 0, context=None) -> None:
@@ -303,9 +301,8 @@ def _check_loader(ds, batch_size: int, seed: int, *, workers: int = 0, threads: 
     raw_all, labels_all = ds.read_batch(range(n))
     shapes = [(e - s, *raw_all.shape[1:]) for s, e in bounds]
     params = loader_params(ds.batch_ops, shapes, seed, workers=workers, threads=threads)
-    options = {"threads": threads} if HAS_THREADS else {}
     batches = list(dlstore.loader(ds, batch_size, num_workers=workers, generator=gen(seed),
-                                  multiprocessing_context=context, **options))
+                                  multiprocessing_context=context, threads=threads))
     assert len(batches) == len(bounds)
     for (s, e), p, (x, y) in zip(bounds, params, batches):
         assert_same(x, reference(ds.batch_ops, p, raw_all[s:e]),
@@ -324,7 +321,6 @@ def test_loader_in_process_equals_torchvision(stores, case):
     _check_loader(_open(stores(), case), 5, seed=3)
 
 
-@pytest.mark.skipif(not HAS_THREADS, reason="dlstore.loader builds batches in threads since threads= landed")
 @pytest.mark.parametrize("case", LOADER_CASES)
 def test_loader_threads_equal_torchvision(stores, case):
     _check_loader(_open(stores("lmdb"), case), 5, seed=4, threads=2)
