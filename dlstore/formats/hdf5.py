@@ -57,7 +57,6 @@ import numpy as np
 
 from ..errors import (
     ArgumentError,
-    SampleIndexError,
     StoreCorruptError,
     StoreExistsError,
     StoreNotFoundError,
@@ -75,6 +74,7 @@ from ._common import (
     check_userblock_seal,
     ensure_space,
     free_bytes,
+    read_range_by_batch,
     seal_userblock,
     write_error,
 )
@@ -590,12 +590,7 @@ class Hdf5Reader(ForkSafe):
             self._read_fixed(int(indices[k]), out[k])
         return out
 
-    def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
-        """Samples ``[start, stop)`` of a fixed-shape store into one (k, C, H, W) array (``threads`` unused)."""
-        if not 0 <= start <= stop <= len(self):
-            raise SampleIndexError(f"{self.path}: range [{start}, {stop}) out of range for a store of "
-                                   f"{len(self)} samples")
-        return self.get_batch(np.arange(start, stop, dtype=np.int64), out=out)
+    read_range = read_range_by_batch
 
 
 Writer = Hdf5Writer

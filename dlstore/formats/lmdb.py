@@ -61,7 +61,6 @@ import numpy as np
 
 from ..errors import (
     ArgumentError,
-    SampleIndexError,
     StoreBusyError,
     StoreCorruptError,
     VariableShapeError,
@@ -74,6 +73,7 @@ from ._common import (
     check_index,
     check_indices,
     check_sidecar_seal,
+    read_range_by_batch,
     seal_sidecar,
     write_error,
 )
@@ -550,12 +550,7 @@ class LmdbReader(ForkSafe):
                 flat[k] = np.frombuffer(self._value(txn, i, nbytes), dtype=np.uint8)
         return out
 
-    def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
-        """Samples ``[start, stop)`` of a fixed-shape store into one (k, C, H, W) array (``threads`` unused)."""
-        if not 0 <= start <= stop <= len(self):
-            raise SampleIndexError(f"{self.path}: range [{start}, {stop}) out of range for a store of "
-                                   f"{len(self)} samples")
-        return self.get_batch(np.arange(start, stop, dtype=np.int64), out=out)
+    read_range = read_range_by_batch
 
 
 Writer = LmdbWriter
