@@ -22,6 +22,8 @@ from array import array
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import (
     ArgumentError,
     DiskFullError,
@@ -131,7 +133,7 @@ def disk_full(path: Path, needed: int | None = None) -> DiskFullError:
     numbers = f"{human_bytes(free)} free" if free is not None else "free space unknown"
     if needed:
         numbers += f", {human_bytes(needed)} needed for the next write"
-    return DiskFullError(f"{path}: disk full: no space left on the filesystem at {mount_point(path)} "
+    return DiskFullError(errno.ENOSPC, f"{path}: disk full: no space left on the filesystem at {mount_point(path)} "
                          f"({numbers}); free space or write the store elsewhere, then rerun")
 
 
@@ -187,7 +189,6 @@ def check_index(path: Path, i: int, count: int) -> int:
 
 def check_indices(path: Path, indices: Any, count: int) -> Any:
     """``indices`` as a flat int64 array, all within ``0..count-1``, else SampleIndexError."""
-    import numpy as np
 
     indices = np.asarray(indices, dtype=np.int64).reshape(-1)
     if len(indices) and (indices.min() < 0 or indices.max() >= count):
@@ -356,7 +357,6 @@ def sha256_file(path: Path) -> str:
 
 def batch_out(out: Any, n: int, shape: tuple[int, ...]) -> Any:
     """The (n, *shape) uint8 array a reader's ``get_batch`` fills: ``out`` checked, or a new one."""
-    import numpy as np
 
     if out is None:
         return np.empty((n, *shape), dtype=np.uint8)
@@ -377,7 +377,6 @@ def write_synced(path: Path, data: bytes) -> None:
 
 def save_npy_synced(path: Path, array: Any) -> str:
     """``np.save`` (never pickled) + fsync; return the file's sha256 for the manifest."""
-    import numpy as np
 
     with open(path, "wb") as f:
         np.save(f, array, allow_pickle=False)
@@ -451,7 +450,6 @@ class PartialRows:
 def read_range_by_batch(reader: Any, start: int, stop: int, out: Any = None, *, threads: int = 1) -> Any:
     """``read_range`` of a reader with no faster sequential path: samples ``[start, stop)`` of a
     fixed-shape store into one (k, C, H, W) array through its ``get_batch`` (``threads`` unused)."""
-    import numpy as np
 
     if not 0 <= start <= stop <= len(reader):
         raise SampleIndexError(f"{reader.path}: range [{start}, {stop}) out of range for a store of "

@@ -147,11 +147,6 @@ def _worker_candidates(usable: int, max_workers: int | None) -> list[int]:
     return sorted(n for n in out if 1 <= n <= top and (n <= over or n & (n - 1) == 0 or n == top))
 
 
-def _better(candidate: Trial, incumbent: Trial, noise: float) -> bool:
-    """True when ``candidate`` beats ``incumbent`` by more than the noise margin."""
-    return candidate.batches_per_s > incumbent.batches_per_s * (1 + noise)
-
-
 def tune(
     dataset: Any,
     batch_size: int,

@@ -30,7 +30,7 @@ draw into the data for ever, so every epoch would see the same "augmentation".
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -436,6 +436,3 @@ def to_torchvision(spec: StaticSpec) -> Sequence[Any]:
     return out
 
 
-def specs_equal(a: Iterable[dict[str, Any]], b: Iterable[dict[str, Any]]) -> bool:
-    """Equality of two specs after canonicalisation."""
-    return parse_static(list(a)) == parse_static(list(b))
