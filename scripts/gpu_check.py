@@ -49,8 +49,8 @@ from torch.utils.data import DataLoader
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.sources.demo import make_image_folder
 from dlstore._system import usable_cpus
+from dlstore.sources.demo import make_image_folder
 
 CIFAR_MEAN, CIFAR_STD = (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616)
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
@@ -199,7 +199,7 @@ def check_preload(path: str, device: torch.device, mean, std, *, repeats: int,
         "predicted_bytes": ds.needed_bytes, "nbytes": ds.nbytes,
         "device_bytes_used": spread(used) if used else None,
         "device_bytes_peak": spread(peaks) if peaks else None,
-        "checked_samples": int(len(idx)),
+        "checked_samples": len(idx),
         "max_abs_diff_vs_cpu_path": float(diff.max()) if diff.numel() else 0.0,
         "exact_fraction_vs_cpu_path": float((diff == 0).float().mean()) if diff.numel() else 1.0,
         "labels_equal": labels_ok, "uint8_equal_to_store": u8_ok,
@@ -260,6 +260,32 @@ def time_dataloader(path: str, device: torch.device, batch: int, sample_transfor
         results.append({"num_workers": w, "pin_memory": pin, "samples_per_s": spread(rates)})
     best = max(results, key=lambda r: r["samples_per_s"]["median"])
     return {"configs": results, "best": best, "epochs_timed": epochs, "max_batches": max_batches}
+
+
+def run_device_tests(device: torch.device, timeout: int = 240) -> dict[str, Any]:
+    """The suite's device tests (CUDA variants of the GPU and fidelity tests) in a pytest subprocess.
+
+    On CUDA these are the tests that skip everywhere else: GPU kernels against the CPU
+    kernels, preload and streaming on the device, and every GPU path of the fidelity
+    harness against torchvision on the same input.
+    """
+    import re
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    files = [str(p.relative_to(root)) for p in sorted((root / "tests").rglob("test_*.py"))
+             if "cuda" in p.read_text(encoding="utf-8")]
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k", "cuda", *files]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, check=False, cwd=root, capture_output=True, text=True, timeout=timeout)
+        text, rc = proc.stdout + proc.stderr, proc.returncode
+    except subprocess.TimeoutExpired as exc:
+        text, rc = f"{exc.stdout or ''}\ntimed out after {timeout} s", None
+    counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", text)}
+    failures = re.findall(r"^FAILED (\S+)", text, flags=re.MULTILINE)
+    return {"device": str(device), "command": " ".join(cmd), "returncode": rc, "counts": counts,
+            "failed": failures, "seconds": time.perf_counter() - t0, "tail": text[-3000:]}
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -350,6 +376,11 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
             "gpu_loader_vs_best_dataloader": gpu / dl,
             "gpu_loader_epochs_per_s": out["gpu_loader"][kind]["epochs_per_s"]["median"],
         }
+    if args.tests:
+        log("running the suite's device tests (pytest -k cuda) ...")
+        out["device_tests"] = run_device_tests(device)
+        c = out["device_tests"]["counts"]
+        log(f"  {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, {c.get('skipped', 0)} skipped")
     out["seconds"] = time.perf_counter() - start
     return out
 
@@ -398,11 +429,16 @@ def report(out: dict[str, Any]) -> str:
     lines.append("")
     if out["machine"]["device"].startswith("cuda"):
         t = out["targets"]
-        verdict = lambda ok: "met" if ok else "NOT met"  # noqa: E731
+        verdict = lambda ok: "met" if ok else "NOT met"
         lines.append(f"target preload >= 50% of H2D: {verdict(all(v['preload_fraction_of_h2d'] >= 0.5 for v in t.values()))}")
         lines.append(f"target >= 50 CIFAR epochs/s: {verdict(t['cifar']['gpu_loader_epochs_per_s'] >= 50)} "
                      f"({t['cifar']['gpu_loader_epochs_per_s']:.1f})")
         lines.append(f"target >= 10x best DataLoader (CIFAR): {verdict(t['cifar']['gpu_loader_vs_best_dataloader'] >= 10)}")
+    if "device_tests" in out:
+        t = out["device_tests"]
+        c = t["counts"]
+        lines.append(f"device tests (pytest -k cuda): {c.get('passed', 0)} passed, {c.get('failed', 0)} failed, "
+                     f"{c.get('skipped', 0)} skipped" + (f"; failed: {', '.join(t['failed'])}" if t["failed"] else ""))
     lines.append(f"total time {out['seconds']:.0f} s")
     return "\n".join(lines)
 
@@ -418,7 +454,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=3, help="preloads per store")
     parser.add_argument("--workdir", default=None, help="where to build the stores (default: $TMPDIR)")
     parser.add_argument("--out", default="gpu_check.json")
+    parser.add_argument("--tests", action=argparse.BooleanOptionalAction, default=None,
+                        help="also run the suite's CUDA tests in a subprocess (default: on a CUDA device)")
     args = parser.parse_args(argv)
+    if args.tests is None:
+        args.tests = args.device.startswith("cuda")
     if args.quick and args.epochs == 20:
         args.epochs = 3
     return args
