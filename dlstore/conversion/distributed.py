@@ -74,6 +74,7 @@ from ..formats._common import (
     staging_path,
     write_synced,
 )
+from ..formats._integrity import SUMS_ALGORITHM, SUMS_DTYPE, seal_sidecar
 from ..formats.manifest import dumps
 from .job import ConvertResult, _feed, _finish, disk_usage, manifest_for
 
@@ -401,6 +402,7 @@ def _assemble(job: Any, dst: Path, parts: list[Path], counts: list[int], count: 
     manifest = manifest_for(job, count=count, skipped=skipped, files=total, checksums=checksums, layout=layout)
     if fmt == "shards":
         write_synced(staged / "manifest.json", dumps(manifest).encode("utf-8"))
+        seal_sidecar(staged / "manifest.json")
         publish(staged, dst, overwrite)
     else:
         import h5py
@@ -422,7 +424,7 @@ def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], d
     staged.mkdir()
     files: list[dict[str, Any]] = []
     checksums: dict[str, str] = {}
-    labels, indexes = [], []
+    labels, indexes, sums = [], [], []
     kind = per_shard = None
     origins = []
     for r, part in enumerate(parts):
@@ -437,6 +439,7 @@ def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], d
             index[:, 0] += len(files)
             indexes.append(index)
         labels.append(np.load(part / layout["labels"], allow_pickle=False))
+        sums.append(np.load(part / layout["sample_sums"]["file"], allow_pickle=False))
         for entry in entries:
             name = f"rank{r:05d}-{entry['file']}"
             os.replace(part / entry["file"], staged / name)
@@ -449,6 +452,8 @@ def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], d
         checksums["index.npy"] = save_npy_synced(staged / "index.npy", np.concatenate(indexes).astype(np.int64))
         layout_out.update(files=files, index="index.npy")
     checksums["labels.npy"] = save_npy_synced(staged / "labels.npy", np.concatenate(labels).astype(np.int64))
+    checksums["crc32.npy"] = save_npy_synced(staged / "crc32.npy", np.concatenate(sums).astype(SUMS_DTYPE))
+    layout_out["sample_sums"] = {"algorithm": SUMS_ALGORITHM, "file": "crc32.npy"}
     merged = Origins.concat(origins)
     files = {name: f"provenance-{name}.npy" for name in merged.arrays()}
     for name, values in merged.arrays().items():
@@ -470,7 +475,7 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
 
     folder = hdf5_parts_path(dst).name
     samples = hashlib.sha256()
-    labels, shapes = [], []
+    labels, shapes, sums = [], [], []
     layout: dict[str, Any] = {}
     sources = []
     n = 0
@@ -483,6 +488,7 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
             if k != expected:
                 raise ConversionInterrupted(f"{part}: holds {k} samples, its rank reported {expected}")
             labels.append(f["labels"][()])
+            sums.append(f[layout["sample_sums"]["dataset"]][()])
             group = f["provenance"]
             origins.append(Origins.from_arrays(layout["provenance"]["kind"], {k: group[k][()] for k in group},
                                                str(part)))
@@ -507,10 +513,13 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
     for a, k, name, part_shape, _ in sources:
         vlayout[a:a + k] = h5py.VirtualSource(name, "images", shape=part_shape, dtype=dtype)
     all_labels = np.concatenate(labels).astype("<i8")
-    checksums = {"samples": samples.hexdigest(), "labels": hashlib.sha256(all_labels.tobytes()).hexdigest()}
+    all_sums = np.concatenate(sums).astype(SUMS_DTYPE)
+    checksums = {"samples": samples.hexdigest(), "labels": hashlib.sha256(all_labels.tobytes()).hexdigest(),
+                 "crc32": hashlib.sha256(all_sums.tobytes()).hexdigest()}
     with h5py.File(staged, "w", libver=LIBVER) as f:
         f.create_virtual_dataset("images", vlayout)
         f.create_dataset("labels", data=all_labels)
+        f.create_dataset("crc32", data=all_sums)
         if variable:
             all_shapes = np.concatenate(shapes).astype("<i8").reshape(-1, 3)
             f.create_dataset("shapes", data=all_shapes, chunks=(VLEN_CHUNK, 3) if n else None,

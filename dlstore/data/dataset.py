@@ -125,6 +125,8 @@ class StoreDataset(Dataset):
         self.reader = module.Reader(self.path, **options)
         if check == "open" and hasattr(self.reader, "check_files"):
             self.reader.check_files = True   # shards: each file's sha256, when first mapped
+        if check == "sample":
+            self.reader.enable_sample_check()   # every record read is checked against its CRC32
         self.manifest: dict[str, Any] = self.reader.manifest
         if self.manifest["sample"]["encoding"] != "raw":  # JPEG/PNG records, decoded with PIL on read
             self.reader = DecodingReader(self.reader)
@@ -448,13 +450,20 @@ def open_dataset(
             sha256 is checked the first time this process maps it; an LMDB or HDF5
             data file is checked against its seal before the library sees it (which
             also keeps damaged metadata from crashing or hanging LMDB/HDF5). A
-            mismatch raises StoreCorruptError naming the file and its samples. See
-            docs/robustness.md for the cost.
+            mismatch raises StoreCorruptError naming the file and its samples.
+            ``"sample"``: every sample read (``get``, batches, ranges; the stored
+            record, before any decoding) is checked against the CRC32 recorded for
+            it at conversion; a mismatch raises StoreCorruptError naming the file and
+            the damaged sample indices (labels and shapes are checked against their
+            sha256 once, at open). A store converted before the sums existed
+            raises UsageError (use ``"open"`` or convert again). See
+            docs/robustness.md for the cost of each mode.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
         UnknownFormatError: ``path`` is not a store.
         StoreCorruptError: the manifest is missing, damaged, too new, or disagrees with the data.
+        UsageError: ``check="sample"`` on a store without per-sample sums.
         StaticMismatchError: ``transform`` is a hybrid whose static part differs from the store's.
     """
     if not isinstance(path, (str, os.PathLike)):
@@ -465,7 +474,7 @@ def open_dataset(
                reader_options=reader_options, check=check)
 
 
-CHECKS = ("none", "open")
+CHECKS = ("none", "open", "sample")
 
 
 def _check_sealed(module: Any, path: Path) -> None:

@@ -13,6 +13,7 @@ staging store at each checkpoint (``PartialRows``).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import hashlib
@@ -27,10 +28,12 @@ import numpy as np
 from ..errors import (
     ArgumentError,
     DiskFullError,
+    DlstoreError,
     SampleIndexError,
     StoreBusyError,
     StoreCorruptError,
     StoreExistsError,
+    StoreNotFoundError,
     StoreWriteError,
 )
 
@@ -228,6 +231,50 @@ def _fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
+# --- a store replaced under an open reader ----------------------------------------------
+# `publish` renames the old store aside and deletes it; a reader that already has a file open
+# keeps reading it, but a file it opens later by name would come from the new store, beside
+# the old one's manifest and labels: a mix. So a reader records the store's identity (device,
+# inode of the folder or file) before it reads any of it, and checks it again after each later
+# open: a path that still names the old store then named it at the open too (a replaced store
+# never comes back), and one that names another store is a clear error, never a mix.
+
+def store_identity(path: Path) -> tuple[int, int]:
+    """(device, inode) of a store's folder or file."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise StoreNotFoundError(f"{path}: no such store") from None
+    return st.st_dev, st.st_ino
+
+
+def check_identity(path: Path, identity: tuple[int, int] | None) -> None:
+    """StoreCorruptError unless ``path`` is still the store whose identity a reader recorded."""
+    if identity is None:
+        return
+    try:
+        now = store_identity(path)
+    except StoreNotFoundError:
+        now = None
+    if now != identity:
+        raise StoreCorruptError(f"{path}: the store was replaced (converted again with overwrite, or moved) after "
+                                "this reader opened it; the samples it has not read yet are gone with the old "
+                                "files: open the store again")
+
+
+@contextlib.contextmanager
+def library_errors_as_damage(path: Path, errors: tuple[type[BaseException], ...] = (OSError, KeyError, RuntimeError)):
+    """A C library's own errors while reading a published store's metadata (h5py: OSError "incorrect
+    metadata checksum", KeyError "Unable to open object") mean a damaged file: StoreCorruptError naming it."""
+    try:
+        yield
+    except DlstoreError:
+        raise
+    except errors as exc:
+        raise StoreCorruptError(f"{path}: damaged: the library reports {type(exc).__name__}: {exc}; run dlstore "
+                                "verify, then convert the store again or restore a copy") from exc
+
+
 def safe_member(store: Path, name: Any) -> Path:
     """Path of a file a manifest names, refused if it could escape the store."""
     if not isinstance(name, str) or not name or "/" in name or "\\" in name or name in (".", "..") \
@@ -261,89 +308,6 @@ class ForkSafe:
             state[name] = None
         state["_pid"] = None
         return state
-
-
-# --- whole-file seals (LMDB, HDF5) -------------------------------------------------------
-# The manifest of an LMDB or HDF5 store lives inside its one data file, so it cannot hold
-# that file's own digest. The sums it records cover the samples, labels and shapes only;
-# bytes that reach no sample (page headers, B-tree and free pages, HDF5 metadata and free
-# space) could change unseen. A seal closes that gap: the sha256 of the data file, written
-# after the last byte of the store, where the library does not look:
-#
-#   HDF5: the file's 512-byte user block (HDF5 skips it; h5py.File(..., userblock_size=512))
-#         b"dlstore-seal sha256 <64 hex> of bytes 512..end\n", zero padded
-#   LMDB: a file ``data.mdb.sha256`` beside data.mdb: "<64 hex>  data.mdb\n" (sha256sum format)
-#
-# ``dlstore verify`` checks it, and so does a reader opened with check="open". Stores
-# written before seals existed have none; they are reported as unsealed, not as damaged.
-
-SEAL_BLOCK = 512
-SEAL_MAGIC = b"dlstore-seal sha256 "
-
-
-def sha256_range(path: Path, start: int = 0) -> str:
-    """sha256 hex digest of a file's bytes from ``start`` to the end."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        f.seek(start)
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def seal_userblock(path: Path) -> None:
-    """Write the digest of bytes ``SEAL_BLOCK..end`` of ``path`` into its user block, and fsync."""
-    line = SEAL_MAGIC + sha256_range(path, SEAL_BLOCK).encode() + b" of bytes 512..end\n"
-    with open(path, "r+b") as f:
-        f.write(line.ljust(SEAL_BLOCK, b"\0"))
-        f.flush()
-        os.fsync(f.fileno())
-
-
-def check_userblock_seal(path: Path) -> str | None:
-    """None if the user-block seal of ``path`` matches its bytes, else what is wrong (or "unsealed")."""
-    try:
-        with open(path, "rb") as f:
-            head = f.read(SEAL_BLOCK)
-    except OSError as exc:
-        return f"unreadable ({exc})"
-    if not head.startswith(SEAL_MAGIC):
-        # HDF5 files start with their signature when there is no user block
-        return "unsealed" if head.startswith(b"\x89HDF\r\n\x1a\n") else \
-            "the first 512 bytes hold neither an HDF5 signature nor a dlstore seal: the file is damaged"
-    digest = head[len(SEAL_MAGIC):len(SEAL_MAGIC) + 64].decode("ascii", "replace")
-    actual = sha256_range(path, SEAL_BLOCK)
-    expected_head = (SEAL_MAGIC + actual.encode() + b" of bytes 512..end\n").ljust(SEAL_BLOCK, b"\0")
-    if digest == actual and head != expected_head:   # the rest of the user block is covered too
-        return "the seal's user block was changed after conversion (bytes 0..511 differ from the seal written)"
-    if digest != actual:
-        return (f"sha256 mismatch: the file changed since conversion (bytes 512..end hash to {actual[:16]}..., "
-                f"its seal says {digest[:16]}...)")
-    return None
-
-
-def seal_sidecar(path: Path) -> None:
-    """Write ``path.sha256`` (sha256sum format) beside ``path``, and fsync it."""
-    write_synced(path.with_name(path.name + ".sha256"), f"{sha256_file(path)}  {path.name}\n".encode())
-
-
-def check_sidecar_seal(path: Path) -> str | None:
-    """None if ``path.sha256`` matches ``path``'s bytes, else what is wrong (or "unsealed")."""
-    seal = path.with_name(path.name + ".sha256")
-    try:
-        text = seal.read_text("ascii", errors="replace")
-    except FileNotFoundError:
-        return "unsealed"
-    except OSError as exc:
-        return f"{seal.name} unreadable ({exc})"
-    try:
-        actual = sha256_file(path)
-    except OSError as exc:
-        return f"unreadable ({exc})"
-    if text.split()[:1] != [actual]:
-        return (f"sha256 mismatch: the file changed since conversion (it hashes to {actual[:16]}..., "
-                f"{seal.name} says {text[:16]!r}...)")
-    return None
 
 
 def sha256_file(path: Path) -> str:
@@ -455,3 +419,10 @@ def read_range_by_batch(reader: Any, start: int, stop: int, out: Any = None, *, 
         raise SampleIndexError(f"{reader.path}: range [{start}, {stop}) out of range for a store of "
                                f"{len(reader)} samples")
     return reader.get_batch(np.arange(start, stop, dtype=np.int64), out=out)
+
+
+def next_prime(n: int) -> int:
+    n = max(2, n)
+    while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
+        n += 1
+    return n

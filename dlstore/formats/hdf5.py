@@ -9,6 +9,7 @@ On-disk layout of ``NAME.h5`` (format version 1)::
     # variable-shape store:
     /images                vlen uint8 (N,), chunks (1024,)   sample i's CHW bytes, flattened
     /shapes                int64 (N, 3), chunks (1024, 3)    C, H, W of sample i
+    /crc32                 uint32 (N,)                       CRC32 of sample i's bytes (check="sample")
 
 Why this layout:
   * one sample per chunk: a random read touches exactly one chunk, and
@@ -64,19 +65,30 @@ from ..errors import (
 )
 from ..sources.origins import Origins
 from ._common import (
-    SEAL_BLOCK,
     SPACE_MARGIN,
     ForkSafe,
     PartialRows,
     batch_out,
+    check_identity,
     check_index,
     check_indices,
-    check_userblock_seal,
     ensure_space,
     free_bytes,
+    library_errors_as_damage,
+    next_prime,
     read_range_by_batch,
-    seal_userblock,
+    store_identity,
     write_error,
+)
+from ._integrity import (
+    SEAL_BLOCK,
+    SUMS_ALGORITHM,
+    SUMS_DTYPE,
+    SampleChecks,
+    check_virtual_sources,
+    record_crc,
+    seal_userblock,
+    userblock_seal,
 )
 from .manifest import loads as load_manifest_text
 from .manifest import validate
@@ -132,6 +144,7 @@ class Hdf5Writer:
         self.compression = compression
         self.labels = array("q")  # int64, not a list of Python ints: no per-sample objects
         self.shapes = array("q")  # C, H, W of each sample, flat (variable-shape stores)
+        self.sums = array("q")    # CRC32 of each sample's bytes
         self.checksums: dict[str, str] = {}
         self._hash = hashlib.sha256()
         self._count = 0
@@ -200,6 +213,7 @@ class Hdf5Writer:
                                 "every sample of a fixed-shape store has its shape")
         sample = np.ascontiguousarray(sample)
         self._hash.update(memoryview(sample).cast("B"))
+        self.sums.append(record_crc(sample))
         self.labels.append(int(label))
         if self.shape is not None:
             self._block[self._count - self._written] = sample
@@ -217,14 +231,11 @@ class Hdf5Writer:
                 return True
         return False
 
-    # Resumption: a written block is a unit. At a checkpoint the file is flushed and the
-    # labels of the written samples are appended to a file beside the staging file (the
-    # store itself only gets its `labels` dataset at the end).
+    # Resumption: a written block is a unit. At a checkpoint the file is flushed and the labels of the
+    # written samples are appended to a file beside it (the store gets its `labels` dataset at the end).
     def checkpoint(self) -> dict[str, Any]:
-        """Make the written samples durable; return the state ``resume`` needs.
-
-        Only called right after ``add`` returned True, so nothing is buffered.
-        """
+        """Make the written samples durable; return the state ``resume`` needs (called right after
+        ``add`` returned True, so nothing is buffered)."""
         with self._writing():
             self._file.flush()
             with open(self.path, "rb+") as f:
@@ -237,8 +248,8 @@ class Hdf5Writer:
                **options: Any) -> Hdf5Writer:
         """Reopen a staging file at a checkpoint, dropping samples written after it.
 
-        The running sha256 of the samples cannot be saved, so it is recomputed by reading
-        the kept samples back once, in order.
+        The running sha256 and the CRC32s of the samples are not saved: they are recomputed
+        by reading the kept samples back once, in order.
         """
         rows = int(state["rows"])
         writer = cls(path, shape=shape, _create=False, **options)
@@ -257,11 +268,10 @@ class Hdf5Writer:
             step = max(1, (64 << 20) // int(np.prod(shape))) if shape is not None else 1024
             for start in range(0, rows, step):
                 block = writer._images[start:min(rows, start + step)]
-                if shape is not None:
-                    writer._hash.update(memoryview(np.ascontiguousarray(block)).cast("B"))
-                else:
-                    for flat in block:
-                        writer._hash.update(memoryview(np.ascontiguousarray(flat)).cast("B"))
+                for flat in block:
+                    flat = np.ascontiguousarray(flat)
+                    writer._hash.update(memoryview(flat).cast("B"))
+                    writer.sums.append(record_crc(flat))
             writer.labels.extend(writer._partial_labels.restore(rows))
         except BaseException:
             writer.close()
@@ -320,15 +330,18 @@ class Hdf5Writer:
         ensure_space(self.path, labels.nbytes + self.shapes.itemsize * len(self.shapes))
         with self._writing(labels.nbytes):
             self._file.create_dataset("labels", data=labels)
+            self._file.create_dataset("crc32", data=np.asarray(self.sums, dtype=SUMS_DTYPE))
         self.checksums["samples"] = self._hash.hexdigest()
         self.checksums["labels"] = hashlib.sha256(labels.tobytes()).hexdigest()
+        self.checksums["crc32"] = hashlib.sha256(np.asarray(self.sums, dtype=SUMS_DTYPE).tobytes()).hexdigest()
         hashed = {"samples": "every sample's CHW bytes (images[i]) concatenated in sample order",
-                  "labels": "labels as int64 little-endian bytes"}
+                  "labels": "labels as int64 little-endian bytes", "crc32": "crc32 as uint32 little-endian bytes"}
         layout: dict[str, Any] = {
             "kind": "fixed" if self.shape is not None else "variable",
             "images": "images",
             "labels": "labels",
             "compression": self.compression,
+            "sample_sums": {"algorithm": SUMS_ALGORITHM, "dataset": "crc32"},
         }
         if self.shape is not None:
             layout["chunks"] = [1, *self.shape]
@@ -399,9 +412,7 @@ def _open_file(path: Path, **cache: Any) -> h5py.File:
         raise StoreCorruptError(f"{path}: not a readable HDF5 file ({exc})") from exc
 
 
-def check_seal(path: str | os.PathLike) -> tuple[Path, str | None]:
-    """(the file, None if its user-block seal matches its bytes, else the problem or "unsealed")."""
-    return Path(path), check_userblock_seal(Path(path))
+check_seal = userblock_seal   # (the file, None if its user-block seal matches, else the problem or "unsealed")
 
 
 def _manifest_from(f: h5py.File, path: Path) -> dict[str, Any]:
@@ -416,18 +427,11 @@ def _manifest_from(f: h5py.File, path: Path) -> dict[str, Any]:
 def read_manifest(path: Path) -> dict[str, Any]:
     """The validated manifest of the HDF5 store at ``path``."""
     path = Path(path)
-    with _open_file(path) as f:
+    with _open_file(path) as f, library_errors_as_damage(path):
         return _manifest_from(f, path)
 
 
-def _next_prime(n: int) -> int:
-    n = max(2, n)
-    while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
-        n += 1
-    return n
-
-
-class Hdf5Reader(ForkSafe):
+class Hdf5Reader(SampleChecks, ForkSafe):
     """Reads samples of an HDF5 store into fresh uint8 arrays.
 
     Args:
@@ -447,9 +451,11 @@ class Hdf5Reader(ForkSafe):
         self._file: h5py.File | None = None
         self._images: h5py.Dataset | None = None
         self._pid: int | None = None
+        self._identity = store_identity(self.path)   # before reading any of it: see _common
+        self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
         # Read the metadata and close again: no HDF5 handle is held here if this process
         # forks DataLoader workers next.
-        with _open_file(self.path) as f:
+        with _open_file(self.path) as f, library_errors_as_damage(self.path):
             if manifest is None:
                 manifest = _manifest_from(f, self.path)
             validate(manifest, str(self.path), format=FORMAT, max_format_version=FORMAT_VERSION)
@@ -459,7 +465,7 @@ class Hdf5Reader(ForkSafe):
             self.kind = layout.get("kind")
             images = self._dataset(f, "images")
             if images.is_virtual:
-                self._check_virtual_sources(images)
+                check_virtual_sources(self.path, images)
             self.labels = self._int_dataset(f, "labels", (self.count,))
             if self.kind == "fixed":
                 self.shape: tuple[int, int, int] | None = tuple(manifest["sample"]["shape"])
@@ -484,17 +490,6 @@ class Hdf5Reader(ForkSafe):
             chunk_cache_bytes = 0 if self.kind == "fixed" else min(MAX_POINTER_CACHE, 16 * self.count + (1 << 20))
         self.chunk_cache_bytes = int(chunk_cache_bytes)
 
-    def _check_virtual_sources(self, images: h5py.Dataset) -> None:
-        # A store assembled by a distributed conversion maps /images onto per-rank files next to
-        # it; HDF5 reads a missing one as zeros, silently, so check that they are all there.
-        for source in images.virtual_sources():
-            name = Path(source.file_name)
-            if not (name if name.is_absolute() else self.path.parent / name).is_file():
-                raise StoreCorruptError(
-                    f"{self.path}: /images maps samples to {self.path.parent / name}, which is missing: the "
-                    f"store's per-rank files (the {name.parent} folder) must stay next to {self.path.name}; "
-                    "move or copy them together")
-
     def _dataset(self, f: h5py.File, name: str) -> h5py.Dataset:
         obj = f.get(name)
         if not isinstance(obj, h5py.Dataset):
@@ -511,24 +506,31 @@ class Hdf5Reader(ForkSafe):
         if self.chunk_cache_bytes > 0:
             chunk = VLEN_CHUNK * 16 if self.kind == "variable" else max(1, int(np.prod(self.shape)))
             fitting = max(1, self.chunk_cache_bytes // chunk)
-            cache = {"rdcc_nbytes": self.chunk_cache_bytes, "rdcc_nslots": _next_prime(min(100 * fitting, 1 << 22)),
+            cache = {"rdcc_nbytes": self.chunk_cache_bytes, "rdcc_nslots": next_prime(min(100 * fitting, 1 << 22)),
                      "rdcc_w0": 1.0}
         else:
             cache = {"rdcc_nbytes": 0, "rdcc_nslots": 1, "rdcc_w0": 1.0}
         self._file = _open_file(self.path, **cache)
-        self._images = self._file["images"]
+        with library_errors_as_damage(self.path):
+            self._images = self._file["images"]
+        check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
 
     def __len__(self) -> int:
         return self.count
+
+    def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
+        with _open_file(self.path) as f, library_errors_as_damage(self.path):   # (a replaced store's sums: no mix)
+            return self._dataset(f, str(spec.get("dataset")))[()]
 
     def origins(self) -> Origins | None:
         """Where each sample came from; None for a store converted before provenance was kept."""
         spec = self.manifest["layout"].get("provenance")
         if spec is None:
             return None
-        with _open_file(self.path) as f:
+        with _open_file(self.path) as f, library_errors_as_damage(self.path):
             group = f.get("provenance")
             arrays = {name: group[name][()] for name in group} if isinstance(group, h5py.Group) else {}
+        check_identity(self.path, self._identity)
         return Origins.from_arrays(spec.get("kind"), arrays, str(self.path), count=self.count)
 
     def _read_fixed(self, i: int, out: np.ndarray) -> None:
@@ -543,6 +545,8 @@ class Hdf5Reader(ForkSafe):
                 out[...] = self._images[i]
         except (OSError, KeyError, RuntimeError) as exc:
             raise StoreCorruptError(f"{self.path}: cannot read sample {i} ({exc})") from exc
+        if self.sums is not None:   # the array handed out is what is checked
+            self.sums.check(i, out)
 
     def _read_variable(self, i: int) -> np.ndarray:
         c, h, w = (int(v) for v in self.shapes[i])
@@ -550,19 +554,22 @@ class Hdf5Reader(ForkSafe):
             flat = self._images[i]
         except (OSError, KeyError, RuntimeError) as exc:
             raise StoreCorruptError(f"{self.path}: cannot read sample {i} ({exc})") from exc
+        if self.sums is not None:
+            self.sums.check(i, flat)
         if flat.size != c * h * w:
             raise StoreCorruptError(f"{self.path}: sample {i} holds {flat.size} bytes, /shapes says {c}x{h}x{w}")
         return flat.reshape(c, h, w)
+
+    def _read_new(self, i: int) -> np.ndarray:
+        out = np.empty(self.shape, dtype=np.uint8)
+        self._read_fixed(i, out)
+        return out
 
     def get(self, i: int) -> np.ndarray:
         """Sample ``i`` (0 <= i < len) as a fresh, writable uint8 (C, H, W) array."""
         i = check_index(self.path, i, self.count)
         self._ensure_open()
-        if self.shape is None:
-            return self._read_variable(i)
-        out = np.empty(self.shape, dtype=np.uint8)
-        self._read_fixed(i, out)
-        return out
+        return self._read_variable(i) if self.shape is None else self._read_new(i)
 
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
         """Samples ``indices`` in that order, read in file order, each its own array."""
@@ -570,12 +577,7 @@ class Hdf5Reader(ForkSafe):
         self._ensure_open()
         out: list[np.ndarray | None] = [None] * len(indices)
         for k in sorted(range(len(indices)), key=indices.__getitem__):
-            if self.shape is None:
-                out[k] = self._read_variable(indices[k])
-            else:
-                sample = np.empty(self.shape, dtype=np.uint8)
-                self._read_fixed(indices[k], sample)
-                out[k] = sample
+            out[k] = self._read_variable(indices[k]) if self.shape is None else self._read_new(indices[k])
         return out
 
     def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:

@@ -14,6 +14,7 @@ On-disk layout of ``NAME.lmdb/`` (an LMDB environment folder, format version 1):
     b"__shapes__"          int64 little-endian (N, 3): C, H, W of sample i
                            (variable-shape stores only; fixed-shape stores take the
                            shape from the manifest's sample.shape)
+    b"__crc32__"           uint32 little-endian (N,): CRC32 of sample i's value (check="sample")
 
 Why this layout:
   * zero-padded decimal keys sort in sample order, so the writer appends with
@@ -52,6 +53,7 @@ import functools
 import hashlib
 import os
 import weakref
+import zlib
 from array import array
 from pathlib import Path
 from typing import Any
@@ -70,12 +72,19 @@ from ._common import (
     ForkSafe,
     PartialRows,
     batch_out,
+    check_identity,
     check_index,
     check_indices,
-    check_sidecar_seal,
     read_range_by_batch,
-    seal_sidecar,
+    store_identity,
     write_error,
+)
+from ._integrity import (
+    SUMS_ALGORITHM,
+    SUMS_DTYPE,
+    SampleChecks,
+    check_sidecar_seal,
+    seal_sidecar,
 )
 from .manifest import loads as load_manifest_text
 from .manifest import validate
@@ -89,6 +98,7 @@ KEY_DIGITS = 10
 MANIFEST_KEY = b"__dlstore__"
 LABELS_KEY = b"__labels__"
 SHAPES_KEY = b"__shapes__"
+SUMS_KEY = b"__crc32__"
 INT_DTYPE = np.dtype("<i8")
 DEFAULT_MAP_SIZE = 1 << 30  # initial map; doubles on MDB_MAP_FULL
 DEFAULT_BATCH_BYTES = 64 << 20  # sample bytes per write transaction
@@ -129,6 +139,7 @@ class LmdbWriter:
         self.batch_bytes = max(1, int(batch_bytes))
         self.labels = array("q")  # int64, not a list of Python ints: no per-sample objects
         self.shapes = array("q")  # C, H, W of each sample, flat (variable-shape stores)
+        self.sums = array("q")    # CRC32 of each sample's value
         self.checksums: dict[str, str] = {}
         self._hash = hashlib.sha256()
         self._pending: list[tuple[bytes, bytes]] = []
@@ -159,6 +170,7 @@ class LmdbWriter:
                                 "split the source or use --format shards")
         value = np.ascontiguousarray(sample).tobytes()
         self._hash.update(value)
+        self.sums.append(zlib.crc32(value))
         self._pending.append((sample_key(self._count), value))
         self._pending_bytes += len(value)
         self._count += 1
@@ -239,6 +251,7 @@ class LmdbWriter:
                         raise StoreCorruptError(f"{writer.folder}: sample {i} missing before the checkpoint; "
                                                 "rerun without --resume")
                     writer._hash.update(value)
+                    writer.sums.append(zlib.crc32(value))
             writer.labels.extend(writer._partial_labels.restore(rows))
             if shape is None:
                 writer.shapes.extend(writer._partial_shapes.restore(rows))
@@ -257,16 +270,21 @@ class LmdbWriter:
         items = [(LABELS_KEY, labels)]
         self.checksums["samples"] = self._hash.hexdigest()
         self.checksums["labels"] = hashlib.sha256(labels).hexdigest()
+        sums = np.asarray(self.sums, dtype=SUMS_DTYPE).tobytes()
+        items.append((SUMS_KEY, sums))
+        self.checksums["crc32"] = hashlib.sha256(sums).hexdigest()
         hashed = {
             "samples": f"values of keys {sample_key(0).decode()}..{sample_key(max(self._count - 1, 0)).decode()} "
                        "concatenated in key order",
             "labels": f"value of key {LABELS_KEY.decode()}",
+            "crc32": f"value of key {SUMS_KEY.decode()}",
         }
         layout: dict[str, Any] = {
             "kind": "fixed" if self.shape is not None else "variable",
             "key_digits": KEY_DIGITS,
             "labels_key": LABELS_KEY.decode(),
             "int_dtype": INT_DTYPE.str,
+            "sample_sums": {"algorithm": SUMS_ALGORITHM, "key": SUMS_KEY.decode()},
         }
         if self.shape is None:
             shapes = np.asarray(self.shapes, dtype=INT_DTYPE).reshape(-1, 3).tobytes()
@@ -407,13 +425,13 @@ def _lmdb_errors_as_damage(method):
     return wrapper
 
 
-# LMDB errors that mean the file's contents are wrong
-_DAMAGE = (lmdb.CorruptedError, lmdb.PageNotFoundError, lmdb.BadValsizeError, lmdb.InvalidError,
-           lmdb.VersionMismatchError, lmdb.IncompatibleError, lmdb.BadChecksumError, lmdb.PanicError,
-           lmdb.NotFoundError)
+# LMDB errors that mean the file's contents are wrong (BadChecksumError: not in py-lmdb 1.4)
+_DAMAGE = tuple(getattr(lmdb, name) for name in (
+    "CorruptedError", "PageNotFoundError", "BadValsizeError", "InvalidError", "VersionMismatchError",
+    "IncompatibleError", "BadChecksumError", "PanicError", "NotFoundError") if hasattr(lmdb, name))
 
 
-class LmdbReader(ForkSafe):
+class LmdbReader(SampleChecks, ForkSafe):
     """Reads samples of an LMDB store; each read copies the value out of the map once.
 
     Args:
@@ -433,9 +451,11 @@ class LmdbReader(ForkSafe):
                  readahead: bool | None = None):
         self.path = _env_folder(path)
         data = _data_file(self.path)
+        self._identity = store_identity(self.path)   # before reading any of it: see _common
         self.readahead = _default_readahead(data) if readahead is None else bool(readahead)
         self._env: lmdb.Environment | None = None
         self._pid: int | None = None
+        self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
         # The metadata lives inside the environment: open it, read, and let it go again, so
         # that nothing is held open here if this process forks DataLoader workers next.
         env = _shared_env(self.path, self.readahead)
@@ -476,6 +496,20 @@ class LmdbReader(ForkSafe):
 
     def _open(self) -> None:
         self._env = _shared_env(self.path, self.readahead)
+        check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
+
+    @_lmdb_errors_as_damage
+    def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
+        self._ensure_open()
+        with self._env.begin() as txn:
+            raw = _get_required(txn, str(spec.get("key")).encode(), self.path)
+        if len(raw) != 4 * self.count:
+            raise StoreCorruptError(f"{self.path}: key {spec.get('key')} holds {len(raw)} bytes, expected "
+                                    f"{4 * self.count} (uint32 ({self.count},))")
+        return np.frombuffer(raw, dtype=SUMS_DTYPE)
+
+    def _sample_file(self, i: int) -> Path:
+        return self.path / "data.mdb"
 
     def __len__(self) -> int:
         return self.count
@@ -515,7 +549,10 @@ class LmdbReader(ForkSafe):
         with self._env.begin(buffers=True) as txn:
             # The memoryview points into the map and is valid only inside the transaction.
             value = self._value(txn, i, shape[0] * shape[1] * shape[2])
-            return np.frombuffer(value, dtype=np.uint8).reshape(shape).copy()
+            sample = np.frombuffer(value, dtype=np.uint8).reshape(shape).copy()
+        if self.sums is not None:   # the copy handed out is what is checked
+            self.sums.check(i, sample)
+        return sample
 
     @_lmdb_errors_as_damage
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
@@ -532,6 +569,8 @@ class LmdbReader(ForkSafe):
                 shape = self._shape_of(int(i))
                 value = self._value(txn, int(i), shape[0] * shape[1] * shape[2])
                 out.append(np.frombuffer(value, dtype=np.uint8).reshape(shape).copy())
+        if self.sums is not None:
+            self.sums.check_many(indices, out)
         return out
 
     @_lmdb_errors_as_damage
@@ -548,6 +587,8 @@ class LmdbReader(ForkSafe):
         with self._env.begin(buffers=True) as txn:
             for k, i in enumerate(indices.tolist()):
                 flat[k] = np.frombuffer(self._value(txn, i, nbytes), dtype=np.uint8)
+        if self.sums is not None:
+            self.sums.check_many(indices.tolist(), out)
         return out
 
     read_range = read_range_by_batch

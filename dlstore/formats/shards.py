@@ -3,6 +3,7 @@
 On-disk layout of ``NAME.shards/`` (format version 1)::
 
     manifest.json          the store manifest (see dlstore.manifest)
+    manifest.json.sha256   its sha256 (sha256sum format): every other file's digest is in the manifest
     labels.npy             int64 (N,)                      label of sample i; -1 if unlabelled
     # fixed-shape store (the static spec fixes (C, H, W)):
     shard-00000.npy        uint8 (k, C, H, W)              samples [0, k)
@@ -10,6 +11,7 @@ On-disk layout of ``NAME.shards/`` (format version 1)::
     # variable-shape store:
     data-00000.bin         raw uint8 bytes, samples back to back, each C*H*W in CHW order
     index.npy              int64 (N, 5): file number, byte offset, C, H, W of sample i
+    crc32.npy              uint32 (N,): CRC32 of sample i's bytes (see _integrity, check="sample")
 
 Why this layout:
   * ``.npy`` with a plain uint8 dtype: ``numpy.load(f, mmap_mode="r")`` maps it
@@ -45,12 +47,22 @@ from ._common import (
     ForkSafe,
     PartialRows,
     batch_out,
+    check_identity,
     check_index,
     check_indices,
     safe_member,
     save_npy_synced,
     sha256_file,
+    store_identity,
     write_synced,
+)
+from ._integrity import (
+    SUMS_ALGORITHM,
+    SUMS_DTYPE,
+    SampleChecks,
+    check_sidecar_seal,
+    record_crc,
+    seal_sidecar,
 )
 from .manifest import loads as load_manifest_text
 
@@ -81,7 +93,7 @@ class _HashingFile:
 
     def __init__(self, path: Path):
         self.path = path
-        self.f = open(path, "wb")
+        self.f = open(path, "wb")  # noqa: SIM115 - closed by close(), after the last write
         self.hash = hashlib.sha256()
         self.size = 0
 
@@ -111,6 +123,7 @@ class ShardWriter:
     format_version = FORMAT_VERSION
     _PARTIAL_LABELS = "labels.partial"  # int64 rows of completed files, appended at checkpoints
     _PARTIAL_INDEX = "index.partial"    # (variable shapes) 5 int64 per sample, as in index.npy
+    _PARTIAL_SUMS = "crc32.partial"     # CRC32 of each sample (as int64), as in crc32.npy
 
     def __init__(self, folder: Path, *, shape: tuple[int, int, int] | None,
                  shard_size: int = DEFAULT_SHARD_SIZE, compression: str | None = "none",
@@ -127,12 +140,14 @@ class ShardWriter:
         self.shard_size = int(shard_size)
         # int64 arrays, not lists of Python objects: 8 (labels) + 40 (index) bytes per sample
         self.labels = array("q")
+        self.sums = array("q")   # CRC32 of each sample's bytes
         self.checksums: dict[str, str] = {}
         self._file: _HashingFile | None = None
         self._files: list[dict[str, Any]] = []
         self._index = array("q")  # file number, byte offset, C, H, W of each sample, flat
         self._partial_labels = PartialRows(self.folder / self._PARTIAL_LABELS, 1)
         self._partial_index = PartialRows(self.folder / self._PARTIAL_INDEX, 5)
+        self._partial_sums = PartialRows(self.folder / self._PARTIAL_SUMS, 1)
         if shape is not None:
             self.sample_bytes = int(np.prod(shape))
             self.per_shard = max(1, self.shard_size // self.sample_bytes)
@@ -163,7 +178,9 @@ class ShardWriter:
         if self.shape is None:
             c, h, w = sample.shape
             self._index.extend((len(self._files) - 1, self._file.size, c, h, w))
-        self._file.write(memoryview(np.ascontiguousarray(sample)).cast("B"))
+        sample = np.ascontiguousarray(sample)
+        self._file.write(memoryview(sample).cast("B"))
+        self.sums.append(record_crc(sample))
         self._files[-1]["count"] += 1
         self.labels.append(int(label))
         full = (self._files[-1]["count"] == self.per_shard if self.shape is not None
@@ -179,6 +196,7 @@ class ShardWriter:
         """
         rows = len(self.labels)
         self._partial_labels.append(self.labels, rows)
+        self._partial_sums.append(self.sums, rows)
         if self.shape is None:
             self._partial_index.append(self._index, rows)
         return {"files": [dict(f) for f in self._files], "checksums": dict(self.checksums), "rows": rows}
@@ -191,11 +209,12 @@ class ShardWriter:
         rows = int(state["rows"])
         writer._files.extend(dict(f) for f in state["files"])
         writer.checksums.update(state["checksums"])
-        keep = {f["file"] for f in writer._files} | {cls._PARTIAL_LABELS, cls._PARTIAL_INDEX}
+        keep = {f["file"] for f in writer._files} | {cls._PARTIAL_LABELS, cls._PARTIAL_INDEX, cls._PARTIAL_SUMS}
         for path in writer.folder.iterdir():
             if path.name not in keep and path.name != "progress.json":
                 path.unlink()
         writer.labels.extend(writer._partial_labels.restore(rows))
+        writer.sums.extend(writer._partial_sums.restore(rows))
         if shape is None:
             writer._index.extend(writer._partial_index.restore(rows))
         return writer
@@ -219,6 +238,8 @@ class ShardWriter:
             self._save("index.npy", index)
             layout.update(kind="variable", files=self._files, index="index.npy")
         self._save("labels.npy", np.frombuffer(self.labels, dtype=np.int64))
+        self._save("crc32.npy", np.asarray(self.sums, dtype=SUMS_DTYPE))
+        layout["sample_sums"] = {"algorithm": SUMS_ALGORITHM, "file": "crc32.npy"}
         origins = getattr(self, "origins", None)
         if origins is not None:  # provenance-{indices | offsets, blob}.npy
             files = {name: f"provenance-{name}.npy" for name in origins.arrays()}
@@ -227,6 +248,7 @@ class ShardWriter:
             layout["provenance"] = {"kind": origins.kind, "files": files}
         self._partial_labels.remove()
         self._partial_index.remove()
+        self._partial_sums.remove()
         return layout
 
     def _save(self, name: str, array: np.ndarray) -> None:
@@ -238,12 +260,19 @@ class ShardWriter:
 
     def write_manifest(self, text: str) -> None:
         write_synced(self.folder / MANIFEST_NAME, text.encode("utf-8"))
+        seal_sidecar(self.folder / MANIFEST_NAME)
 
     def close(self) -> None:
         """Release open files; safe after finish() and after an error."""
         if self._file is not None:
             self._file.f.close()
             self._file = None
+
+
+def check_manifest_seal(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """(manifest.json, None if ``manifest.json.sha256`` matches it, else the problem or "unsealed")."""
+    manifest = Path(path) / MANIFEST_NAME
+    return manifest, check_sidecar_seal(manifest)
 
 
 def read_manifest(path: Path) -> dict[str, Any]:
@@ -267,7 +296,7 @@ def _load_npy(path: Path, mmap: bool) -> np.ndarray:
         raise StoreCorruptError(f"{path}: unreadable .npy file ({type(exc).__name__}: {exc})") from exc
 
 
-class ShardReader(ForkSafe):
+class ShardReader(SampleChecks, ForkSafe):
     """Reads samples of a shards store as numpy views into memory maps."""
 
     format = FORMAT
@@ -275,6 +304,7 @@ class ShardReader(ForkSafe):
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None):
         self.path = Path(path)
+        self._identity = store_identity(self.path)   # before reading any of it: see _common
         self.manifest = manifest if manifest is not None else read_manifest(self.path)
         layout = self.manifest["layout"]
         self.count = self.manifest["count"]
@@ -318,6 +348,15 @@ class ShardReader(ForkSafe):
             self._load_index(safe_member(self.path, layout.get("index", "index.npy")))
         self._maps: list[np.ndarray | None] | None = None
         self._pid = None
+        self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
+
+    def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
+        return _load_npy(safe_member(self.path, spec.get("file")), mmap=False)
+
+    def _sample_file(self, i: int) -> Path:
+        if self.kind == "variable":
+            return self.files[int(self.index[i, 0])]
+        return self.files[int(np.searchsorted(self._starts, i, side="right")) - 1]
 
     def _load_index(self, path: Path) -> None:
         index = _load_npy(path, mmap=False)
@@ -380,6 +419,7 @@ class ShardReader(ForkSafe):
                 arr = np.memmap(f, dtype=np.uint8, mode="c") if f.stat().st_size else np.zeros(0, np.uint8)
             except FileNotFoundError:
                 raise StoreCorruptError(f"{f}: missing data file named in the manifest") from None
+        check_identity(self.path, self._identity)   # after the open: the file is the old store's, or this raises
         self._maps[k] = arr
         return arr
 
@@ -399,6 +439,12 @@ class ShardReader(ForkSafe):
         """Sample ``i`` as a uint8 (C, H, W) view into the memory map (no copy)."""
         self._ensure_open()
         i = check_index(self.path, i, self.count)
+        sample = self._view(i)
+        if self.sums is not None:
+            self.sums.check(i, sample)
+        return sample
+
+    def _view(self, i: int) -> np.ndarray:
         if self.kind == "fixed":
             if self._uniform:
                 return self._map(i // self.per_shard)[i % self.per_shard]
@@ -409,7 +455,13 @@ class ShardReader(ForkSafe):
 
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
         """Samples ``indices`` as views (no copy); the caller's collate does the one copy."""
-        return [self.get(i) for i in indices]
+        if self.sums is None:
+            return [self.get(i) for i in indices]
+        self._ensure_open()
+        indices = check_indices(self.path, indices, self.count).tolist()
+        samples = [self._view(i) for i in indices]
+        self.sums.check_many(indices, samples)
+        return samples
 
     def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         """Samples ``indices`` of a fixed-shape store gathered into one (B, C, H, W) array."""
@@ -437,6 +489,8 @@ class ShardReader(ForkSafe):
             # gather per file would copy every sample twice)
             for k, (s, j) in enumerate(zip(shard_no.tolist(), local.tolist())):
                 out[k] = self._map(s)[j]
+        if self.sums is not None:   # the copy handed out is what is checked
+            self.sums.check_many(indices.tolist(), out)
         return out
 
     def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
@@ -477,6 +531,9 @@ class ShardReader(ForkSafe):
         else:
             for job in jobs:
                 _pread_into(*job)
+        check_identity(self.path, self._identity)   # the files were opened by name above
+        if self.sums is not None:
+            self.sums.check_many(range(start, stop), out)
         return out
 
 

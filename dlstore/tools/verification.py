@@ -10,6 +10,8 @@ What the checksums cover (recorded by each Writer, recomputed here):
 
 * shards: sha256 of each file named in ``checksums.files`` (shards, data files,
   ``index.npy``, ``labels.npy``);
+* every format, per sample (stores that have them): the CRC32 recorded for each
+  sample at conversion, checked as each sample is read (``deep`` for shards);
 * LMDB / HDF5: ``samples`` = sha256 of every sample's CHW bytes in sample order,
   ``labels`` = sha256 of the int64 little-endian labels, ``shapes`` (variable
   shape stores) = sha256 of the int64 (N, 3) shapes; and the whole data file
@@ -74,6 +76,8 @@ def verify(path: str | os.PathLike, *, deep: bool = False) -> VerifyReport:
         report.problem("open", f"{path}: not opened: the data file differs from its seal, and LMDB/HDF5 may "
                                "crash or hang on damaged pages; convert again or restore a copy")
         return report
+    if hasattr(module, "check_manifest_seal"):   # shards: the manifest is the one file without a digest in it
+        _check_seal_of(module.check_manifest_seal(path), report)
     try:
         reader = module.Reader(Path(path))
     except (DlstoreError, OSError, ValueError) as exc:
@@ -81,6 +85,7 @@ def verify(path: str | os.PathLike, *, deep: bool = False) -> VerifyReport:
         return report
     manifest = reader.manifest
     report.count = manifest["count"]
+    _enable_sums(reader, manifest, report)
     _check_labels(reader, manifest, report)
     if report.format == "shards":
         _check_files(Path(path), manifest, report)
@@ -97,7 +102,11 @@ def _check_seal(module: Any, path: Path, report: VerifyReport) -> bool:
     False if the file differs from its seal."""
     if not hasattr(module, "check_seal"):
         return True
-    data, problem = module.check_seal(path)
+    return _check_seal_of(module.check_seal(path), report)
+
+
+def _check_seal_of(checked: tuple[Path, str | None], report: VerifyReport) -> bool:
+    data, problem = checked
     if problem is None:
         report.checked.append(f"seal: sha256 of {data.name} matches")
     elif problem == "unsealed":
@@ -107,6 +116,22 @@ def _check_seal(module: Any, path: Path, report: VerifyReport) -> bool:
         report.problem(str(data), problem)
         return False
     return True
+
+
+def _enable_sums(reader: Any, manifest: dict[str, Any], report: VerifyReport) -> None:
+    """Check each sample read below against its recorded CRC32 (stores that have the sums)."""
+    if "sample_sums" not in manifest["layout"]:
+        report.checked.append("per-sample CRC32: none (converted before dlstore recorded them)")
+        return
+    try:
+        reader.enable_sample_check()
+    except (DlstoreError, OSError, ValueError) as exc:
+        report.problem("sample sums", str(exc))
+        return
+    if report.format != "shards":   # shards: crc32.npy is one of the files whose sha256 is checked
+        digest = hashlib.sha256(np.asarray(reader.sums.sums, dtype="<u4").tobytes()).hexdigest()
+        if manifest["checksums"]["files"].get("crc32") != digest:
+            report.problem("crc32", "sha256 mismatch: the per-sample sums changed since conversion")
 
 
 def _check_labels(reader: Any, manifest: dict[str, Any], report: VerifyReport) -> None:

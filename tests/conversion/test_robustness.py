@@ -9,6 +9,7 @@ import resource
 import signal
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -376,27 +377,54 @@ def pristine(tmp_path_factory, small_folder):
                        min_size=1, max_size=8),
        truncate=st.booleans())
 def test_random_damage_raises_only_clear_errors(pristine, tmp_path_factory, store, target, damage, truncate):
-    """Shards stores only: LMDB and HDF5 are C libraries that may crash on damaged pages;
-    their damage is caught by checksums in ``verify`` instead (tested above)."""
+    """Shards stores (pure Python reading, so in process; LMDB and HDF5: tests/formats/test_damage.py).
+
+    Reading raises only DlstoreError subclasses; with check="sample" no sample reads back
+    other than the pristine store's; and whenever a file's bytes changed, ``verify`` (and
+    the CLI, exit 1) reports a problem naming that file."""
     import shutil
 
     work = tmp_path_factory.mktemp("damaged") / store
     shutil.copytree(pristine / store, work)
-    files = sorted(work.iterdir())  # manifest, labels, index, shard / .bin data files
+    files = sorted(work.iterdir())  # manifest (+ its .sha256), labels, crc32, index, shard / .bin data files
     path = files[target % len(files)]
-    data = bytearray(path.read_bytes())
+    before = path.read_bytes()
+    data = bytearray(before)
     for offset, value in damage:
         data[offset % len(data)] = value
     if truncate:
         data = data[: damage[0][0] % len(data)]
     path.write_bytes(bytes(data))
-    try:
-        ds = dlstore.open_dataset(work)
-        for i in range(len(ds)):
-            ds[i]
-    except DlstoreError:
-        pass  # the clear, named error we promise (StoreCorruptError and friends)
-    verify(work, deep=True)  # reports, never raises
+    ref = dlstore.open_dataset(pristine / store)
+    for check in ("none", "sample"):
+        try:
+            ds = dlstore.open_dataset(work, check=check)
+            for i in range(len(ds)):
+                try:
+                    x, y = ds[i]
+                except DlstoreError:
+                    continue
+                if check == "sample":   # what reads back is the original sample, or nothing
+                    rx, ry = ref[i]
+                    assert len(ds) == len(ref) and x.shape == rx.shape and torch.equal(x, rx) and y == ry, \
+                        (path.name, i)
+        except DlstoreError:
+            pass  # the clear, named error we promise (StoreCorruptError and friends)
+    report = verify(work, deep=True)  # reports, never raises
+    if bytes(data) != before:
+        assert not report.ok, (path.name, str(report))
+        assert any(path.name in f"{where}: {message}" for where, message in report.problems), \
+            (path.name, str(report))
+
+
+def test_verify_cli_names_a_damaged_manifest(small_folder, tmp_path):
+    dst = tmp_path / "s.shards"
+    _convert(small_folder, dst, static="resize=20,center_crop=16")
+    text = (dst / "manifest.json").read_text()
+    (dst / "manifest.json").write_text(text.replace('"root": "', '"root": "X', 1))  # still valid JSON
+    result = subprocess.run([sys.executable, "-m", "dlstore.cli", "verify", str(dst)], capture_output=True, check=False,
+                            text=True)
+    assert result.returncode == 1 and "manifest.json" in result.stdout and "sha256 mismatch" in result.stdout
 
 
 @pytest.mark.slow
@@ -408,12 +436,27 @@ def test_lmdb_and_hdf5_conversions_resume_from_their_last_written_block(slow_fol
                                                                         files):
     dst = tmp_path / name
     options = dict(static="resize=48,center_crop=40", batch_bytes=30_000)  # a unit per ~6 samples
-    script = (f"import dlstore; dlstore.convert({str(slow_folder)!r}, {str(dst)!r}, workers=1, progress=False, "
-              f"static={options['static']!r}, batch_bytes={options['batch_bytes']})")
+    # The conversion (workers=1: decoding in this process) holds at its first image after the first
+    # checkpoint until the gate file exists, which it never does: the interrupt arrives mid-run
+    # however fast or loaded the machine is, not in a race with the end of the conversion.
+    script = textwrap.dedent(f"""
+        import os, time
+        import PIL.Image
+        import dlstore
+        opened = PIL.Image.open
+        def gated(*args, **kwargs):
+            while os.path.exists({str(tmp_path / progress)!r}) and not os.path.exists({str(tmp_path / "gate")!r}):
+                time.sleep(0.01)
+            return opened(*args, **kwargs)
+        PIL.Image.open = gated
+        dlstore.convert({str(slow_folder)!r}, {str(dst)!r}, workers=1, progress=False,
+                        static={options['static']!r}, batch_bytes={options['batch_bytes']})
+    """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(tmp_path / progress, proc)
-    proc.send_signal(signal.SIGINT)  # at once: a quiet machine converts the rest in well under a second
-    proc.communicate(timeout=60)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode != 0, err   # interrupted, not finished
     assert not dst.exists() and (tmp_path / progress).is_file()
     done = json.loads((tmp_path / progress).read_text())["source_pos"]
     assert 0 < done < 240

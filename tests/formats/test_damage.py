@@ -10,9 +10,10 @@ Damage anywhere in the data file (not only metadata): random byte changes,
 truncation, zeroed 4 KiB pages. For each case:
 
 * the process must not crash nor hang (60 s);
-* opening (with ``check="open"``) and reading every sample raises only
-  DlstoreError subclasses, and never returns pixels that differ from the
-  original;
+* opening (with ``check="open"``, and again with ``check="sample"``) and reading
+  every sample raises only DlstoreError subclasses, and never returns pixels that
+  differ from the original (with ``check="sample"`` HDF5 may hang in its own
+  metadata code, as without a check: tolerated there, counted, never a crash);
 * whenever the file's bytes differ from the original, ``verify(deep=True)``
   reports a problem naming the file (the whole-file seal covers bytes that no
   sample checksum reaches), so pixels that read back damaged never pass
@@ -46,11 +47,11 @@ import numpy as np
 import dlstore
 from dlstore.errors import DlstoreError
 
-def case(path, pristine):
+def case(path, pristine, check):
     res = {"open": None, "read_errors": 0, "wrong": 0, "foreign": None}
     ref = dlstore.open_dataset(pristine)
     try:
-        ds = dlstore.open_dataset(path, check="open")
+        ds = dlstore.open_dataset(path, check=check)
         if len(ds) != len(ref):
             res["wrong"] += 1
         for i in range(min(len(ds), len(ref))):
@@ -80,7 +81,7 @@ for line in sys.stdin:
     pid = os.fork()
     if pid == 0:
         try:
-            res = case(job["path"], job["pristine"])
+            res = case(job["path"], job["pristine"], job["check"])
         except BaseException as exc:
             import traceback
             res = {"foreign": "helper: " + traceback.format_exc()[-600:]}
@@ -135,8 +136,8 @@ def helper():
     proc.wait(timeout=60)
 
 
-def _run(helper, path: Path, pristine: Path) -> dict:
-    helper.stdin.write(json.dumps({"path": str(path), "pristine": str(pristine)}) + "\n")
+def _run(helper, path: Path, pristine: Path, check: str) -> dict:
+    helper.stdin.write(json.dumps({"path": str(path), "pristine": str(pristine), "check": check}) + "\n")
     helper.stdin.flush()
     line = helper.stdout.readline()
     assert line, "the helper process died"
@@ -166,9 +167,14 @@ def _damage(path: Path, what) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("check", ["open", "sample"])
 @pytest.mark.parametrize("name, data_file", [("s.lmdb", "data.mdb"), ("s.h5", None)])
 def test_random_damage_is_a_clear_error_or_reported_never_a_crash(pristine, helper, tmp_path_factory, name,
-                                                                  data_file):
+                                                                  data_file, check):
+    """check="open": the seal stops every damaged file before the library sees it. check="sample":
+    the file reaches the library; every sample read must still be the original or a DlstoreError.
+    HDF5 itself may hang in its metadata code on such a file (seen: a zeroed metadata page), which
+    only the seal (check="open") prevents: a hang is tolerated there, a crash never."""
     outcomes = []
 
     @settings(max_examples=CASES_PER_FORMAT, deadline=None, derandomize=True,
@@ -184,14 +190,17 @@ def test_random_damage_is_a_clear_error_or_reported_never_a_crash(pristine, help
         before = target.read_bytes()
         _damage(target, what)
         changed = target.read_bytes() != before
-        res = _run(helper, work, pristine[name])
+        res = _run(helper, work, pristine[name], check)
         outcomes.append({"damage": what[0], "changed": changed, **res})
+        if res["status"] == "hang" and check == "sample" and name == "s.h5":
+            shutil.rmtree(work.parent)
+            return
         assert res["status"] == "exit", (what, res)
         assert res["foreign"] is None, (what, res)
         if changed:
             assert res["verify_ok"] is False, (what, res)
             assert any(target.name in p for p in res["problems"]), (what, res)
-            assert res["wrong"] == 0, ("check='open' let damaged pixels through", what, res)
+            assert res["wrong"] == 0, (f"check={check!r} let damaged pixels through", what, res)
         shutil.rmtree(work.parent)
 
     case()
@@ -202,5 +211,6 @@ def test_random_damage_is_a_clear_error_or_reported_never_a_crash(pristine, help
         "error_at_read": lambda o: o.get("read_errors"),
         "wrong_pixels_read": lambda o: o.get("wrong"),
         "reported_by_verify": lambda o: o.get("verify_ok") is False,
+        "hangs": lambda o: o["status"] == "hang",
     }.items()}
-    print(f"\n{name} damage summary: {json.dumps(summary)}")
+    print(f"\n{name} check={check} damage summary: {json.dumps(summary)}")

@@ -104,23 +104,30 @@ def test_timed_dataset_refuses_more_workers_than_rows():
     iterator._shutdown_workers()  # now, not at a later garbage collection (which waits 5 s a worker)
 
 
-def _stall(dataset_delay: float, step_delay: float) -> float:
+def _profile(dataset_delay: float, step_delay: float):
     loader = DataLoader(SleepyDataset(n=16, delay=dataset_delay), batch_size=2, num_workers=0)
     with profile_loader(loader) as p:
         for _x, _y in p:
             time.sleep(step_delay)
     report = p.report()
     assert report.steps == 7  # 8 batches, the first skipped
-    assert 0.0 <= report.stall_fraction <= 1.0
+    assert len(p.waits) == len(p.steps) == 8
+    assert report.wait == pytest.approx(sum(p.waits[1:])) and report.step == pytest.approx(sum(p.steps[1:]))
+    assert report.stall_fraction == pytest.approx(report.wait / (report.wait + report.step))
     assert report.speedup_if_free == pytest.approx((report.wait + report.step) / report.step)
-    return report.stall_fraction
+    return p, report
 
 
 def test_profile_loader_stall_tracks_the_slow_side():
-    slow_data = _stall(dataset_delay=0.01, step_delay=0.0)
-    slow_step = _stall(dataset_delay=0.0, step_delay=0.02)
-    assert slow_data > 0.5 > slow_step
-    assert slow_data > slow_step
+    # Lower bounds only (time.sleep never returns early), so outside load cannot fail them: each
+    # wait holds the two samples' sleeps when the data is slow, each step its sleep when the step is.
+    delay = 0.01
+    slow_data, data_report = _profile(dataset_delay=delay, step_delay=0.0)
+    assert all(w >= 2 * delay for w in slow_data.waits)
+    assert data_report.wait >= 7 * 2 * delay
+    slow_step, step_report = _profile(dataset_delay=0.0, step_delay=2 * delay)
+    assert all(s >= 2 * delay for s in slow_step.steps)
+    assert step_report.step >= 7 * 2 * delay
 
 
 def test_profile_loader_early_break_and_misuse():

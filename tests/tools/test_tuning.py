@@ -16,6 +16,7 @@ from dlstore._system import _cgroup_cpu_limit, _physical_cores, cpu_info, usable
 from dlstore.cli import main
 from dlstore.sources.demo import make_image_folder
 from dlstore.tools.tuning import (
+    NOISE,
     _worker_candidates,
     loader_kwargs,
     measure_throughput,
@@ -149,18 +150,22 @@ def test_tune_store_returns_usable_kwargs_not_slower_than_workers0(small_store):
     for t in result.trials:
         slower = t.num_workers > 0 and t.batches_per_s < base * 0.95
         assert ("slower than workers=0" in t.note) == slower
-    assert any(t.stage == "confirm" for t in result.trials)
-    # The recommendation against a fresh workers=0 measurement: generous tolerance, no absolute times.
-    tuned = measure_throughput(ds, dict(result), seconds=0.3)
-    zero = measure_throughput(ds, loader_kwargs(8, 0), seconds=0.3)
-    assert tuned.batches_per_s >= 0.5 * zero.batches_per_s
+    # The decision, on tune's own measurements (no fresh timing that outside load could skew; the
+    # speed itself is benchmarks/tune.py's claim): the baseline is a finalist, re-measured in the
+    # confirmation round, and the winner's median rate is within the noise margin of the fastest
+    # finalist's, so never below the baseline's beyond that margin.
+    confirmed = {json.dumps(t.kwargs, sort_keys=True) for t in result.trials if t.stage == "confirm"}
+    assert json.dumps(result.baseline.kwargs, sort_keys=True) in confirmed
+    assert json.dumps(result.best.kwargs, sort_keys=True) in confirmed
+    assert result.rate(result.best.kwargs) * (1 + NOISE) >= max(
+        result.rate(json.loads(k)) for k in confirmed)
     assert "workers" in result.table() and "*" in result.table()
     json.dumps(result.to_json())
 
 
 @pytest.mark.slow
 def test_tune_prefers_workers_when_loading_sleeps():
-    ds = SleepyDataset()
+    ds = SleepyDataset(delay=0.01)   # 40 ms of sleep per batch: worker start-up and IPC are small beside it
     result = tune(ds, 4, budget=3.0, max_workers=2, memory_warn_fraction=0.0)
     assert result["num_workers"] >= 1, result.table()
     assert result["prefetch_factor"] in (1, 2, 4, 8) and result["persistent_workers"] in (True, False)
