@@ -18,6 +18,11 @@ start-up included; ImageFolder reads every 5th image so its epoch is short too),
    (same static transforms, ``DataLoader(num_workers=0)``);
 7. cold cache: not measured here (``dlstore bench`` evicts the page cache).
 
+And the kernels alone, without the loader (``kernel ...``): the static gather
+(``reader.get_batch``, one ``np.take``) against the fused crop+flip
+(``functional.crop_flip_loop`` on the reader's views), whole batches on 1 and 2
+threads of a pool: what (1) and (2) would be if the loader cost nothing.
+
 Every configuration also records ``cpu/wall``: the CPU seconds this process got
 per wall second (worker processes not counted). On a machine shared with other
 jobs the scheduler may give the process less than one core whatever its thread
@@ -52,10 +57,10 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, write_json  # noqa: E402
+from _common import machine_info, write_json
 
-import dlstore  # noqa: E402
-from dlstore.sources.demo import make_image_folder  # noqa: E402
+import dlstore
+from dlstore.sources.demo import make_image_folder
 
 STATIC = "resize=256,center_crop=224"
 BATCH = 64
@@ -109,6 +114,37 @@ def memcpy(threads: int, batches: int = 16) -> Iterable:
             yield None, labels
 
 
+def kernel(ds, crop_flip_: bool, threads: int, generator: torch.Generator, batches: int = 16) -> Iterable:
+    """``batches`` shuffled batches of ``ds`` built by the bare kernel on ``threads`` threads: the static
+    gather into a reused buffer, or the fused crop (224, padding 4) + flip of the loader's crop+flip."""
+    from dlstore.transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip
+    from dlstore.transforms.functional import crop_flip_loop
+
+    crop, flip = BatchRandomCrop(224, padding=4), BatchRandomHorizontalFlip()
+    c, h, w = ds.shape
+    local = threading.local()
+    order = torch.randperm(len(ds), generator=generator).numpy()
+    starts = [s % (len(order) - BATCH) for s in range(0, batches * BATCH, BATCH)]
+    params = [(crop.sample((BATCH, c, h, w), generator=generator), flip.sample((BATCH,), generator=generator))
+              for _ in starts]
+
+    def one(k):
+        if not hasattr(local, "out"):
+            local.out = np.empty((BATCH, c, h, w), np.uint8)
+        idx = order[starts[k]:starts[k] + BATCH]
+        if crop_flip_:
+            p_crop, p_flip = params[k]
+            crop_flip_loop(ds.reader.get_many(idx.tolist()), local.out, p_crop["top"].numpy(),
+                           p_crop["left"].numpy(), p_flip["flip"].numpy(), crop.padding_for(h, w), 0)
+        else:
+            ds.reader.get_batch(idx, out=local.out)
+        return range(BATCH)
+
+    with ThreadPoolExecutor(threads) as pool:
+        for labels in pool.map(one, range(len(starts))):
+            yield None, labels
+
+
 def configurations(stores: dict[str, Path], folder: Path) -> dict[str, Callable[[], Iterable]]:
     static = {name: dlstore.open_dataset(path) for name, path in stores.items()}
     aug = dlstore.open_dataset(stores["shards"], transform=crop_flip())
@@ -124,6 +160,10 @@ def configurations(stores: dict[str, Path], folder: Path) -> dict[str, Callable[
     return {
         "memcpy threads=1": lambda: memcpy(1),
         "memcpy threads=2": lambda: memcpy(2),
+        "kernel static threads=1": lambda: kernel(static["shards"], False, 1, g),
+        "kernel static threads=2": lambda: kernel(static["shards"], False, 2, g),
+        "kernel crop+flip threads=1": lambda: kernel(static["shards"], True, 1, g),
+        "kernel crop+flip threads=2": lambda: kernel(static["shards"], True, 2, g),
         "plain get_batch": lambda: plain_loop(static["shards"], g),
         "plain get_batch crop+flip": lambda: plain_loop(aug, g),
         "threads=1": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, threads=1, generator=g),
@@ -150,6 +190,9 @@ RATIOS = {   # name -> (numerator, denominator)
     "(1) threads 2/1 crop+flip": ("threads=2 crop+flip", "threads=1 crop+flip"),
     "(2) crop+flip/static": ("default crop+flip", "default"),
     "(2) crop+flip/static, plain loop": ("plain get_batch crop+flip", "plain get_batch"),
+    "(1k) kernel threads 2/1 static": ("kernel static threads=2", "kernel static threads=1"),
+    "(1k) kernel threads 2/1 crop+flip": ("kernel crop+flip threads=2", "kernel crop+flip threads=1"),
+    "(2k) kernel crop+flip/static": ("kernel crop+flip threads=1", "kernel static threads=1"),
     "(3) default loader/plain get_batch": ("default", "plain get_batch"),
     "(4) num_workers 2/0": ("num_workers=2", "num_workers=0"),
     "(5) jpeg default/PIL today": ("default jpeg lmdb", "PIL, threads=0 jpeg lmdb"),
@@ -211,7 +254,7 @@ def main() -> None:
         ratios[f"{label} / control"] = {"ratio": ratios[label]["ratio"] / ratios[control]["ratio"], "target": None}
     for label, r in ratios.items():
         r.update(round_min=min(rounds[label]), round_max=max(rounds[label]))
-    uptime = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    uptime = subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip()
     print(f"{args.images} images, batch {BATCH}, {args.rounds} rounds x {args.seconds}s; load during the run: "
           f"{min(loads):.1f}-{max(loads):.1f} (1-min avg, {os.cpu_count()} CPUs)\n{uptime}\n")
     print(f"{'configuration':28s} {'samples/s':>10s} {'min':>8s} {'max':>8s} {'cpu/wall':>8s}")

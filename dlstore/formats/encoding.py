@@ -11,15 +11,31 @@ array of its bytes with shape ``(1, 1, nbytes)``. The manifest says
 ``"encoding": "jpeg"``, ``"shape": null`` (the records vary) and
 ``"decoded_shape"``: the (C, H, W) every decoded sample has, or null.
 
-Reading: :class:`DecodingReader` wraps a format's Reader and decodes with PIL,
-so the pixels are exactly what ``PIL.Image.open`` of those bytes gives. Readers
-themselves only fetch bytes. A batch of JPEG records (``get_many``/``get_batch``)
-is decoded by ``torchvision.io.decode_jpeg`` on the list, 1.3-1.7x PIL's speed on
-one core (measured, 224x224 q90) and straight to (C, H, W): both bundle
-libjpeg-turbo and gave identical pixels on every record tried (Pillow 13.0,
-torchvision 0.29), but versions may round differently, so each reader checks
-once, on the first records it decodes, that torchvision's pixels equal PIL's,
-and keeps to PIL if they do not.
+Reading: :class:`DecodingReader` wraps a format's Reader; readers themselves
+only fetch bytes. One record (``get``) is decoded by PIL, so the pixels are
+exactly what ``PIL.Image.open`` of those bytes gives. A batch of records
+(``get_many`` / ``get_batch``, what the loader threads call) is decoded by
+``torchvision.io``: every JPEG of the batch in one ``decode_jpeg`` call on the
+list, each PNG by ``decode_png``, straight to (C, H, W); and on the GPU with
+:meth:`DecodingReader.decode_many` ``(indices, device="cuda")`` (nvjpeg; PNG
+decodes on the CPU and is then copied).
+
+Pixels, torchvision against PIL, measured on the machine of ``benchmarks/loader.py``
+(Pillow 13.0 with libjpeg-turbo 3.2, torchvision 0.29.1, both bundling libjpeg-turbo;
+``tests/formats/test_encoding.py`` checks it again on every run):
+
+* JPEG, RGB at quality 50-100 with 4:4:4, 4:2:2 and 4:2:0 subsampling, and grayscale:
+  identical (max |d| = 0, every pixel equal), 1.2-1.6x PIL's speed on one core (224 px q90);
+* PNG: identical (lossless; 1.15-1.25x PIL's speed);
+* 4-component (CMYK/YCCK) JPEGs: *different* (PIL keeps Adobe's inverted CMYK; max |d| = 255),
+  so such a record is decoded by PIL. ``encode`` never writes one (it takes 1 or 3
+  channels); a store holding one got it from elsewhere.
+
+Other libjpeg-turbo builds may round differently (the IDCT and upsampling are not
+specified bit-exactly), so each reader checks once, on the first records of the
+first batch it decodes, that torchvision's pixels equal PIL's, and keeps to PIL if
+they do not. A batch in which a record does not decode falls back to PIL record by
+record, whose error names the store and the sample.
 """
 
 from __future__ import annotations
@@ -62,8 +78,34 @@ def decode(record: np.ndarray, *, where: str = "sample") -> np.ndarray:
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
 
 
+def decode_batch(records: list[np.ndarray], encoding: str, *, device: Any = "cpu") -> list[Any]:
+    """Decode encoded records with ``torchvision.io``: uint8 (C, H, W) tensors on ``device``.
+
+    JPEG: one ``decode_jpeg`` call on the whole list (on ``device``; "cuda" uses nvjpeg).
+    PNG: ``decode_png`` per record on the CPU, then moved to ``device``. Channels as stored
+    (``ImageReadMode.UNCHANGED``). Raises ``RuntimeError`` (torchvision's) when a record does
+    not decode, and ``ImportError`` without torchvision's decoders.
+    """
+    import torch
+    from torchvision.io import decode_jpeg, decode_png
+
+    # records read from a bytes object are read-only; torch wants writable memory (a ~20 kB copy)
+    tensors = [torch.from_numpy(np.array(r, copy=not r.flags.writeable).reshape(-1)) for r in records]
+    if encoding == "jpeg":
+        if torch.device(device).type == "cpu":
+            return list(decode_jpeg(tensors))
+        return list(decode_jpeg(tensors, device=device))
+    if encoding == "png":
+        return [decode_png(t).to(device) for t in tensors]
+    raise ArgumentError(f"cannot batch-decode {encoding!r}; valid encodings: {', '.join(_PIL_FORMATS)}")
+
+
 class DecodingReader:
-    """A format Reader whose samples are encoded: same interface, decoded arrays out."""
+    """A format Reader whose samples are encoded: same interface, decoded arrays out.
+
+    Args:
+        reader: the format's Reader (it fetches the encoded records).
+    """
 
     def __init__(self, reader: Any):
         self.raw = reader
@@ -73,17 +115,21 @@ class DecodingReader:
         shape = self.manifest["sample"].get("decoded_shape")
         self.shape = tuple(shape) if shape is not None else None
         self._where = str(getattr(reader, "path", "store"))
-        # JPEG batches through torchvision.io.decode_jpeg: None until checked against PIL
-        self._batch_jpeg: bool | None = None if self.manifest["sample"]["encoding"] == "jpeg" else False
+        self._encoding = self.manifest["sample"]["encoding"]
+        # batches through torchvision.io: None until checked against PIL on a first batch
+        self._batch_jpeg: bool | None = None if self._encoding in _PIL_FORMATS else False
 
     def __len__(self) -> int:
         return self.count
 
     def _decoded(self, record: np.ndarray, i: int) -> np.ndarray:
         sample = decode(record, where=f"{self._where} sample {i}")
-        if self.shape is not None and sample.shape != self.shape:
-            raise StoreCorruptError(f"{self._where} sample {i}: decodes to {sample.shape}, manifest says {self.shape}")
+        self._check_shape(sample.shape, i)
         return sample
+
+    def _check_shape(self, shape: tuple[int, ...], i: int) -> None:
+        if self.shape is not None and tuple(shape) != self.shape:
+            raise StoreCorruptError(f"{self._where} sample {i}: decodes to {tuple(shape)}, manifest says {self.shape}")
 
     def get(self, i: int) -> np.ndarray:
         return self._decoded(self.raw.get(i), i)
@@ -95,34 +141,61 @@ class DecodingReader:
         """Samples ``indices`` decoded; torchvision's are (C, H, W) views of (H, W, C) memory."""
         records = self.raw.get_many(indices)  # one transaction / one sorted read per batch
         if len(records) > 1 and self._batch_jpeg is not False:
-            decoded = self._decode_jpegs(records)
+            decoded = self._decode_batch(records)
             if decoded is not None:
-                for sample, i in zip(decoded, indices):
-                    if self.shape is not None and sample.shape != self.shape:
-                        raise StoreCorruptError(f"{self._where} sample {i}: decodes to {sample.shape}, "
-                                                f"manifest says {self.shape}")
-                return decoded
+                samples = []
+                for image, record, i in zip(decoded, records, indices):
+                    sample = image.numpy() if image.shape[0] in (1, 3) else self._decoded(record, i)  # CMYK: PIL
+                    self._check_shape(sample.shape, i)
+                    samples.append(sample)
+                return samples
         return [self._decoded(r, i) for r, i in zip(records, indices)]
 
-    def _decode_jpegs(self, records: list[np.ndarray]) -> list[np.ndarray] | None:
-        """``records`` decoded by torchvision in one call, or None: use PIL (a record that does
-        not decode, whose error PIL's path then names, or pixels that differ from PIL's)."""
+    def _decode_batch(self, records: list[np.ndarray]) -> list[Any] | None:
+        """``records`` decoded by torchvision, or None: use PIL (a record that does not decode,
+        whose error PIL's path then names, or pixels that differ from PIL's)."""
         try:
-            import torch
-            from torchvision.io import decode_jpeg
+            images = decode_batch(records, self._encoding)
         except ImportError:   # torchvision deprecates its decoders (0.29) for TorchCodec's
             self._batch_jpeg = False
             return None
-        tensors = [torch.from_numpy(np.ascontiguousarray(r).reshape(-1)) for r in records]
-        try:
-            images = [image.numpy() for image in decode_jpeg(tensors)]
         except RuntimeError:
             return None
-        if self._batch_jpeg is None:   # once per reader: the first records against PIL
-            self._batch_jpeg = all(np.array_equal(image, decode(r)) for image, r in zip(images[:4], records))
-            if not self._batch_jpeg:
+        if self._batch_jpeg is None:   # once per reader: up to 4 records against PIL (CMYK ones go to PIL)
+            pairs = [(image, r) for image, r in zip(images, records) if image.shape[0] in (1, 3)][:4]
+            if pairs:
+                self._batch_jpeg = all(np.array_equal(image.numpy(), decode(r)) for image, r in pairs)
+            if self._batch_jpeg is False:
                 return None
         return images
+
+    def decode_many(self, indices: list[int], *, device: Any = "cpu") -> list[Any]:
+        """Samples ``indices`` as uint8 (C, H, W) tensors on ``device``, decoded there where
+        torchvision can (JPEG on "cuda": nvjpeg), else by PIL and copied to ``device``.
+
+        The pixels are PIL's wherever the check of ``get_many`` holds (see the module
+        docstring); nvjpeg's are not checked against PIL: they may differ by rounding.
+        """
+        import torch
+
+        indices = [int(i) for i in indices]
+        records = self.raw.get_many(indices)
+        decoded = None
+        if records and torch.device(device).type != "cpu":
+            try:   # not checked against PIL: nvjpeg's rounding is its own
+                decoded = decode_batch(records, self._encoding, device=device)
+            except (ImportError, RuntimeError):
+                decoded = None
+        elif records and self._batch_jpeg is not False:
+            decoded = self._decode_batch(records)
+        out = []
+        for k, (record, i) in enumerate(zip(records, indices)):
+            image = decoded[k] if decoded is not None and decoded[k].shape[0] in (1, 3) else None
+            if image is None:
+                image = torch.from_numpy(self._decoded(record, i)).to(device)
+            self._check_shape(tuple(image.shape), i)
+            out.append(image)
+        return out
 
     def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if self.shape is None:

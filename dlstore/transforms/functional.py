@@ -14,6 +14,27 @@ Two kernels for the same result, chosen by output size:
 * ``crop_flip_loop``: per sample, one slice copy (large images: the copy dominates);
 * ``crop_flip_windows``: vectorised, no per-sample Python (small images).
 
+What the loop costs (issue 17; 2-core EPYC, 224x224 shards, batch 64, padding 4, half
+flipped, the kernels alone, interleaved; ``benchmarks/loader.py`` "kernel" rows):
+
+* 0.35-0.54 of the static gather (one ``np.take``), in three runs. A flipped sample
+  costs about twice a plain one: ``torch.flip`` of a cold 150 kB sample takes ~27 us
+  against ~15 us for a plain copy, then the window is copied from it. The rest is the strided window copy
+  and the padding strips (a plain sample alone: ~0.6).
+* Its copies release the GIL, but one call per sample hands the GIL over several
+  times per sample; each hand-over can cost a context switch, and on this machine 2
+  threads ran it at 0.74-1.04x of 1 thread while the static gather, one GIL-free call
+  per batch, ran at 1.15-1.56x in the same rounds (any per-sample loop of 150 kB
+  copies, numpy's or torch's, behaves the same).
+* Measured and rejected, all slower: staging the batch in a padded buffer and then one
+  window gather (torch.index_select / numpy fancy index; 0.24-0.33), torch.stack of
+  ``as_strided`` windows with a batched flip (0.32), a TorchScript loop (GIL-free,
+  0.2-0.25). Each adds a pass over the batch or a per-sample temporary.
+* A one-pass C loop (rows memcpy'd or copied reversed, strips memset, one GIL-free call
+  per batch through ctypes) gave identical pixels and 0.59-0.66 (0.70 with no flips).
+  So 0.85 is out of reach for numpy/torch primitives, and only borderline even for
+  compiled code that copies row by row.
+
 And the resampling kernel of ``BatchRandomResizedCrop``: ``resized_crop``
 (torchvision's kernel per sample on the CPU, ``resized_crop_matmul`` elsewhere)
 with the weights of ``resize_weights``.

@@ -88,3 +88,110 @@ def test_encoded_store_through_a_dataloader_with_workers(folder, tmp_path):
 def test_bad_encoding_is_refused(folder, tmp_path):
     with pytest.raises(ValueError, match="encoding must be one of raw, jpeg, png"):
         dlstore.convert(folder, tmp_path / "x.shards", encoding="webp", progress=False)
+
+
+# --- batches decoded by torchvision.io: the bound against PIL, measured on real JPEGs -------------
+
+def _pil_chw(data: bytes) -> np.ndarray:
+    arr = np.asarray(Image.open(io.BytesIO(data)))
+    return arr[None] if arr.ndim == 2 else arr.transpose(2, 0, 1)
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+@pytest.mark.parametrize("subsampling", [0, 1, 2])         # 4:4:4, 4:2:2, 4:2:0
+@pytest.mark.parametrize("quality", [50, 75, 90, 95, 100])
+def test_decode_jpeg_equals_pil_exactly_on_this_machine(folder, quality, subsampling, mode):
+    """The bound the module docstring states: max |d| = 0, every pixel equal (Pillow 13 / torchvision 0.29).
+
+    If this fails after an upgrade, the readers still give PIL's pixels (they check once and keep
+    to PIL); update the docstring with the bound printed here.
+    """
+    from dlstore.formats.encoding import decode_batch
+
+    records, expected = [], []
+    for path in sorted(folder.rglob("*.jpg")):   # the fixture's JPEGs, re-encoded at this setting
+        buffer = io.BytesIO()
+        Image.open(path).convert(mode).save(buffer, format="JPEG", quality=quality, subsampling=subsampling)
+        records.append(np.frombuffer(buffer.getvalue(), dtype=np.uint8).reshape(1, 1, -1))
+        expected.append(_pil_chw(buffer.getvalue()))
+    got = [t.numpy() for t in decode_batch(records, "jpeg")]
+    diffs = [np.abs(g.astype(np.int16) - e) for g, e in zip(got, expected)]
+    worst = max(int(d.max()) for d in diffs)
+    exact = sum(int((d == 0).sum()) for d in diffs) / sum(d.size for d in diffs)
+    assert [g.shape for g in got] == [e.shape for e in expected]
+    assert worst == 0 and exact == 1.0, f"q{quality} subsampling {subsampling} {mode}: max|d|={worst}, exact {exact:.4f}"
+
+
+@pytest.mark.parametrize("encoding,quality", [("jpeg", 60), ("jpeg", 95), ("png", None)])
+def test_batches_decode_with_torchvision_to_pils_pixels(folder, reference, tmp_path, encoding, quality):
+    kw = {"quality": quality} if quality else {}
+    ds = _store(folder, tmp_path, "b.lmdb", encoding=encoding, **kw)
+    idx = list(range(len(ds)))[::-1]
+    got = ds.reader.get_many(idx)
+    assert ds.reader._batch_jpeg is True          # torchvision was used: it matched PIL
+    pil = [ds.reader.get(i) for i in idx]         # one record: PIL
+    assert all(np.array_equal(g, p) for g, p in zip(got, pil))
+    batch, _ = ds.get_batch(idx)
+    assert torch.equal(batch, torch.from_numpy(np.stack(pil)))
+    if encoding == "png":                          # lossless: the static transform's exact pixels
+        assert all(torch.equal(batch[k], reference[i][0]) for k, i in enumerate(idx))
+    on_cpu = ds.reader.decode_many(idx, device="cpu")
+    assert all(t.device.type == "cpu" and np.array_equal(t.numpy(), p) for t, p in zip(on_cpu, pil))
+
+
+class _Records:
+    """A Reader over encoded records held in memory (real JPEG/PNG bytes), as a format's Reader."""
+
+    def __init__(self, records, encoding, decoded_shape=None, path="mem-store"):
+        self.records, self.path, self.count, self.labels = records, path, len(records), np.zeros(len(records))
+        self.manifest = {"sample": {"encoding": encoding, "decoded_shape": decoded_shape}}
+
+    def get(self, i):
+        return self.records[i]
+
+    def get_many(self, indices):
+        return [self.records[i] for i in indices]
+
+
+def _record(image: Image.Image, fmt: str, **options) -> np.ndarray:
+    buffer = io.BytesIO()
+    image.save(buffer, format=fmt, **options)
+    return np.frombuffer(buffer.getvalue(), dtype=np.uint8).reshape(1, 1, -1)
+
+
+def test_grayscale_and_cmyk_jpegs_in_one_batch_decode_as_pil(folder):
+    from dlstore.formats.encoding import DecodingReader, decode
+
+    images = [Image.open(p) for p in sorted(folder.rglob("*.jpg"))[:3]]
+    records = [_record(images[0], "JPEG", quality=85), _record(images[1].convert("L"), "JPEG", quality=85),
+               _record(images[2].convert("CMYK"), "JPEG", quality=85), _record(images[0], "JPEG", quality=70)]
+    reader = DecodingReader(_Records(records, "jpeg"))
+    got = reader.get_many([0, 1, 2, 3])
+    assert reader._batch_jpeg is True
+    assert [g.shape[0] for g in got] == [3, 1, 4, 3]
+    assert all(np.array_equal(g, decode(r)) for g, r in zip(got, records))   # CMYK: PIL's convention
+
+
+@pytest.mark.parametrize("encoding", ["jpeg", "png"])
+def test_damaged_record_in_a_batch_names_the_sample(folder, tmp_path, encoding):
+    from dlstore.errors import StoreCorruptError
+    from dlstore.formats.encoding import DecodingReader
+
+    good = _store(folder, tmp_path, "d.shards", encoding=encoding).reader.raw
+    records = good.get_many(list(range(6)))
+    records[4] = records[4].reshape(-1)[: records[4].size // 3].reshape(1, 1, -1)   # cut short
+    reader = DecodingReader(_Records(records, encoding, [3, 16, 16], path=str(good.path)))
+    with pytest.raises(StoreCorruptError, match=r"d\.shards sample 4"):
+        reader.get_batch(np.arange(6))
+    with pytest.raises(StoreCorruptError, match="sample 4"):
+        reader.decode_many(range(6), device="cpu")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (nvjpeg)")
+def test_decode_many_on_cuda_is_within_rounding_of_pil(folder, tmp_path):
+    ds = _store(folder, tmp_path, "g.lmdb", encoding="jpeg", quality=90)
+    idx = list(range(len(ds)))
+    got = ds.reader.decode_many(idx, device="cuda")
+    assert all(t.device.type == "cuda" for t in got)
+    diff = max(int((t.cpu().to(torch.int16) - torch.from_numpy(ds.reader.get(i))).abs().max()) for t, i in zip(got, idx))
+    assert diff <= 2, f"nvjpeg vs PIL: max |d| = {diff}"
