@@ -20,6 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 from .._system import usable_cpus
 from ..errors import ArgumentError, ArgumentTypeError
 from .dataset import StoreDataset
+from .device import DeviceLoader, host_stage
 from .gpu import GPUDataset
 from .gpu_loader import GPULoader
 from .threads import ThreadLoader
@@ -99,7 +100,9 @@ def loader(
     transform: Callable[..., torch.Tensor] | None = None,
     channels_last: bool = False,
     threads: int | None = None,
-) -> ThreadLoader | DataLoader | GPULoader:
+    device: str | torch.device | None = None,
+    dtype: torch.dtype | None = None,
+) -> ThreadLoader | DataLoader | GPULoader | DeviceLoader:
     """A loader that reads whole batches: one ``get_batch`` call per batch.
 
     Batches are built by a pool of threads in this process (a :class:`ThreadLoader`)
@@ -124,6 +127,17 @@ def loader(
     the DataLoader seeds per worker from ``generator`` (or from the global seed):
     ``generator`` (or ``torch.manual_seed``) makes epochs reproducible.
 
+    With ``device=`` (any torch device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``), the threads or
+    workers run only the host stage of the dataset's transforms (uint8 crops and flips)
+    and the float tail -- the device stage: ``ToDtype``, ``Normalize``, every op after
+    them and ``batch_transform`` -- runs on ``device`` (see ``HybridTransform`` and
+    :class:`~dlstore.data.device.DeviceLoader`): uint8 crosses the worker queues, the
+    pinned buffers and the host-to-device copy, a quarter of the bytes of float32.
+    The main process copies each batch into a ring of reused pinned buffers (CUDA)
+    and issues the copy and the device stage on a side stream, a batch ahead of the
+    one handed out. Labels move too. ``device=None`` (the default) runs everything
+    in the threads/workers, as before; ``device="cpu"`` runs the device path on the CPU.
+
     Given a :class:`GPUDataset`, returns its :class:`GPULoader` (no workers: the
     batches are indexed and augmented on the device); the DataLoader options
     (``num_workers``, ``pin_memory``, ...) do not apply there.
@@ -147,16 +161,21 @@ def loader(
             ``loader.sampler.set_epoch(epoch)`` before each epoch for a new shuffle.
         seed: the distributed shuffle's seed; must be the same on every rank (GPUDataset:
             the seed of the order and of the augmentations).
-        transform, channels_last: GPUDataset only, see :class:`GPULoader`.
+        transform: GPUDataset only, see :class:`GPULoader`.
+        channels_last: images in ``torch.channels_last`` memory format (a GPUDataset, or with ``device=``).
         threads: threads building batches in this process (None: chosen as above;
             0: none, a DataLoader).
+        device: run the device stage there and deliver batches there (None: no device stage).
+        dtype: with ``device=``, the float dtype of the images (torch.float32, float16 or
+            bfloat16; None: what the pipeline gives, float32 for ``ToDtype(torch.float32)``,
+            matching torchvision). The device stage computes in float32 and rounds once.
     """
     if isinstance(dataset, GPUDataset):
         unused = [name for name, value, default in (
             ("num_workers", num_workers, 0), ("generator", generator, None), ("pin_memory", pin_memory, False),
             ("persistent_workers", persistent_workers, False), ("prefetch_factor", prefetch_factor, None),
             ("multiprocessing_context", multiprocessing_context, None), ("worker_init_fn", worker_init_fn, None),
-            ("threads", threads, None),
+            ("threads", threads, None), ("device", device, None), ("dtype", dtype, None),
         ) if value is not default and value != default]
         if unused:
             raise ArgumentError(f"dlstore.loader: {', '.join(unused)} do not apply to a GPUDataset (it has no "
@@ -165,12 +184,29 @@ def loader(
             raise ArgumentError("loader(distributed=True) needs an initialised torch.distributed process group")
         return dataset.loader(batch_size, shuffle, drop_last=drop_last, transform=transform, seed=seed,
                               channels_last=channels_last)
-    if transform is not None or channels_last:
-        raise ArgumentError("dlstore.loader: transform= and channels_last= apply to a GPUDataset only; give a "
+    if transform is not None:
+        raise ArgumentError("dlstore.loader: transform= applies to a GPUDataset only; give a "
                             "StoreDataset its transforms in open_dataset(path, transform=...)")
     if not isinstance(dataset, StoreDataset):
         raise ArgumentTypeError(f"dlstore.loader takes a StoreDataset (dlstore.open_dataset(path)), got "
                         f"{type(dataset).__name__}; for other datasets use torch.utils.data.DataLoader")
+    if device is None and (channels_last or dtype is not None):
+        raise ArgumentError("dlstore.loader: channels_last= and dtype= apply with device= (where the float "
+                            "stage runs) or to a GPUDataset; pass device='cuda' (or 'cpu')")
+    if device is not None:
+        if pin_memory:
+            raise ArgumentError("dlstore.loader: pin_memory=True with device=: the loader stages batches in "
+                                "its own pinned buffers when the device is CUDA; drop pin_memory")
+        try:
+            torch.device(device)
+        except (RuntimeError, TypeError) as exc:
+            raise ArgumentError(f"dlstore.loader: device={device!r} is not a torch device ({exc})") from exc
+        host_ds, steps = host_stage(dataset)
+        host = loader(host_ds, batch_size, shuffle, num_workers, drop_last=drop_last, generator=generator,
+                      persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                      multiprocessing_context=multiprocessing_context, worker_init_fn=worker_init_fn,
+                      distributed=distributed, seed=seed, threads=threads)
+        return DeviceLoader(host, device, steps, dtype=dtype, channels_last=channels_last, generator=generator)
     for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("distributed", distributed)):
         if not isinstance(flag, bool):
             raise ArgumentTypeError(f"{name} must be True or False, got {flag!r}")

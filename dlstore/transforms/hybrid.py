@@ -1,5 +1,5 @@
-"""Hybrid transforms: a torchvision pipeline split into its static and dynamic parts,
-and the plan that runs the dynamic part per batch."""
+"""Hybrid transforms: a torchvision pipeline split into its static, host and device stages,
+and the plan that runs the dynamic (host + device) part per batch."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ from .static import (
 )
 
 # ---------------------------------------------------------------------------
-# Hybrid transforms: a pipeline split into its static and dynamic parts.
+# Hybrid transforms: a pipeline split into its static, host and device stages.
 # ---------------------------------------------------------------------------
 
 
@@ -53,30 +53,81 @@ def _compose(ops: Sequence[Any]) -> Any:
     return v2.Compose(list(ops))
 
 
+def _is_float_op(t: Any) -> bool:
+    """Whether ``t`` starts the float tail of a pipeline: a float ``ToDtype`` / ``ConvertImageDtype``,
+    a ``ToTensor`` or a ``Normalize`` (which only takes float input)."""
+    name = type(t).__name__
+    if name in ("ToTensor", "Normalize"):
+        return True
+    if name in ("ToDtype", "ConvertImageDtype"):
+        dtype = getattr(t, "dtype", None)
+        return getattr(dtype, "is_floating_point", False) is True
+    return False
+
+
+def _is_to_tensor(t: Any) -> bool:
+    """A v1 ``ToTensor`` or a subclass (timm's ``MaybeToTensor``, which passes a tensor through
+    *unscaled*: on a store's uint8 tensors it must become ``ToDtype(float32, scale=True)``)."""
+    from torchvision.transforms import ToTensor
+
+    return type(t).__name__ == "ToTensor" or isinstance(t, ToTensor)
+
+
+def split_stages(ops: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """Dynamic ``ops`` -> (host ops, device ops).
+
+    The device stage starts at the first float-producing op (``ToDtype`` to a float
+    type, ``ConvertImageDtype``, ``ToTensor``, ``Normalize``) and holds every op after
+    it: they all see float data, 4x the bytes of uint8. The host stage is the uint8
+    part before it.
+    """
+    ops = list(ops)
+    cut = next((k for k, t in enumerate(ops) if _is_float_op(t)), len(ops))
+    return ops[:cut], ops[cut:]
+
+
 class HybridTransform:
-    """A transform pipeline in two parts: static (run once at conversion) and dynamic (per read).
+    """A transform pipeline in three stages: static (at conversion), host and device (per read).
+
+    * static: deterministic ops run once by ``convert`` (decode, resize, center crop);
+    * host: the random uint8 ops (crops, flips), run per batch by the loader's threads
+      or worker processes;
+    * device: the float tail (``ToDtype``, ``Normalize`` and every op after them), run
+      per batch where the batch goes: on the accelerator with ``dlstore.loader(ds, ...,
+      device="cuda")``, in the threads/workers with the rest otherwise.
 
     ``convert(src, dst, static=hybrid)`` stores the output of the static part;
     ``open_dataset(dst, transform=hybrid)`` checks that the store was made with
-    that static part and applies only the dynamic part (per batch where every op
-    has a batch equivalent, see ``batch_plan``). Calling the hybrid on a PIL
-    image runs both parts: the reference result of the whole pipeline.
+    that static part and applies only the dynamic part (host + device, per batch
+    where every op has a batch equivalent, see ``batch_plan``). Calling the hybrid
+    on a PIL image runs every stage: the reference result of the whole pipeline.
 
     Args:
         static: a static spec in any form ``parse_static`` accepts (string, list
             of dicts, torchvision transforms); deterministic ops only.
         dynamic: the read-time transforms: a torchvision transform or Compose, a
-            list of them, or None.
+            list of them, or None. With ``device=None`` they are split by
+            ``split_stages`` (the float tail goes to the device stage); with
+            ``device`` given they are the host stage.
+        device: the device stage, placed explicitly (a transform, a list, or ``[]``
+            for none); None splits ``dynamic``.
 
     Attributes:
-        dynamic_ops: the dynamic part as a flat list of transforms.
+        host_ops: the host stage as a flat list of transforms (uint8 in, uint8 out).
+        device_ops: the device stage as a flat list.
+        dynamic_ops: ``host_ops + device_ops`` (the whole read-time part).
         dynamic: the dynamic part as one per-sample callable (``v2.Compose``), or None.
         notes: how each op of the original pipeline was placed, and why.
     """
 
-    def __init__(self, static: Any = None, dynamic: Any = None, *, notes: Sequence[str] = ()):
+    def __init__(self, static: Any = None, dynamic: Any = None, device: Any = None, *,
+                 notes: Sequence[str] = ()):
         self._static = parse_static(static)
-        self.dynamic_ops = _flatten(dynamic)
+        if device is None:
+            self.host_ops, self.device_ops = split_stages(_flatten(dynamic))
+        else:
+            self.host_ops, self.device_ops = _flatten(dynamic), _flatten(device)
+        self.dynamic_ops = self.host_ops + self.device_ops
         self.dynamic = _compose(self.dynamic_ops)
         self.notes = list(notes)
 
@@ -84,6 +135,10 @@ class HybridTransform:
     def static_spec(self) -> StaticSpec:
         """The canonical static spec (a copy): what ``convert`` records in the manifest."""
         return [dict(op) for op in self._static]
+
+    def host_only(self) -> HybridTransform:
+        """This hybrid without its device stage: what a loader with ``device=`` gives the dataset."""
+        return HybridTransform(self._static, self.host_ops, [], notes=self.notes)
 
     def __call__(self, img: Image.Image) -> Any:
         """The whole pipeline on one RGB PIL image: static part, then dynamic part."""
@@ -93,12 +148,15 @@ class HybridTransform:
         return self.dynamic(out) if self.dynamic is not None else out
 
     def __repr__(self) -> str:
-        dyn = "".join(f"\n    {op!r}," for op in self.dynamic_ops)
+        def stage(title: str, ops: list[Any]) -> str:
+            inner = "".join(f"\n    {op!r}," for op in ops)
+            return f"  {title}: [{inner}\n  ]" if ops else f"  {title}: none"
+
         lines = [
             "HybridTransform(",
             f"  static (once, at conversion): {describe(self._static)}",
-            f"  dynamic (every read, on uint8 CHW tensors): [{dyn}\n  ]" if dyn else
-            "  dynamic (every read): none",
+            stage("host (every read, uint8 CHW, in the loader's threads/workers)", self.host_ops),
+            stage("device (every read, float, where the batch goes: loader(device=...))", self.device_ops),
         ]
         if self.notes:
             lines.append("  split:")
@@ -107,13 +165,16 @@ class HybridTransform:
 
 
 def split_transforms(pipeline: Any) -> HybridTransform:
-    """Split a torchvision pipeline into its longest deterministic prefix and the rest.
+    """Split a torchvision pipeline into three stages: static, host, device.
 
     The static part is the leading run of ops with a static equivalent
     (Resize, CenterCrop, Grayscale, Pad); the first random or float-producing
-    op, and every op after it, form the dynamic part. PILToTensor / ToImage /
-    ToPureTensor are dropped (a store already holds uint8 CHW tensors); a v1
-    ``ToTensor`` in the dynamic part becomes ``v2.ToDtype(torch.float32, scale=True)``.
+    op, and every op after it, form the dynamic part. The dynamic part splits
+    again (``split_stages``): the uint8 ops before the first float-producing op
+    (``ToDtype``, ``Normalize``) are the host stage, that op and every op after it
+    the device stage. PILToTensor / ToImage / ToPureTensor are dropped (a store
+    already holds uint8 CHW tensors); a v1 ``ToTensor`` in the dynamic part becomes
+    ``v2.ToDtype(torch.float32, scale=True)``.
 
     Args:
         pipeline: ``v2.Compose([...])`` (or v1), a single transform, or a list.
@@ -129,6 +190,7 @@ def split_transforms(pipeline: Any) -> HybridTransform:
     static: list[Any] = []
     dynamic: list[Any] = []
     notes: list[str] = []
+    on_device = False
     for t in ops:
         name = type(t).__name__
         if name in _TO_TENSOR_NAMES:
@@ -147,18 +209,23 @@ def split_transforms(pipeline: Any) -> HybridTransform:
                 static.append(t)
                 notes.append(f"{name}: static (deterministic; runs once at conversion)")
                 continue
-        if name == "ToTensor":
+        if _is_to_tensor(t):
             import torch
             from torchvision.transforms import v2
 
-            notes.append("ToTensor: replaced by v2.ToDtype(torch.float32, scale=True) (input is a uint8 tensor)")
+            notes.append(f"{name}: replaced by v2.ToDtype(torch.float32, scale=True) (input is a uint8 tensor)")
             t = v2.ToDtype(torch.float32, scale=True)
+        if not on_device and _is_float_op(t):
+            on_device = True
+            notes.append(f"{type(t).__name__}: device stage from here on (float data, 4x the bytes of uint8: "
+                         "loader(device=...) moves uint8 and runs it where the batch goes)")
         dynamic.append(t)
     spec = parse_static(static)
     if output_shape(spec) is None:
         notes.append("the static part fixes no size: the store will be variable-shape, holding every image "
                      "at its decoded size (a size-fixing op such as CenterCrop makes a smaller, faster store)")
-    return HybridTransform(spec, dynamic, notes=notes)
+    host, device = split_stages(dynamic)
+    return HybridTransform(spec, host, device, notes=notes)
 
 
 def _batch_equivalent(t: Any) -> BatchTransform | None:

@@ -61,7 +61,6 @@ def _concurrently(ds, tasks, threads: int) -> list[torch.Tensor]:
 
     def start(_):
         barrier.wait()      # every thread starts reading at once
-        return None
 
     with ThreadPoolExecutor(threads) as pool:
         list(pool.map(start, range(threads)))

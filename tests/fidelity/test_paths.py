@@ -36,10 +36,14 @@ Path x op matrix (what these tests assert)::
       change only where it runs and where its generator comes from (7 cases fork, 1 spawn).
   in proc: the DataLoader in this process (threads=0); 2 thr: dlstore's thread pool.
   CUDA: the same tests parametrised with device="cuda"; they run only where a GPU is present.
+
+The device path, ``dlstore.loader(..., device=D)`` (host stage in threads / workers, the float
+tail on D), is held to the same reference in test_device_path.py: E on every torchvision row
+above (in proc, 2 threads, 2 forked workers; D = "cpu", and "cuda" where present), float16 and
+bfloat16 the float32 reference rounded once; and equal to the same loader with device=None.
 """
 
 from __future__ import annotations
-
 
 import pytest
 import torch

@@ -11,7 +11,6 @@ from torchvision.transforms import v2
 
 import dlstore
 import dlstore.data.dataset as dataset_module
-import dlstore.transforms.functional as functional
 from dlstore.errors import StaticMismatchError, TransformSpecError
 from dlstore.sources import scan
 from dlstore.sources.demo import make_image_folder
@@ -22,6 +21,7 @@ from dlstore.transforms import (
     BatchRandomHorizontalFlip,
     BatchRandomResizedCrop,
     HybridTransform,
+    functional,
     parse_static,
     split_transforms,
 )
@@ -92,6 +92,55 @@ def test_split_v1_pipeline_replaces_to_tensor():
     assert h.static_spec == parse_static("resize=40,center_crop=32")
     assert _names(h.dynamic_ops) == ["RandomHorizontalFlip", "ToDtype", "Normalize"]
     assert "ToTensor: replaced" in repr(h)
+
+
+class _PassThroughToTensor(v1.ToTensor):
+    """Like timm's MaybeToTensor: ToTensor for PIL images, a tensor passed through unscaled."""
+
+    def __call__(self, pic):
+        return pic if isinstance(pic, torch.Tensor) else super().__call__(pic)
+
+
+def test_split_maps_to_tensor_subclasses_and_their_result_equals_torchvision(folder):
+    # A ToTensor subclass that passes tensors through would hand uint8 0..255 to Normalize.
+    pipeline = [v1.CenterCrop(32), _PassThroughToTensor(), v1.Normalize(MEAN, STD)]
+    h = split_transforms(pipeline)
+    assert _names(h.device_ops) == ["ToDtype", "Normalize"] and "_PassThroughToTensor: replaced" in repr(h)
+    img = pil_loader(next(folder.rglob("*.jpg")))
+    want = v1.Compose(pipeline)(img)               # torchvision on the PIL image: ToTensor scales
+    assert torch.allclose(h(img), want, atol=1e-6)
+
+
+def test_split_has_three_stages_host_uint8_device_float():
+    h = split_transforms(cifar_train([v2.Resize(36), v2.CenterCrop(32)]))
+    assert _names(h.host_ops) == ["RandomCrop", "RandomHorizontalFlip"]
+    assert _names(h.device_ops) == ["ToDtype", "Normalize"]
+    assert h.dynamic_ops == h.host_ops + h.device_ops            # backwards compatible: the whole read part
+    text = repr(h)
+    assert text.index("static (once") < text.index("host (every read") < text.index("device (every read")
+    assert "ToDtype: device stage from here on" in text
+    # every op after the first float op is float data: it stays on the device stage
+    h2 = split_transforms(v2.Compose([v2.RandomCrop(8), v2.ToDtype(torch.float32, scale=True),
+                                      v2.RandomHorizontalFlip(), v2.Normalize(MEAN, STD)]))
+    assert _names(h2.host_ops) == ["RandomCrop"]
+    assert _names(h2.device_ops) == ["ToDtype", "RandomHorizontalFlip", "Normalize"]
+    # a uint8 ToDtype is no float op; without a float op there is no device stage
+    h3 = split_transforms(v2.Compose([v2.RandomCrop(8), v2.ToDtype(torch.uint8)]))
+    assert _names(h3.host_ops) == ["RandomCrop", "ToDtype"] and h3.device_ops == []
+    assert "device (every read, float, where the batch goes: loader(device=...)): none" in repr(h3)
+
+
+def test_hybrid_constructor_places_the_device_stage_by_hand_or_splits():
+    auto = HybridTransform("center_crop=32", [v2.RandomCrop(32), v2.ToDtype(torch.float32, scale=True)])
+    assert _names(auto.host_ops) == ["RandomCrop"] and _names(auto.device_ops) == ["ToDtype"]
+    by_hand = HybridTransform("center_crop=32", [v2.RandomCrop(32)],
+                              device=[v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)])
+    assert _names(by_hand.device_ops) == ["RandomHorizontalFlip", "ToDtype"]
+    assert _names(by_hand.dynamic_ops) == ["RandomCrop", "RandomHorizontalFlip", "ToDtype"]
+    none = HybridTransform("center_crop=32", [v2.RandomCrop(32), v2.ToDtype(torch.float32, scale=True)], device=[])
+    assert none.device_ops == [] and _names(none.host_ops) == ["RandomCrop", "ToDtype"]
+    host = by_hand.host_only()
+    assert host.static_spec == by_hand.static_spec and host.device_ops == [] and _names(host.host_ops) == ["RandomCrop"]
 
 
 def test_hybrid_constructor_refuses_random_static_part():
