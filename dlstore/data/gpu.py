@@ -5,13 +5,15 @@ sets on a large card) the fastest loader has no workers at all: the whole
 dataset sits on the device, converted once to fp16 (optionally normalised), and
 every batch is an ``index_select`` plus batch augmentations on the device.
 
-Preload pipeline (bounded host memory: at most two chunks on the host)::
+Preload pipeline (bounded host memory: a ring of PRELOAD_RING chunks on CUDA, 2 on CPU;
+see gpu_preload.py)::
 
-    reader thread                    main thread (CUDA: a side stream)
-    ─────────────                    ───────────────────────────────────
-    store ─read─▶ host chunk k+1     host chunk k ─copy, non_blocking─▶ device uint8
+    reader threads                   main thread (CUDA: a side stream)
+    ──────────────                   ───────────────────────────────────
+    store ─read─▶ host chunk k+1..   host chunk k ─copy, non_blocking─▶ device uint8
     (pinned when the device is       ─to float32, /255, (x-mean)/std─▶ dtype
-     CUDA)                           ─▶ data[start:stop] of one preallocated tensor
+     CUDA; a buffer is refilled      ─▶ data[start:stop] of one preallocated tensor
+     once its copy's event is done)  (─▶ its border, when the dataset holds padding)
 
 Before allocating anything the bytes needed are compared with what the device
 has free (``torch.cuda.mem_get_info`` minus a headroom) or with ``max_memory``;
@@ -27,8 +29,10 @@ from __future__ import annotations
 
 import os
 import time
+import traceback
 from collections.abc import Sequence
 from contextlib import nullcontext
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -42,11 +46,20 @@ from ..errors import (
     SampleIndexError,
     VariableShapeError,
 )
+from ..transforms.batch import _as_fill, _as_padding
+from ..transforms.static import PADDING_MODES
 from ..units import human_bytes
 from .dataset import StoreDataset, open_dataset
-from .gpu_loader import GPULoader, _Prefetcher, _resolve_distributed
+from .gpu_fused import fill_vector, pad_map
+from .partition import SubsetSource, rank_share
+from .gpu_loader import GPULoader, _resolve_distributed
+from .gpu_preload import ChunkRing
 
 ON_OVERFLOW = ("error", "uint8", "stream")
+HOLD = ("dtype", "uint8")
+# Pinned host buffers of the CUDA preload (chunk_size samples each), filled by PRELOAD_RING - 1
+# reader threads while the consumer copies one out: bounded host memory, reads in parallel.
+PRELOAD_RING = 4
 DEFAULT_CHUNK_BYTES = 64 << 20
 # uint8 bytes converted to float32 at a time: bounds the float32 workspace and keeps it in cache.
 CONVERT_BLOCK_BYTES = 8 << 20
@@ -100,8 +113,9 @@ class GPUDataset:
     ``(x - mean) / std`` when ``normalize`` is given, then cast once to ``dtype``:
     the same numbers as torchvision's ``ToDtype(scale=True)`` + ``Normalize``.
 
-    Each rank of a distributed job holds the whole dataset; its loader reads a
-    disjoint share of each epoch's permutation.
+    Each rank of a distributed job holds the whole dataset and its loader reads a
+    disjoint share of each epoch's permutation; with ``shard=True`` each rank
+    holds only its share of a fixed random partition (``dlstore.data.partition``).
 
     Attributes:
         data: the ``(N, C, H, W)`` device tensor (``dtype``, or uint8 when
@@ -114,6 +128,11 @@ class GPUDataset:
         needed_bytes: device bytes the full-``dtype`` preload needs (data + labels).
         nbytes: device bytes this dataset holds (data + labels).
         load_seconds: wall time of the preload (reading, uploading, converting).
+        padding: (left, top, right, bottom) held around each sample in ``data``
+            (``padding=``), with ``padding_mode`` and ``padding_fill``.
+        sharded: True when this rank holds only its share (``shard=True``).
+        store_indices: the store index of each held sample (int64 array; ``arange(N)``
+            unless sharded): where sample ``i`` of this dataset came from.
     """
 
     def __init__(
@@ -129,6 +148,12 @@ class GPUDataset:
         headroom: int | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        hold: str = "dtype",
+        padding: int | Sequence[int] = 0,
+        padding_mode: str = "constant",
+        padding_fill: float | Sequence[float] = 0,
+        shard: bool = False,
+        partition_seed: int = 0,
     ):
         """Preload ``source`` onto ``device``.
 
@@ -152,6 +177,21 @@ class GPUDataset:
                 the larger of 1 GiB and 5 % of the card, on CPU 1 GiB of RAM.
             rank: this process's rank; default torch.distributed's, else 0.
             world_size: number of ranks; default torch.distributed's, else 1.
+            hold: what the device holds: ``"dtype"`` (converted once at preload) or
+                ``"uint8"`` (the stored bytes, half of fp16; the loader converts each
+                batch, inside its fused gather where that applies: see docs/gpu.md).
+            padding: pad every sample once at preload, as ``v2.Pad`` / ``RandomCrop(padding=)``
+                would: an int, [left/right, top/bottom] or [left, top, right, bottom].
+                A loader whose first op is a crop with this padding (and mode and fill)
+                reads the padded copy instead of padding each batch: the same pixels.
+                ``data`` then holds the padded samples; ``ds[i]`` still gives the sample.
+            padding_mode: ``"constant"``, ``"edge"``, ``"reflect"`` or ``"symmetric"``.
+            padding_fill: pixel value (0-255) of constant padding, or one per channel.
+            shard: hold only this rank's share of the samples (for datasets that fit the
+                cluster's devices together but not one): rank ``r`` of ``W`` holds a fixed
+                random ``1/W`` of the store (see ``dlstore.data.partition`` for the
+                shuffle this gives); its loader permutes that share every epoch.
+            partition_seed: seed of the partition; the same on every rank.
 
         Raises:
             VariableShapeError: the store's samples have different shapes.
@@ -160,6 +200,14 @@ class GPUDataset:
             ValueError: an invalid option.
             TypeError: ``source`` is neither a path nor a dlstore dataset.
         """
+        if hold not in HOLD:
+            raise ArgumentError(f"hold must be one of {', '.join(map(repr, HOLD))}, got {hold!r}")
+        if padding_mode not in PADDING_MODES:
+            raise ArgumentError(f"padding_mode must be one of {', '.join(map(repr, PADDING_MODES))}, "
+                                f"got {padding_mode!r}")
+        self.padding: tuple[int, int, int, int] = _as_padding(padding)
+        self.padding_mode = padding_mode
+        self.padding_fill = _as_fill(padding_fill, "GPUDataset padding_fill")
         if on_overflow not in ON_OVERFLOW:
             raise ArgumentError(f"on_overflow must be one of {', '.join(map(repr, ON_OVERFLOW))}, "
                                 f"got {on_overflow!r}")
@@ -196,8 +244,22 @@ class GPUDataset:
         self.dtype = dtype
         self.classes: list[str] = list(getattr(self.source, "classes", []))
         self.rank, self.world_size = _resolve_distributed(rank, world_size)
+        if not isinstance(shard, bool):
+            raise ArgumentTypeError(f"shard must be True or False, got {shard!r}")
+        self.sharded = shard
+        total = len(self.source)
+        if shard:
+            self.store_indices = rank_share(total, self.rank, self.world_size, seed=int(partition_seed))
+            self.source = SubsetSource(self.source, self.store_indices)
+        else:
+            self.store_indices = np.arange(total, dtype=np.int64)
+        self.total_samples = total
         self._pin = self.device.type == "cuda"
         self._sample_bytes = int(np.prod(self.shape))
+        left, top, right, bottom = self.padding
+        c, h, w = self.shape
+        self._resident_shape = (c, h + top + bottom, w + left + right)
+        resident = int(np.prod(self._resident_shape))
         n = len(self.source)
         if chunk_size is None:
             chunk_size = max(1, DEFAULT_CHUNK_BYTES // self._sample_bytes)
@@ -225,17 +287,23 @@ class GPUDataset:
             labels = np.asarray(self.source.targets, dtype=np.int64)
         self._host_labels = np.asarray(labels, dtype=np.int64)
 
-        itemsize = torch.empty((), dtype=dtype).element_size()
+        held_uint8 = hold == "uint8" or dtype == torch.uint8
+        itemsize = 1 if held_uint8 else torch.empty((), dtype=dtype).element_size()
         label_bytes = n * 8
-        self.needed_bytes = n * self._sample_bytes * itemsize + label_bytes
-        uint8_bytes = n * self._sample_bytes + label_bytes
+        self.needed_bytes = n * resident * itemsize + label_bytes
+        uint8_bytes = n * resident + label_bytes
+        padded = self.padding != (0, 0, 0, 0)
+
+        def pad_work(size: int) -> int:  # the chunk re-gathered with its border (two index_selects)
+            return 2 * self.chunk_size * resident * size if padded and padding_mode != "constant" else 0
+
         # Preload buffers for float storage: on CUDA the uploaded uint8 chunk and the float32
         # block it is converted through; on CPU the two host chunks and that block. uint8
         # storage needs none: chunks go straight into place (CUDA: from pinned host memory).
         self._block = max(1, min(self.chunk_size, CONVERT_BLOCK_BYTES // self._sample_bytes))
         chunks = (2 if self.device.type == "cpu" else 1) * self.chunk_size * self._sample_bytes
         float_work = chunks + self._block * self._sample_bytes * 4
-        work = float_work if dtype != torch.uint8 else 0
+        work = (0 if held_uint8 else float_work) + pad_work(itemsize)
         free, keep = _free_memory(self.device, headroom)
         limit = free if max_memory is None else (int(max_memory) if free is None else min(int(max_memory), free))
         self.available_bytes = limit
@@ -244,8 +312,8 @@ class GPUDataset:
             return limit is None or nbytes + buffers <= limit
 
         if fits(self.needed_bytes, work):
-            self.mode = "preload"
-        elif on_overflow == "uint8" and fits(uint8_bytes, 0):
+            self.mode = "uint8" if held_uint8 and dtype != torch.uint8 else "preload"
+        elif on_overflow == "uint8" and fits(uint8_bytes, pad_work(1)):
             self.mode = "uint8"
         elif on_overflow == "stream":
             self.mode = "stream"
@@ -254,6 +322,7 @@ class GPUDataset:
                 name, n, uint8_bytes, work, limit, max_memory, keep, on_overflow))
 
         self.data: torch.Tensor | None = None
+        self._held_fill: torch.Tensor | None = None
         self.targets: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.load_seconds = 0.0
         start = time.perf_counter()
@@ -261,15 +330,18 @@ class GPUDataset:
             self.targets = torch.from_numpy(self._host_labels).to(self.device)
             if self.mode != "stream":
                 storage = dtype if self.mode == "preload" else torch.uint8
-                self.data = torch.empty((n, *self.shape), dtype=storage, device=self.device)
+                pixel = fill_vector(self.padding_fill, c, torch.uint8, self.device)
+                # the fill as held: converted like every pixel where the data are held converted
+                self._held_fill = self._finish(pixel.view(1, c, 1, 1)).view(c) if storage != torch.uint8 else pixel
+                self.data = torch.empty((n, *self._resident_shape), dtype=storage, device=self.device)
                 self._preload()
         except torch.cuda.OutOfMemoryError as exc:
-            self._release()
+            self._release(exc)
             raise DeviceMemoryError(
                 f"{name}: out of device memory while preloading {n:,} samples onto {self.device} "
                 f"({exc}); pass max_memory=..., on_overflow='uint8' or on_overflow='stream'") from exc
-        except BaseException:
-            self._release()
+        except BaseException as exc:
+            self._release(exc)
             raise
         self.load_seconds = time.perf_counter() - start
 
@@ -298,10 +370,23 @@ class GPUDataset:
                      "shrinks the preload buffers")
         return "\n".join(lines)
 
-    def _release(self) -> None:
-        """Drop every device tensor this dataset holds (used on error paths)."""
+    def _release(self, exc: BaseException) -> None:
+        """Drop every device tensor this dataset holds, before ``exc`` propagates.
+
+        The traceback of ``exc`` keeps the frames it passed through, and their locals
+        (the chunk being written, a view of ``data``; the conversion workspace; in the
+        reader thread's frames a view of ``data`` on CPU), alive as long as the caller
+        keeps the exception (``pytest.raises``, a logged error, ``sys.exc_info``).
+        Clearing those frames frees them now, whatever the caller does.
+        """
+        seen: set[int] = set()
+        while exc is not None and id(exc) not in seen:
+            seen.add(id(exc))
+            traceback.clear_frames(exc.__traceback__)  # skips frames still running (ours)
+            exc = exc.__cause__ or exc.__context__
         self.data = None
         self.targets = torch.empty(0, dtype=torch.int64)
+        self._mean = self._std = self._held_fill = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
@@ -324,15 +409,19 @@ class GPUDataset:
     def _host_buffer(self, count: int) -> torch.Tensor:
         return torch.empty((count, *self.shape), dtype=torch.uint8, pin_memory=self._pin)
 
-    def _read_chunk(self, bounds: tuple[int, int]) -> tuple[int, int, torch.Tensor]:
+    def _read_chunk(self, buffers: list[torch.Tensor | None], threads: int, bounds: tuple[int, int],
+                    slot: int) -> tuple[int, int, torch.Tensor]:
+        """Read chunk ``bounds`` into host buffer ``slot`` (made on first use), or straight into place."""
         start, stop = bounds
-        if self.device.type == "cpu" and self.data.dtype == torch.uint8:
+        if self.device.type == "cpu" and self.data.dtype == torch.uint8 and self.padding == (0, 0, 0, 0):
             buf = self.data[start:stop]  # nothing to convert or upload: read straight into place
         else:
-            buf = self._host_buffer(stop - start)
+            if buffers[slot] is None:
+                buffers[slot] = self._host_buffer(self.chunk_size)
+            buf = buffers[slot][:stop - start]
         read_range = getattr(getattr(self.source, "reader", None), "read_range", None)
         if read_range is not None:  # every raw dlstore reader: shards reads with preadv in threads
-            read_range(start, stop, out=buf.numpy(), threads=min(8, usable_cpus()))
+            read_range(start, stop, out=buf.numpy(), threads=threads)
             return start, stop, buf
         return start, stop, self._read_into(np.arange(start, stop, dtype=np.int64), buf)
 
@@ -352,28 +441,65 @@ class GPUDataset:
         if self.data.dtype != torch.uint8:
             with torch.cuda.stream(side) if side is not None else nullcontext():
                 workspace = torch.empty((self._block, *self.shape), dtype=torch.float32, device=self.device)
-        prefetcher = _Prefetcher(bounds, self._read_chunk, depth=2)
+        ring_size = PRELOAD_RING if side is not None else 2
+        readers = min(ring_size, len(bounds))
+        buffers: list[torch.Tensor | None] = [None] * ring_size
+        threads = max(1, min(8, usable_cpus() // max(1, readers)))
+        ring = ChunkRing(bounds, partial(self._read_chunk, buffers, threads), ring=ring_size,
+                         readers=readers - 1 if side is not None and readers > 1 else readers)
         try:
-            for start, stop, host in prefetcher:
-                target = self.data[start:stop]
+            for _ in bounds:
+                start, stop, host = ring.get()
+                chunk = self.data[start:stop]
+                target = self._interior(chunk)
                 if side is None:
                     if host.data_ptr() != target.data_ptr():
                         self._convert_into(host, target, workspace)
+                    self._pad_chunk(chunk)
+                    ring.done()
                     continue
                 with torch.cuda.stream(side):
                     if workspace is None:
                         target.copy_(host, non_blocking=True)
                     else:
                         self._convert_into(host.to(self.device, non_blocking=True), target, workspace)
-                # The host chunk goes back to the reader once its copy is done; meanwhile the
-                # reader thread has been filling the next one.
-                side.synchronize()
+                    self._pad_chunk(chunk)
+                    copied = torch.cuda.Event()
+                    copied.record(side)
+                # The host buffer goes back to a reader once its copy is done (the reader waits
+                # for the event); meanwhile the other readers have been filling the next ones.
+                ring.done(copied)
         finally:
-            prefetcher.close()
+            ring.close()
             if side is not None:  # also on error: nothing may still write into freed memory
                 side.synchronize()
         if side is not None:
             torch.cuda.current_stream(self.device).wait_stream(side)
+
+    def _interior(self, data: torch.Tensor) -> torch.Tensor:
+        """The samples inside ``data``'s resident padding (a view; ``data`` itself without padding)."""
+        left, top, _, _ = self.padding
+        _, h, w = self.shape
+        return data if self.padding == (0, 0, 0, 0) else data[:, :, top:top + h, left:left + w]
+
+    def _samples(self) -> torch.Tensor | None:
+        """The resident samples as stored (a view inside any padding); None in stream mode."""
+        return None if self.data is None else self._interior(self.data)
+
+    def _pad_chunk(self, chunk: torch.Tensor) -> None:
+        """Write the border of ``chunk`` (its interior written), as ``F.pad`` pads each sample."""
+        if self.padding == (0, 0, 0, 0):
+            return
+        left, top, right, bottom = self.padding
+        _, h, w = self.shape
+        if self.padding_mode == "constant":
+            fill = self._held_fill.view(1, -1, 1, 1)
+            for border in (chunk[:, :, :top], chunk[:, :, top + h:], chunk[:, :, :, :left], chunk[:, :, :, left + w:]):
+                border.copy_(fill.expand_as(border))
+            return
+        rows = pad_map(h, top, bottom, self.padding_mode).to(chunk.device) + top
+        cols = pad_map(w, left, right, self.padding_mode).to(chunk.device) + left
+        chunk.copy_(chunk.index_select(2, rows).index_select(3, cols))
 
     def _convert_into(self, images: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None) -> None:
         """Write uint8 ``images`` (on the device, or a host chunk on CPU) into ``out``.
@@ -426,9 +552,9 @@ class GPUDataset:
             raise SampleIndexError(f"index {i} out of range for a dataset of {n} samples")
         label = int(self._host_labels[i])
         if self.mode == "preload":
-            return self.data[i], label
+            return self._samples()[i], label
         if self.mode == "uint8":
-            return self._finish(self.data[i:i + 1])[0], label
+            return self._finish(self._samples()[i:i + 1])[0], label
         host = self._read_into(np.array([i], dtype=np.int64), self._host_buffer(1))
         return self._finish(host.to(self.device, non_blocking=self._pin))[0], label
 
@@ -444,6 +570,8 @@ class GPUDataset:
         rank: int | None = None,
         world_size: int | None = None,
         prefetch: int = 2,
+        fused: bool | None = None,
+        compile: bool = False,
     ) -> GPULoader:
         """Batches ``(images, labels)`` on the device; see :class:`GPULoader`.
 
@@ -451,15 +579,19 @@ class GPUDataset:
         :class:`HybridTransform`) or dlstore batch transforms: the result is
         torchvision's per sample (on the uint8 pixels, padding black included)
         followed by this dataset's conversion to ``dtype`` and ``normalize``.
+        ``fused`` / ``compile``: crop + flip + conversion + channels_last as one
+        gather (bit-identical), see :class:`GPULoader`.
         """
         return GPULoader(self, batch_size, shuffle, drop_last=drop_last, transform=transform,
                          seed=seed, channels_last=channels_last,
                          rank=self.rank if rank is None else rank,
                          world_size=self.world_size if world_size is None else world_size,
-                         prefetch=prefetch)
+                         prefetch=prefetch, fused=fused, compile=compile)
 
     def __repr__(self) -> str:
         c, h, w = self.shape
-        return (f"GPUDataset({len(self)} samples of {c}x{h}x{w}, mode={self.mode}, "
+        pad = f", padding={list(self.padding)} {self.padding_mode}" if any(self.padding) else ""
+        share = f" (rank {self.rank}'s share of {self.total_samples})" if self.sharded else ""
+        return (f"GPUDataset({len(self)} samples{share} of {c}x{h}x{w}{pad}, mode={self.mode}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
                 f"nbytes={human_bytes(self.nbytes)})")

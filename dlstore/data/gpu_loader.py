@@ -49,6 +49,8 @@ from ..transforms.batch import (
     BatchTransform,
 )
 from ..transforms.hybrid import HybridTransform, _flatten, batch_steps
+from .gpu_fused import FusedGather, unpadded_crop
+from .partition import epoch_order, per_rank
 
 if TYPE_CHECKING:
     from .gpu import GPUDataset
@@ -322,6 +324,17 @@ class GPULoader:
     slices of the result: the same distribution of outputs with far fewer
     kernel launches. Any other callable sees one batch at a time.
 
+    ``fused=True`` runs crop (with padding) + flip + the conversion +
+    channels_last as one gather (:mod:`~dlstore.data.gpu_fused`) where the
+    transform has only those steps, with the same draws and bit-identical
+    output, and raises when the transform cannot be fused; ``fused=False``
+    keeps the step-by-step path; ``fused=None`` (default) fuses only with
+    ``compile=True`` on CUDA: eager, the step-by-step path measured faster
+    (docs/gpu.md). ``compile=True`` runs the fused gather
+    through ``torch.compile`` (the conversion as a table lookup: same bits;
+    eager fallback if compiling fails). ``loader.fused`` / ``loader.fused_reason``
+    say which path runs.
+
     Raises:
         TransformSpecError: an op cannot run faithfully on this dataset (a
             per-sample torchvision op on converted data, a second Normalize), or
@@ -341,6 +354,8 @@ class GPULoader:
         rank: int | None = None,
         world_size: int | None = None,
         prefetch: int = 2,
+        fused: bool | None = None,
+        compile: bool = False,
     ):
         if int(batch_size) < 1:
             raise ArgumentError(f"batch_size must be >= 1, got {batch_size}")
@@ -349,9 +364,39 @@ class GPULoader:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.transform = transform
-        self._plan = _plan(transform, dataset)
+        plan = _plan(transform, dataset)
+        self._plan = plan
         self.channels_last = channels_last
+        # The resident tensor the unfused path gathers from: the padded copy when the first
+        # step is a crop with the dataset's padding (it then pads nothing), else the samples.
+        self._held = dataset._samples()
+        if self._plan and type(self._plan[0][0]) is BatchRandomCrop and dataset.padding != (0, 0, 0, 0):
+            crop = unpadded_crop(self._plan[0][0], dataset)
+            if crop is not self._plan[0][0]:
+                self._plan = [(crop, True)] + self._plan[1:]
+                self._held = dataset.data
+        self._fused: FusedGather | None = None
+        self.fused_reason = "fused=False"
+        if fused is None and not (compile and dataset.device.type == "cuda"):
+            # Measured (benchmarks/gpu_residency.py, H200 and CPU): the eager fused gather (one
+            # element-wise index kernel) is slower than the step-by-step path, whose crop copies
+            # whole windows; compiled, on CUDA, it matches it (0.9-1.04x) with uint8 residency.
+            self.fused_reason = "fused=None fuses only with compile=True on CUDA (eager, the unfused path is faster)"
+        elif fused is not False:
+            built = FusedGather.build(dataset, plan, channels_last=channels_last,
+                                      compile=compile)
+            if isinstance(built, str):
+                if fused:
+                    raise ArgumentError(f"fused=True, but this transform cannot run as one gather: {built}; "
+                                        f"pass fused=None (fuse where it applies) or fused=False")
+                self.fused_reason = built
+            else:
+                self._fused = built
+                self.fused_reason = ""
         self.rank, self.world_size = _resolve_distributed(rank, world_size)
+        if dataset.sharded and (self.rank, self.world_size) != (dataset.rank, dataset.world_size):
+            raise ArgumentError(f"this GPUDataset holds rank {dataset.rank} of {dataset.world_size}'s share "
+                                f"(shard=True); its loader cannot serve rank {self.rank} of {self.world_size}")
         if seed is None:
             # Every rank must draw the same permutation: a fixed default, like DistributedSampler.
             seed = 0 if self.world_size > 1 else int(torch.randint(0, 2**62, ()).item())
@@ -362,6 +407,11 @@ class GPULoader:
         device = dataset.device
         self._perm_gen = torch.Generator(device=device)
         self._aug_gen = torch.Generator(device=device)
+
+    @property
+    def fused(self) -> bool:
+        """Whether groups run as one fused gather (else ``fused_reason`` says why not)."""
+        return self._fused is not None
 
     def _group_size(self) -> int:
         """Batches gathered and augmented together: 1 unless the transform is per-sample."""
@@ -379,6 +429,8 @@ class GPULoader:
     @property
     def num_samples(self) -> int:
         """Samples this rank sees per epoch (including the wrap-around padding)."""
+        if self.dataset.sharded:  # every rank serves as many as the longest share holds
+            return per_rank(self.dataset.total_samples, self.world_size)
         return math.ceil(len(self.dataset) / self.world_size)
 
     def __len__(self) -> int:
@@ -391,6 +443,9 @@ class GPULoader:
         epoch = self.epoch if epoch is None else int(epoch)
         n = len(self.dataset)
         device = self.dataset.device
+        if self.dataset.sharded:  # positions in this rank's share, permuted per rank and epoch
+            return epoch_order(n, self.num_samples, shuffle=self.shuffle, seed=self.seed, epoch=epoch,
+                               rank=self.rank, device=device)
         if self.shuffle:
             self._perm_gen.manual_seed(self.seed + epoch)
             order = torch.randperm(n, generator=self._perm_gen, device=device)
@@ -419,7 +474,10 @@ class GPULoader:
         step = self.group_batches * self.batch_size
         for g0 in range(0, count, step):
             idx = order[g0:min(count, g0 + step)]
-            images = self._augment(ds.data.index_select(0, idx))
+            if self._fused is not None:
+                images = self._fused(idx, self._aug_gen)
+            else:
+                images = self._augment(self._held.index_select(0, idx))
             labels = ds.targets.index_select(0, idx)
             for s in range(0, len(idx), self.batch_size):
                 yield images[s:s + self.batch_size], labels[s:s + self.batch_size]

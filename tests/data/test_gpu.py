@@ -145,6 +145,34 @@ def test_a_failing_read_stops_the_reader_and_keeps_nothing(store, tmp_path):
     assert _no_prefetch_threads()
 
 
+def _storages(dtype, nbytes):
+    """Storages of every live tensor of ``dtype`` whose storage has ``nbytes`` bytes (views included)."""
+    import gc
+    gc.collect()
+    return {o.untyped_storage().data_ptr() for o in gc.get_objects()
+            if issubclass(type(o), torch.Tensor) and o.dtype == dtype and o.untyped_storage().nbytes() == nbytes}
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.uint8])
+def test_a_failed_preload_frees_its_tensors_while_the_error_is_kept(store, tmp_path, dtype):
+    """The CPU twin of the CUDA leak check: while the caller still holds the exception and its
+    traceback (pytest.raises does), no storage of the data tensor the preload allocated
+    (N samples of ``dtype``) may be alive: the frames the error passed through must not keep it."""
+    import shutil
+    copy = tmp_path / "copy.shards"
+    shutil.copytree(store, copy)
+    source = dlstore.open_dataset(copy)
+    with open(copy / "shard-00002.npy", "r+b") as f:
+        f.truncate(200)
+    nbytes = N * 3 * 12 * 10 * torch.empty((), dtype=dtype).element_size()
+    before = _storages(dtype, nbytes)
+    with pytest.raises(dlstore.StoreCorruptError) as info:
+        GPUDataset(source, CPU, dtype, chunk_size=2)
+    assert info.value.__traceback__ is not None   # the error, with its traceback, is still held
+    assert _storages(dtype, nbytes) == before, "the preallocated data tensor outlived the failure"
+    assert _no_prefetch_threads()
+
+
 # --- memory budget and overflow ------------------------------------------------------------
 
 def test_overflow_error_names_the_numbers_and_the_options(store):

@@ -1,0 +1,129 @@
+"""Which samples each rank holds when a dataset is split across ranks (``GPUDataset(shard=True)``).
+
+A sharded dataset is a *fixed partition*: rank ``r`` of ``W`` holds the samples
+``sorted(perm[r::W])`` where ``perm`` is a permutation of the whole store drawn
+from ``partition_seed`` (the same on every rank). A random partition rather than
+contiguous blocks, because stores are usually ordered by class (ImageFolder
+order): contiguous blocks would give each rank a handful of classes and batches
+that are anything but a sample of the dataset. The shares are sorted so each
+rank reads its samples from the store in file order.
+
+Each epoch, every rank draws its own permutation of its share (seeded from the
+loader's seed, the epoch and the rank) and pads it by wrapping to the longest
+share, ``ceil(N / W)``, so every rank runs the same number of batches, as
+``DistributedSampler`` does. What this shuffle is, and is not:
+
+- every sample is seen once per epoch (plus at most one wrapped repeat on the
+  ranks whose share is one shorter), exactly as with a global shuffle;
+- the *global* batch (the union of the ranks' batches, which DDP averages over)
+  is a stratified draw: ``B / W`` samples from each fixed share, instead of
+  ``B`` samples from the whole dataset. Two samples held by different ranks
+  always land on different ranks. With a random partition the shares are
+  statistically alike, so the gradient has the same expectation; its variance
+  across steps is at most that of a global shuffle (stratification never adds
+  variance).
+- to mix the shares as well, build the dataset again every k epochs with
+  another ``partition_seed`` (the same on every rank): each rank then re-reads
+  its new share from the store, which must be on storage every rank can read.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import ArgumentError
+
+
+def _check(n: int, rank: int, world_size: int) -> None:
+    if world_size < 1:
+        raise ArgumentError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ArgumentError(f"rank must be in [0, {world_size}), got {rank}")
+    if n < world_size:
+        raise ArgumentError(f"cannot shard {n} sample(s) over {world_size} ranks: every rank needs at least one")
+
+
+def rank_share(n: int, rank: int, world_size: int, *, seed: int = 0) -> np.ndarray:
+    """Sorted store indices (int64) held by ``rank`` of ``world_size`` under partition ``seed``.
+
+    The shares of all ranks are disjoint, together cover ``range(n)``, and differ
+    in length by at most one. Every rank must pass the same ``n``, ``world_size``
+    and ``seed``.
+    """
+    _check(n, rank, world_size)
+    perm = np.random.default_rng(int(seed)).permutation(n)
+    return np.sort(perm[rank::world_size]).astype(np.int64)
+
+
+def per_rank(n: int, world_size: int) -> int:
+    """Samples every rank serves per epoch: the longest share, ``ceil(n / world_size)``."""
+    return math.ceil(n / world_size)
+
+
+def epoch_order(local: int, count: int, *, shuffle: bool, seed: int, epoch: int, rank: int,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """Positions into a rank's share for one epoch: a permutation of ``range(local)``, wrapped to ``count``.
+
+    ``shuffle=False`` gives ``0, 1, ..., local - 1`` (then wraps). The draw depends on
+    ``(seed, epoch, rank)`` only, so it is reproducible and differs per rank and epoch.
+    """
+    if local < 1 or count < local:
+        raise ArgumentError(f"epoch_order needs 1 <= local <= count, got local={local}, count={count}")
+    device = torch.device(device)
+    if shuffle:
+        gen = torch.Generator(device=device)
+        gen.manual_seed((int(seed) * 1_000_003 + int(epoch) * 7_919 + int(rank) * 104_729) % (2**63))
+        order = torch.randperm(local, generator=gen, device=device)
+    else:
+        order = torch.arange(local, device=device)
+    if count > local:
+        order = order.repeat(math.ceil(count / local))[:count]
+    return order
+
+
+class _SubsetReader:
+    """A store reader restricted to ``indices``: position ``k`` reads store sample ``indices[k]``."""
+
+    def __init__(self, reader: Any, indices: np.ndarray):
+        self._reader = reader
+        self._indices = indices
+
+    def get_batch(self, positions: Any, out: Any = None) -> Any:
+        return self._reader.get_batch(self._indices[np.asarray(positions, dtype=np.int64)], out=out)
+
+    def read_range(self, start: int, stop: int, out: Any = None, threads: int = 1) -> Any:
+        # The share is sorted, so this reads in file order; numpy copies release the GIL.
+        return self._reader.get_batch(self._indices[start:stop], out=out)
+
+
+class SubsetSource:
+    """The samples ``indices`` of a fixed-shape dlstore dataset, seen as a dataset of their own.
+
+    What :class:`~dlstore.GPUDataset` reads when it holds one rank's share: the
+    same ``shape``, ``classes`` and reading methods, with positions ``0..len-1``
+    mapped to the store's indices.
+    """
+
+    def __init__(self, source: Any, indices: np.ndarray):
+        self._source = source
+        self.indices = np.asarray(indices, dtype=np.int64)
+        self.shape = source.shape
+        self.classes = list(getattr(source, "classes", []))
+        self.path = getattr(source, "path", None)
+        labels = getattr(source, "_labels", None)
+        if labels is None:
+            labels = np.asarray(source.targets, dtype=np.int64)
+        self._labels = np.asarray(labels, dtype=np.int64)[self.indices]
+        self.targets = self._labels.tolist()
+        reader = getattr(source, "reader", None)
+        self.reader = _SubsetReader(reader, self.indices) if hasattr(reader, "get_batch") else None
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def read_batch(self, positions: Any) -> Any:
+        return self._source.read_batch(self.indices[np.asarray(positions, dtype=np.int64)].tolist())

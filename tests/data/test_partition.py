@@ -1,0 +1,175 @@
+"""GPUDataset(shard=True): each rank holds only its share; the partition and the per-rank epoch order.
+
+The partition functions are checked as properties over sizes and world sizes;
+the sharded dataset in a real 2-process gloo group, its data against the store
+read by numpy from the shard files.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import dlstore
+from dlstore.data.partition import epoch_order, per_rank, rank_share
+from dlstore.errors import ArgumentError
+from dlstore.sources.demo import make_image_folder
+
+N = 23
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """23 samples of 3x12x10 over 5 shard files, ordered by class (ImageFolder order)."""
+    root = tmp_path_factory.mktemp("partition")
+    src = make_image_folder(root / "images", classes=3, per_class=8, size=(14, 12), ext=".png")
+    (src / "class_02" / "img_0007.png").unlink()
+    dst = root / "s.shards"
+    dlstore.convert(src, dst, static="center_crop=12x10", workers=0, progress=False,
+                    shard_size=3 * 12 * 10 * 5)
+    return dst
+
+
+def _store_arrays(store):
+    """All samples and labels, read with numpy from the shard files (not through dlstore's reader)."""
+    layout = json.loads((store / "manifest.json").read_text())["layout"]
+    images = np.concatenate([np.load(store / s["file"]) for s in layout["shards"]])
+    return images, np.load(store / layout["labels"])
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 500), world=st.integers(1, 16), seed=st.integers(0, 2**32))
+def test_shares_are_disjoint_complete_balanced_and_sorted(n, world, seed):
+    if n < world:
+        with pytest.raises(ArgumentError, match="at least one"):
+            rank_share(n, 0, world, seed=seed)
+        return
+    shares = [rank_share(n, r, world, seed=seed) for r in range(world)]
+    flat = np.concatenate(shares)
+    assert sorted(flat.tolist()) == list(range(n))  # disjoint and complete
+    assert max(map(len, shares)) - min(map(len, shares)) <= 1
+    assert max(map(len, shares)) == per_rank(n, world)
+    assert all(np.array_equal(s, np.sort(s)) for s in shares)
+    assert np.array_equal(shares[0], rank_share(n, 0, world, seed=seed))  # the same on every call
+
+
+def test_partition_is_random_not_contiguous():
+    # A class-ordered store cut into contiguous blocks gives a rank a few classes only.
+    share = rank_share(1000, 0, 4, seed=0)
+    assert share.min() < 50 and share.max() > 950
+    assert not np.array_equal(share, rank_share(1000, 0, 4, seed=1))
+
+
+def test_bad_rank_and_world_size():
+    for rank, world in ((2, 2), (-1, 2), (0, 0)):
+        with pytest.raises(ArgumentError):
+            rank_share(10, rank, world)
+
+
+@settings(max_examples=100, deadline=None)
+@given(local=st.integers(1, 60), extra=st.integers(0, 1), seed=st.integers(0, 2**40),
+       epoch=st.integers(0, 50), rank=st.integers(0, 7), shuffle=st.booleans())
+def test_epoch_order_covers_the_share_and_pads_by_wrapping(local, extra, seed, epoch, rank, shuffle):
+    count = local + extra
+    order = epoch_order(local, count, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank)
+    assert len(order) == count
+    assert sorted(order[:local].tolist()) == list(range(local))
+    assert order[local:].tolist() == order[:count - local].tolist()
+    again = epoch_order(local, count, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank)
+    assert torch.equal(order, again)
+    if not shuffle:
+        assert order[:local].tolist() == list(range(local))
+
+
+def test_epoch_order_differs_per_epoch_and_rank():
+    a = epoch_order(50, 50, shuffle=True, seed=1, epoch=0, rank=0)
+    assert not torch.equal(a, epoch_order(50, 50, shuffle=True, seed=1, epoch=1, rank=0))
+    assert not torch.equal(a, epoch_order(50, 50, shuffle=True, seed=1, epoch=0, rank=1))
+
+
+def test_sharded_dataset_without_a_group_holds_its_share(store):
+    images, labels = _store_arrays(store)
+    for rank in range(3):
+        ds = dlstore.GPUDataset(store, "cpu", torch.uint8, shard=True, rank=rank, world_size=3, partition_seed=5)
+        share = rank_share(N, rank, 3, seed=5)
+        assert np.array_equal(ds.store_indices, share)
+        assert len(ds) == len(share) and ds.sharded
+        assert np.array_equal(ds.data.numpy(), images[share])
+        assert ds.targets.tolist() == labels[share].tolist()
+        loader = ds.loader(4, shuffle=True, seed=3)
+        assert len(loader) == -(-per_rank(N, 3) // 4)  # every rank the same number of batches
+        served = torch.cat([labels for _, labels in loader])
+        assert len(served) == per_rank(N, 3)
+        assert loader.rank == rank and loader.world_size == 3
+
+
+def test_sharded_dataset_holds_a_fraction_of_the_memory(store):
+    whole = dlstore.GPUDataset(store, "cpu", torch.float16)
+    half = dlstore.GPUDataset(store, "cpu", torch.float16, shard=True, rank=0, world_size=2)
+    assert half.nbytes < 0.6 * whole.nbytes
+    assert half.needed_bytes < 0.6 * whole.needed_bytes
+
+
+def test_shard_needs_more_samples_than_ranks(store):
+    with pytest.raises(ArgumentError, match="at least one"):
+        dlstore.GPUDataset(store, "cpu", torch.uint8, shard=True, rank=0, world_size=N + 1)
+
+
+_WORKER = """
+import json, sys
+import numpy as np, torch
+import torch.distributed as dist
+import dlstore
+store, rendezvous, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
+ds = dlstore.GPUDataset(store, "cpu", torch.uint8, shard=True)    # rank, world size from the group
+loader = ds.loader(4, shuffle=True, seed=11)
+epochs = []
+for epoch in (0, 1):
+    loader.set_epoch(epoch)
+    batches = [(x.clone(), y.clone()) for x, y in loader]
+    # every served image is one of this rank's samples, with its own label
+    local = {ds.store_indices[i]: i for i in range(len(ds))}
+    served = []
+    for x, y in batches:
+        for img, label in zip(x, y):
+            hits = [i for i in range(len(ds)) if torch.equal(ds.data[i], img) and ds.targets[i] == label]
+            assert hits, "served a sample that this rank does not hold"
+            served.append(int(ds.store_indices[hits[0]]))
+    epochs.append({"served": served, "batches": len(batches), "len": len(loader)})
+gathered = [None, None]
+dist.all_gather_object(gathered, ds.store_indices.tolist())
+json.dump({"rank": ds.rank, "world": ds.world_size, "share": ds.store_indices.tolist(), "all": gathered,
+           "epochs": epochs, "data": ds.data.numpy().tolist(), "targets": ds.targets.tolist()}, open(out, "w"))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.slow
+def test_two_process_gloo_group_each_rank_holds_and_serves_its_share(store, tmp_path):
+    script = tmp_path / "worker.py"
+    script.write_text(_WORKER)
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(script), str(store), str(tmp_path / "rdv"), str(r),
+                               str(outs[r])]) for r in range(2)]
+    assert [p.wait(timeout=180) for p in procs] == [0, 0]
+    results = [json.loads(o.read_text()) for o in outs]
+    images, labels = _store_arrays(store)
+    assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
+    a, b = (set(r["share"]) for r in results)
+    assert not a & b and a | b == set(range(N))  # a partition of the store
+    assert results[0]["all"] == results[1]["all"] == [results[0]["share"], results[1]["share"]]
+    for r in results:
+        assert np.array_equal(np.asarray(r["data"], dtype=np.uint8), images[r["share"]])
+        assert r["targets"] == labels[r["share"]].tolist()
+        for e in r["epochs"]:
+            assert e["batches"] == e["len"] == 3  # 12 samples per rank (23 padded to 24), batch 4
+            assert len(e["served"]) == 12 and set(e["served"]) == set(r["share"])
+        assert r["epochs"][0]["served"] != r["epochs"][1]["served"]  # a new order each epoch
