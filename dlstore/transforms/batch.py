@@ -385,6 +385,13 @@ class BatchNormalize(BatchTransform):
             x = x.clone()
         if self.scale and not images.is_floating_point():
             x.mul_(1.0 / torch.iinfo(images.dtype).max)
+        elif self.mean is not None and not images.is_floating_point():
+            # v2.Normalize refuses integer input too: normalising 0..255 with means of 0..1 values is
+            # a pipeline that lost its ToDtype(scale=True) (e.g. a ToTensor look-alike that passed
+            # the uint8 tensor through), and would train on values up to ~1100 without a word
+            raise TransformSpecError(
+                f"BatchNormalize(scale=False) got a {images.dtype} batch: Normalize needs float input; put "
+                f"v2.ToDtype(torch.float32, scale=True) before Normalize")
         if self.mean is not None:
             mean = torch.as_tensor(self.mean, dtype=torch.float32, device=x.device).view(-1, 1, 1)
             std = torch.as_tensor(self.std, dtype=torch.float32, device=x.device).view(-1, 1, 1)

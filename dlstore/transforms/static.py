@@ -55,7 +55,8 @@ _FLOAT_HINT = (
     "at read time, on the device where possible."
 )
 # Transforms that are identities for our purpose: the store already holds a uint8 CHW tensor.
-_TO_TENSOR_NAMES = ("PILToTensor", "ToImage", "ToPureTensor")
+# MaybePILToTensor: timm's PILToTensor that passes tensors through (create_transform(use_prefetcher=True))
+_TO_TENSOR_NAMES = ("PILToTensor", "ToImage", "ToPureTensor", "MaybePILToTensor")
 _FLOAT_NAMES = ("ToTensor", "ToDtype", "ConvertImageDtype", "Normalize")
 
 

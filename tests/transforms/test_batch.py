@@ -225,3 +225,14 @@ def test_cuda_matches_cpu_kernels():
         assert torch.equal(cpu, gpu.cpu())
     out = BatchRandomCrop(20, padding=4)(x.cuda(), torch.Generator(device="cuda").manual_seed(0))
     assert out.device.type == "cuda"
+
+
+def test_batch_normalize_refuses_integer_input_without_scaling_like_torchvision():
+    x = torch.randint(0, 256, (2, 3, 4, 4), dtype=torch.uint8)
+    with pytest.raises(TypeError):  # torchvision's own refusal, the reference
+        v2.Normalize([0.5] * 3, [0.2] * 3)(x)
+    with pytest.raises(TransformSpecError, match="ToDtype"):
+        BatchNormalize([0.5] * 3, [0.2] * 3, scale=False)(x)
+    scaled = BatchNormalize([0.5] * 3, [0.2] * 3)(x)           # with scaling: ToDtype + Normalize
+    want = v2.Normalize([0.5] * 3, [0.2] * 3)(v2.ToDtype(torch.float32, scale=True)(x))
+    assert torch.equal(scaled, want)
