@@ -1,8 +1,8 @@
 #!/usr/bin/env python
 """GPU check for dlstore.GPUDataset: preload speed and memory, correctness, loader speed.
 
-Run on a machine with a GPU (needs only dlstore installed; sized to finish in
-under 5 minutes on a 16-core machine with a large card, not yet timed on one)::
+Run on a machine with a GPU (needs only dlstore installed; the first version took
+73 s on an H200 with 16 cores, the steps added since (5-7, 9) about a minute more)::
 
     python scripts/gpu_check.py --out gpu_check.json
     python scripts/gpu_check.py --device cpu --quick      # the same steps, small, on CPU
@@ -23,10 +23,19 @@ in the same run:
 5. times epochs of the GPU loader with random crop + flip (batch transforms from
    ``dlstore.transforms``) against a DataLoader over the same store with the
    same augmentations per sample, at its best worker count out of a sweep;
-6. prints a table and writes everything to JSON (``--out``).
+6. compares residencies and gathers on the CIFAR store (fp16 vs uint8 held,
+   fused vs unfused, padded copy, compiled on CUDA; ``benchmarks/gpu_residency.py``)
+   and preload ring sizes on the ImageNet store;
+7. times ``dlstore.loader(..., device=)`` (uint8 moved, normalised on the device)
+   against the same pipeline normalising on the CPU and moving float32
+   (``benchmarks/device_path.py``), with threads and with worker processes;
+8. prints a table and writes everything to JSON (``--out``);
+9. on CUDA, runs the suite's CUDA tests (``pytest -k cuda``: kernels, preload,
+   every GPU path of the fidelity harness against torchvision) and reports them.
 
-Targets (issue 5, on a GPU): preload >= 50 % of the H2D bandwidth; GPU loader
->= 50 CIFAR-10-sized epochs/s and >= 10x the best DataLoader.
+Targets (on a GPU): preload >= 50 % of the H2D bandwidth; GPU loader >= 50
+CIFAR-10-sized epochs/s and >= 10x the best DataLoader; ``loader(device=)`` >= 1.5x
+the same pipeline normalising on the CPU.
 """
 
 from __future__ import annotations
@@ -288,6 +297,17 @@ def run_device_tests(device: torch.device, timeout: int = 240) -> dict[str, Any]
             "failed": failures, "seconds": time.perf_counter() - t0, "tail": text[-3000:]}
 
 
+def _benchmark(name: str):
+    """A module of ``benchmarks/`` (not a package: loaded from its file)."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"dlstore_benchmarks_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 # --- the run -------------------------------------------------------------------------------
 
 SIZES = {
@@ -364,6 +384,25 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
             out["dataloader"][kind] = time_dataloader(
                 path, device, args.batch, sample_transforms(kind, side), mean, std, workers=workers,
                 epochs=1 if args.quick else 2, max_batches=max_batches)
+        cifar_path = out["stores"]["cifar"]["path"]
+        log("residency and gather variants on cifar (fp16/uint8 held, fused/unfused, padded copy) ...")
+        out["residency"] = _benchmark("gpu_residency").residency_comparison(
+            cifar_path, device, epochs=1 if args.quick else 5, batch=args.batch, repeats=1 if args.quick else 3,
+            compile=device.type == "cuda" and not args.quick, normalize=(CIFAR_MEAN, CIFAR_STD), log=log)
+        log("preload ring sizes on imagenet ...")
+        out["preload_ring"] = _benchmark("gpu_residency").preload_bandwidth(
+            out["stores"]["imagenet"]["path"], device, repeats=1 if args.quick else 3,
+            normalize=(IMAGENET_MEAN, IMAGENET_STD))
+        log("loader(device=...) vs the same pipeline normalising on the CPU ...")
+        device_path = _benchmark("device_path")
+        out["device_loader"] = {}
+        for kind in sizes:
+            for workers in (0,) if args.quick else (0, min(8, cpus)):
+                key = f"{kind}, " + (f"{workers} workers" if workers else "threads")
+                out["device_loader"][key] = device_path.compare(
+                    out["stores"][kind]["path"], device, batch=args.batch if kind == "cifar" else 128,
+                    seconds=0.3 if args.quick else 2.0, rounds=1 if args.quick else 3, num_workers=workers)
+                log(f"  {key}: {out['device_loader'][key]['ratio_device_over_cpu_float32']:.2f}x")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     h2d = out["h2d"]["gb_per_s"]["median"]
@@ -434,6 +473,25 @@ def report(out: dict[str, Any]) -> str:
         lines.append(f"target >= 50 CIFAR epochs/s: {verdict(t['cifar']['gpu_loader_epochs_per_s'] >= 50)} "
                      f"({t['cifar']['gpu_loader_epochs_per_s']:.1f})")
         lines.append(f"target >= 10x best DataLoader (CIFAR): {verdict(t['cifar']['gpu_loader_vs_best_dataloader'] >= 10)}")
+    if "residency" in out:
+        lines.append("")
+        lines.append(f"CIFAR store, crop(pad 4)+flip+normalise, batch {out['residency']['batch']}: "
+                     "epoch speed / end-to-end / memory vs fp16 held, unfused (same batches?)")
+        for name, r in out["residency"]["variants"].items():
+            lines.append(f"  {name:32s} {r['epoch_speed_vs_baseline']:6.2f}x {r['end_to_end_vs_baseline']:6.2f}x "
+                         f"{r['memory_vs_baseline']:6.2f}  {r['same_batches']}")
+    if "preload_ring" in out:
+        pr = out["preload_ring"]
+        lines.append(f"preload GB/s by ring (plain copy {pr['copy_GBps']:.1f} GB/s): " + ", ".join(
+            f"{k}: uint8 {v['uint8']['GBps']:.1f} ({v['uint8']['fraction_of_copy']:.0%}), fp16 {v['fp16']['GBps']:.1f}"
+            for k, v in pr["rings"].items()))
+    if "device_loader" in out:
+        lines.append("loader(device=) / CPU-normalised float32 moved: " + ", ".join(
+            f"{k} {v['ratio_device_over_cpu_float32']:.2f}x" for k, v in out["device_loader"].items()))
+        if out["machine"]["device"].startswith("cuda"):
+            best = max(v["ratio_device_over_cpu_float32"] for v in out["device_loader"].values())
+            lines.append(f"target loader(device=) >= 1.5x CPU normalisation: {'met' if best >= 1.5 else 'NOT met'} "
+                         f"(best {best:.2f}x)")
     if "device_tests" in out:
         t = out["device_tests"]
         c = t["counts"]

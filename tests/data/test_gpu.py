@@ -546,6 +546,13 @@ def test_gpu_check_script_runs_on_cpu(tmp_path, capsys):
         assert pre["samples"] == result["stores"][kind]["count"]
         assert result["gpu_loader"][kind]["samples_per_s"]["median"] > 0
         assert result["dataloader"][kind]["best"]["samples_per_s"]["median"] > 0
+    # every residency / gather variant served the baseline's batches bit for bit
+    assert result["residency"]["variants"] and all(v["same_batches"] for v in result["residency"]["variants"].values())
+    assert {v["mode"] for v in result["residency"]["variants"].values()} == {"preload", "uint8"}
+    for r in result["device_loader"].values():
+        assert min(r["samples_per_s"].values()) > 0
+        assert r["bytes_per_sample_delivered"]["device"] == r["bytes_per_sample_delivered"]["cpu_float32"]
+    assert "device_tests" not in result  # CUDA only, unless --tests
     assert "GPU loader / best DataLoader" in capsys.readouterr().out
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("dlstore-gpu-check-")]  # cleaned up
 
