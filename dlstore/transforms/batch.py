@@ -79,7 +79,10 @@ def _randint(high: Any, n: int, generator: Any, device: Any) -> "torch.Tensor":
     """n ints, the k-th uniform in [0, high[k]) (``high`` an int or a (n,) tensor >= 1)."""
 
     u = torch.rand(n, generator=generator, device=device, dtype=torch.float64)
-    return (u * high).long().clamp_max(torch.as_tensor(high, device=device) - 1)
+    if isinstance(high, torch.Tensor):
+        return (u * high).long().clamp_max(high - 1)
+    # a Python int: no host-to-device copy (and on CUDA no sync) per draw; the same values
+    return (u * int(high)).long().clamp_max(int(high) - 1)
 
 
 class BatchTransform:
