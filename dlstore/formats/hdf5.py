@@ -68,6 +68,7 @@ from ._common import (
     SPACE_MARGIN,
     ForkSafe,
     PartialRows,
+    StorePin,
     batch_out,
     check_identity,
     check_index,
@@ -77,7 +78,6 @@ from ._common import (
     library_errors_as_damage,
     next_prime,
     read_range_by_batch,
-    store_identity,
     write_error,
 )
 from ._integrity import (
@@ -451,7 +451,8 @@ class Hdf5Reader(SampleChecks, ForkSafe):
         self._file: h5py.File | None = None
         self._images: h5py.Dataset | None = None
         self._pid: int | None = None
-        self._identity = store_identity(self.path)   # before reading any of it: see _common
+        self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see _common
+        self._identity = self._pin.identity
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
         # Read the metadata and close again: no HDF5 handle is held here if this process
         # forks DataLoader workers next.

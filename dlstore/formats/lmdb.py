@@ -71,12 +71,12 @@ from ..sources.origins import Origins
 from ._common import (
     ForkSafe,
     PartialRows,
+    StorePin,
     batch_out,
     check_identity,
     check_index,
     check_indices,
     read_range_by_batch,
-    store_identity,
     write_error,
 )
 from ._integrity import (
@@ -451,7 +451,8 @@ class LmdbReader(SampleChecks, ForkSafe):
                  readahead: bool | None = None):
         self.path = _env_folder(path)
         data = _data_file(self.path)
-        self._identity = store_identity(self.path)   # before reading any of it: see _common
+        self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see _common
+        self._identity = self._pin.identity
         self.readahead = _default_readahead(data) if readahead is None else bool(readahead)
         self._env: lmdb.Environment | None = None
         self._pid: int | None = None

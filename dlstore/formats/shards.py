@@ -46,6 +46,7 @@ from ..sources.origins import Origins
 from ._common import (
     ForkSafe,
     PartialRows,
+    StorePin,
     batch_out,
     check_identity,
     check_index,
@@ -53,7 +54,6 @@ from ._common import (
     safe_member,
     save_npy_synced,
     sha256_file,
-    store_identity,
     write_synced,
 )
 from ._integrity import (
@@ -304,7 +304,8 @@ class ShardReader(SampleChecks, ForkSafe):
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None):
         self.path = Path(path)
-        self._identity = store_identity(self.path)   # before reading any of it: see _common
+        self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see _common
+        self._identity = self._pin.identity
         self.manifest = manifest if manifest is not None else read_manifest(self.path)
         layout = self.manifest["layout"]
         self.count = self.manifest["count"]
