@@ -22,7 +22,7 @@ def _fail(exc: BaseException) -> None:
 
 def _sigterm_as_interrupt() -> None:
     """Let SIGTERM unwind like Ctrl-C, so cleanup code runs and nothing half-written stays."""
-    def handler(signum, frame):  # noqa: ARG001
+    def handler(signum, frame):
         raise KeyboardInterrupt(f"signal {signum}")
 
     signal.signal(signal.SIGTERM, handler)
@@ -151,13 +151,14 @@ def info(store, as_json):
 
         import numpy as np
 
-        counts = np.bincount(np.asarray(ds.targets, dtype=np.int64) + 1, minlength=len(ds.classes) + 1)
+        counts = np.bincount(np.asarray(ds.reader.labels, dtype=np.int64) + 1, minlength=len(ds.classes) + 1)
         summary = {"store": str(store), "format": m["format"], "samples": m["count"], "bytes": size,
                    "shape": list(ds.shape) if ds.shape else None, "static": describe(m["static"]),
                    "classes": len(ds.classes), "per_class": {name: int(counts[i + 1])
                                                              for i, name in enumerate(ds.classes)},
                    "skipped": len(m["source"].get("skipped", [])),
-                   "provenance": (m["layout"].get("provenance") or {}).get("kind")}
+                   "provenance": (m["layout"].get("provenance") or {}).get("kind"),
+                   "targets": m.get("targets")}
         click.echo(json.dumps({"summary": summary, "manifest": m}, indent=1, sort_keys=True, ensure_ascii=False))
         return
     shape = "x".join(map(str, ds.shape)) if ds.shape else "variable (per-sample shapes)"
@@ -172,6 +173,9 @@ def info(store, as_json):
         shown = ", ".join(f"{name} ({counts.get(i, 0)})" for i, name in enumerate(ds.classes[:10]))
         more = f", ... {len(ds.classes) - 10} more" if len(ds.classes) > 10 else ""
         click.echo(f"classes   {len(ds.classes)}: {shown}{more}")
+    elif "targets" in m:
+        click.echo(f"targets   {m['count']} x {m['targets']['shape'][0]} {m['targets']['dtype']} "
+                   "(a target vector per sample, no classes)")
     else:
         click.echo("classes   none (unlabelled, label -1)")
     encoding = m["sample"]["encoding"]
@@ -196,6 +200,7 @@ def info(store, as_json):
               help="Write the sample (as stored: after the static transforms) to this image file (.png, ...).")
 def show(store, index, out):
     """Print sample INDEX of STORE: its label, class and where it came from; --out writes it as an image."""
+    import numpy as np
     from PIL import Image
 
     from .data import open_dataset
@@ -206,7 +211,9 @@ def show(store, index, out):
     except (DlstoreError, ValueError, OSError, IndexError) as exc:
         _fail(exc)
     label = ds.targets[index]
-    name = f" ({ds.classes[label]})" if 0 <= label < len(ds.classes) else ""
+    if isinstance(label, np.ndarray):   # a target vector
+        label = label.tolist()
+    name = f" ({ds.classes[label]})" if isinstance(label, int) and 0 <= label < len(ds.classes) else ""
     click.echo(f"sample    {index} of {len(ds)}")
     click.echo(f"label     {label}{name}")
     click.echo(f"shape     {'x'.join(map(str, sample.shape))} uint8 CHW")

@@ -9,7 +9,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import DecodeError, SourceError
+from ..formats._targets import TargetRows
+from ..formats._targets import describe as describe_targets
 from ..formats.manifest import dumps, make_manifest
 from ..sources.origins import Origins
 from ..transforms.static import StaticSpec, describe
@@ -34,6 +38,7 @@ class ConvertResult:
     workers: int
     skipped: list[dict[str, str]] = field(default_factory=list)
     empty_classes: list[str] = field(default_factory=list)
+    targets: tuple[int, str] | None = None   # (K, dtype) of a store of target vectors
 
     @property
     def rate(self) -> float:
@@ -44,7 +49,8 @@ class ConvertResult:
         lines = [
             f"wrote {self.path} ({self.store_format})",
             f"  samples  {self.count} in {len(self.classes) or 'no'} classes"
-            + ("" if self.classes else " (unlabelled, label -1)"),
+            + ("" if self.classes else f" (target vectors: {self.targets[0]} x {self.targets[1]})" if self.targets
+               else " (unlabelled, label -1)"),
             f"  shape    {shape} uint8, static: {describe(self.static)}",
             f"  size     {human_bytes(self.nbytes)} ({self.nbytes / max(self.count, 1):,.0f} B/sample)",
             f"  time     {self.seconds:.1f} s, {self.rate:,.0f} images/s with {self.workers} worker(s)",
@@ -87,6 +93,13 @@ class _Job:
     codec: tuple[str, int] = ("raw", 0)
     # Largest label met and whether -1 was met: names the classes of a source without names.
     labels_seen: list[int] = field(default_factory=lambda: [-1, 0])
+    # Target vectors of the samples written so far (a source with ``target_spec`` (K, dtype)), else None.
+    targets: TargetRows | None = None
+
+    def __post_init__(self) -> None:
+        spec = getattr(self.source, "target_spec", None)
+        if spec is not None and self.targets is None:
+            self.targets = TargetRows(*spec)
 
     @property
     def record_shape(self) -> tuple[int, int, int] | None:
@@ -101,6 +114,7 @@ class _Job:
             "static": self.spec, "decode": self.decode, "on_error": self.on_error, "codec": list(self.codec),
             "options": {k: v for k, v in sorted(self.options.items())},
             **self.source.fingerprint(),
+            **({} if self.targets is None else {"targets": [self.targets.length, str(self.targets.dtype.name)]}),
         }
 
     def classes(self) -> list[str]:
@@ -141,7 +155,10 @@ def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, Any]], bar
                 raise DecodeError(source.where(key), f"static spec produced shape {tuple(record.shape)}, expected "
                                                      f"{job.shape} (every item must have one shape: add a "
                                                      "resize + center_crop to the static ops)")
-            if n_classes is None:
+            if job.targets is not None or isinstance(label, np.ndarray):
+                label = _target_row(job, source.where(key), label)
+                ok = True
+            elif n_classes is None:
                 ok = label >= -1
             else:
                 ok = 0 <= label < n_classes if n_classes else label == -1
@@ -153,7 +170,10 @@ def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, Any]], bar
             origin = source.origin(key)
             skipped.append({"path" if source.origin_kind == "path" else "index": origin, "reason": result})
         else:
-            if label > seen[0]:
+            if isinstance(label, np.ndarray):   # a target vector: kept with the job, the writer gets -1
+                job.targets.append(label)
+                label = -1
+            elif label > seen[0]:
                 seen[0] = label
             elif label == -1:
                 seen[1] = 1
@@ -162,6 +182,21 @@ def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, Any]], bar
         bar.update(1)
         if check is not None and pos % 256 == 255:
             check()
+
+
+def _target_row(job: _Job, where: str, label: Any) -> np.ndarray:
+    """``label``, the target vector of the item at ``where``, checked against the first item's kind."""
+    spec = job.targets
+    if spec is None:
+        raise SourceError(f"{where}: yields a target vector of {len(label)} {label.dtype} values, but the first "
+                          "item's target is an int label (or none); give every item one kind of target")
+    if not isinstance(label, np.ndarray) or label.shape != (spec.length,) or label.dtype != spec.dtype:
+        got = (f"{label.shape[0]} {label.dtype} values" if isinstance(label, np.ndarray)
+               else f"the int label {label}")
+        raise SourceError(f"{where}: yields a target of {got}, but the first item's is a vector of {spec.length} "
+                          f"{spec.dtype.name} values; every target must have that length and kind (ints or bools: "
+                          "int64; floats: float32)")
+    return label
 
 
 def origins_for(source: Any, skipped: list[dict[str, Any]]) -> Origins:
@@ -184,6 +219,10 @@ def _finish(job: _Job, writer: Any, count: int, skipped: list[dict[str, Any]], *
         raise SourceError(f"{job.source.root}: provenance of {len(origins)} samples for {count} written "
                           "(the source changed during the conversion?)")
     writer.set_provenance(origins)
+    if job.targets is not None:
+        if len(job.targets) != count:
+            raise SourceError(f"{job.source.root}: {len(job.targets)} target vectors for {count} samples written")
+        writer.set_targets(job.targets.array())
     layout = writer.finish()
     manifest = manifest_for(job, count=count, skipped=skipped, files=files, checksums=writer.checksums,
                             layout=layout)
@@ -201,4 +240,6 @@ def manifest_for(job: _Job, *, count: int, skipped: list[dict[str, Any]], files:
         quality=job.codec[1] if job.codec[0] == "jpeg" else None,
         source={**source.describe(), "files": files, "skipped": skipped, "decode": job.decode},
         checksums=checksums, layout=layout,
+        targets=None if job.targets is None else describe_targets(np.empty((0, job.targets.length),
+                                                                           job.targets.dtype.name)),
     )

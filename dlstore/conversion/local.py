@@ -33,6 +33,7 @@ from ..formats._common import (
     staging_path,
     write_error,
 )
+from ..formats._targets import PARTIAL_SUFFIX
 from ..formats.encoding import ENCODINGS
 from ..sources import open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS
@@ -50,6 +51,12 @@ def progress_path(staged: Path) -> Path:
     """Where a resumable conversion keeps its checkpoint: inside a staging folder (shards,
     LMDB), or beside a staging file (HDF5: ``.NAME.dlstore-tmp.progress.json``)."""
     return staged / PROGRESS_NAME if staged.is_dir() else staged.with_name(f"{staged.name}.{PROGRESS_NAME}")
+
+
+def targets_path(staged: Path) -> Path:
+    """Where a resumable conversion of target vectors keeps the rows of the written samples."""
+    path = progress_path(staged)
+    return path.with_name(path.name + PARTIAL_SUFFIX)
 
 
 def remove_staging(staged: Path) -> None:
@@ -213,6 +220,9 @@ def convert(
         part_workers = max(0, int(workers))
 
         def job_for(part: Any) -> _Job:
+            if getattr(part, "target_spec", None) is not None:
+                raise ArgumentError("target vectors cannot be converted collectively yet (distributed=True, "
+                                    "torchrun); convert them in one process: distributed=False")
             return _Job(source=part, spec=spec, shape=sample_shape(spec, part), module=module, decode=decode,
                         workers=usable_workers(part.loader(decode), part_workers, log), on_error=on_error,
                         options=format_options, codec=codec)
@@ -259,6 +269,7 @@ def convert(
         path=dst, store_format=fmt, count=count, classes=job.classes(), shape=job.shape, static=spec,
         nbytes=disk_usage(dst), seconds=seconds, workers=workers, skipped=skipped,
         empty_classes=source.empty_classes,
+        targets=None if job.targets is None else (job.targets.length, job.targets.dtype.name),
     )
 
 
@@ -281,6 +292,8 @@ def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dic
             f"{staged}: the interrupted conversion used other settings or another source listing; "
             "rerun without --resume to start over (or with the original settings)")
     job.labels_seen[:] = checkpoint.get("labels_seen", job.labels_seen)
+    if job.targets is not None:
+        job.targets.restore(targets_path(staged), int(checkpoint["target_rows"]))
     unit = "files" if job.source.origin_kind == "path" else "items"
     log(f"resuming after {checkpoint['source_pos']} of {len(job.source)} {unit}")
     return checkpoint
@@ -289,6 +302,9 @@ def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dic
 def _save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skipped: list) -> None:
     state = {"job": job.fingerprint(), "source_pos": source_pos, "skipped": skipped, "labels_seen": job.labels_seen,
              "writer": writer.checkpoint()}
+    if job.targets is not None:   # the rows of the samples written so far, appended beside the checkpoint
+        state["target_rows"] = len(job.targets)
+        job.targets.save(targets_path(staged), len(job.targets))
     path = progress_path(staged)
     tmp = path.with_name(path.name + ".tmp")
     try:
@@ -324,6 +340,7 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
         _finish(job, writer, count, skipped, files=len(source))
         if resumable:
             progress_path(staged).unlink(missing_ok=True)
+            targets_path(staged).unlink(missing_ok=True)
     finally:
         writer.close()
     return count, skipped

@@ -64,7 +64,9 @@ class StoreDataset(Dataset):
     Attributes:
         classes: class names in label order (empty for an unlabelled store).
         class_to_idx: name -> label.
-        targets: the label of every sample (list of int), as ``ImageFolder.targets``.
+        targets: the label of every sample (list of int), as ``ImageFolder.targets``; for a
+            store of target vectors, the (N, K) int64 or float32 numpy array of them (``ds[i]``
+            then gives a (K,) tensor as the target, ``get_batch`` a (B, K) tensor).
         manifest: the store's manifest (dict).
         shape: (C, H, W) of every sample, or None for a variable-shape store.
 
@@ -128,6 +130,7 @@ class StoreDataset(Dataset):
         if check == "sample":
             self.reader.enable_sample_check()   # every record read is checked against its CRC32
         self.manifest: dict[str, Any] = self.reader.manifest
+        vectors = getattr(self.reader, "targets", None)   # (N, K) target vectors, or None: int labels
         if self.manifest["sample"]["encoding"] != "raw":  # JPEG/PNG records, decoded with PIL on read
             self.reader = DecodingReader(self.reader)
         self.classes: list[str] = list(self.manifest["classes"])
@@ -140,8 +143,8 @@ class StoreDataset(Dataset):
             raise StoreCorruptError(
                 f"{self.path}: label {int(labels[bad])} of sample {bad} is out of range for "
                 f"{n_classes} classes")
-        self._labels = labels
-        self.targets: list[int] = labels.tolist()
+        self._labels = labels if vectors is None else vectors   # what each sample's target is read from
+        self.targets: list[int] | np.ndarray = labels.tolist() if vectors is None else vectors
         sample = self.manifest["sample"]
         shape = sample["shape"] if sample["encoding"] == "raw" else sample.get("decoded_shape")
         self.shape: tuple[int, int, int] | None = tuple(shape) if shape is not None else None
@@ -252,7 +255,7 @@ class StoreDataset(Dataset):
     def __getitem__(self, i: int) -> tuple[Any, Any]:
         i = self._index(i)
         image: Any = torch.from_numpy(self.reader.get(i))
-        label: Any = int(self._labels[i])
+        label: Any = int(self._labels[i]) if self._labels.ndim == 1 else torch.tensor(self._labels[i])
         if self.transform is not None:
             image = self.transform(image)
         if self.batch_transform is not None:
@@ -279,11 +282,12 @@ class StoreDataset(Dataset):
         """
         if self.batch_transform is not None:
             batch, labels_t = self.get_batch(indices)
-            labels_out = labels_t.tolist() if isinstance(labels_t, torch.Tensor) else list(labels_t)
+            labels_out = (labels_t.tolist() if isinstance(labels_t, torch.Tensor) and labels_t.ndim == 1
+                          else list(labels_t))
             return list(zip(batch.unbind(0), labels_out))
         idx = self._indices(indices).tolist()
         images = [torch.from_numpy(a) for a in self.reader.get_many(idx)]
-        labels = self._labels[idx].tolist()
+        labels = self._labels[idx].tolist() if self._labels.ndim == 1 else list(torch.from_numpy(self._labels[idx]))
         if self.transform is None and self.target_transform is None:
             return list(zip(images, labels))
         out = []
@@ -311,7 +315,8 @@ class StoreDataset(Dataset):
 
         Returns:
             (images, labels): a (B, C, H, W) tensor and an int64 (B,) tensor (a list
-            if ``target_transform`` returns non-numbers).
+            if ``target_transform`` returns non-numbers); for a store of target vectors,
+            a (B, K) tensor of their dtype (int64 or float32).
         """
         idx = self._indices(indices)
         if self.shape is not None and not self.per_sample_ops:
@@ -324,7 +329,10 @@ class StoreDataset(Dataset):
         for op in self._batch_rest:
             images = op(images, generator)
         labels: Any = torch.from_numpy(self._labels[idx])
-        if self.target_transform is not None:
+        if self.target_transform is not None and labels.ndim == 2:   # target vectors: one (K,) tensor each
+            out = [self.target_transform(v) for v in labels]
+            labels = torch.stack(out) if all(isinstance(v, torch.Tensor) for v in out) else out
+        elif self.target_transform is not None:
             out = [self.target_transform(int(v)) for v in labels]
             labels = torch.as_tensor(out) if all(isinstance(v, (int, float)) for v in out) else out
         return images, labels

@@ -51,9 +51,9 @@ from ..transforms.static import PADDING_MODES
 from ..units import human_bytes
 from .dataset import StoreDataset, open_dataset
 from .gpu_fused import fill_vector, pad_map
-from .partition import SubsetSource, rank_share
 from .gpu_loader import GPULoader, _resolve_distributed
 from .gpu_preload import ChunkRing
+from .partition import SubsetSource, rank_share
 
 ON_OVERFLOW = ("error", "uint8", "stream")
 HOLD = ("dtype", "uint8")
@@ -284,8 +284,9 @@ class GPUDataset:
 
         labels = getattr(self.source, "_labels", None)
         if labels is None:
-            labels = np.asarray(self.source.targets, dtype=np.int64)
-        self._host_labels = np.asarray(labels, dtype=np.int64)
+            labels = np.asarray(self.source.targets)
+        labels = np.asarray(labels)   # (N,) int labels, or (N, K) target vectors kept in their dtype
+        self._host_labels = labels if labels.ndim == 2 else labels.astype(np.int64, copy=False)
 
         held_uint8 = hold == "uint8" or dtype == torch.uint8
         itemsize = 1 if held_uint8 else torch.empty((), dtype=dtype).element_size()
@@ -550,7 +551,7 @@ class GPUDataset:
             i += n
         if not 0 <= i < n:
             raise SampleIndexError(f"index {i} out of range for a dataset of {n} samples")
-        label = int(self._host_labels[i])
+        label = int(self._host_labels[i]) if self._host_labels.ndim == 1 else self.targets[i]
         if self.mode == "preload":
             return self._samples()[i], label
         if self.mode == "uint8":

@@ -116,9 +116,10 @@ class SubsetSource:
         self.path = getattr(source, "path", None)
         labels = getattr(source, "_labels", None)
         if labels is None:
-            labels = np.asarray(source.targets, dtype=np.int64)
-        self._labels = np.asarray(labels, dtype=np.int64)[self.indices]
-        self.targets = self._labels.tolist()
+            labels = np.asarray(source.targets)
+        labels = np.asarray(labels)   # (N,) int labels, or (N, K) target vectors kept in their dtype
+        self._labels = (labels if labels.ndim == 2 else labels.astype(np.int64, copy=False))[self.indices]
+        self.targets = self._labels.tolist() if self._labels.ndim == 1 else self._labels
         reader = getattr(source, "reader", None)
         self.reader = _SubsetReader(reader, self.indices) if hasattr(reader, "get_batch") else None
 

@@ -228,16 +228,16 @@ class SampleChecks:
                                weakref.WeakMethod(self._sample_file))
 
     def _check_metadata(self) -> None:
-        """Labels and shapes (read once at open, held in memory) against the manifest's sha256s: the
+        """Labels, shapes and targets (read once at open, held in memory) against the manifest's sha256s: the
         per-sample sums cover the pixels, these say which class and shape the pixels have."""
         files = self.manifest["checksums"]["files"]
-        for name in ("labels", "shapes"):   # LMDB, HDF5: digests of the int64 little-endian values
+        for name in ("labels", "shapes", "targets"):   # LMDB, HDF5: digests of the little-endian values
             values = getattr(self, name, None)
-            if name in files and values is not None and files[name] != \
-                    hashlib.sha256(np.asarray(values, dtype="<i8").tobytes()).hexdigest():
+            if name in files and values is not None and files[name] != hashlib.sha256(np.ascontiguousarray(
+                    values, dtype=np.asarray(values).dtype.newbyteorder("<")).tobytes()).hexdigest():
                 raise StoreCorruptError(f"{self.path}: its {name} changed since conversion (sha256 mismatch); "
                                         "convert again or restore a copy")
-        for key in ("labels", "index"):     # shards: the .npy files
+        for key in ("labels", "index", "targets"):     # shards: the .npy files
             name = self.manifest["layout"].get(key)
             if isinstance(name, str) and name.endswith(".npy") and name in files \
                     and sha256_file(self.path / name) != files[name]:

@@ -10,38 +10,35 @@ On-disk layout of ``NAME.h5`` (format version 1)::
     /images                vlen uint8 (N,), chunks (1024,)   sample i's CHW bytes, flattened
     /shapes                int64 (N, 3), chunks (1024, 3)    C, H, W of sample i
     /crc32                 uint32 (N,)                       CRC32 of sample i's bytes (check="sample")
+    /targets               int64 or float32 (N, K)           target vectors (only where converted from them)
 
 Why this layout:
-  * one sample per chunk: a random read touches exactly one chunk, and
-    compression (``--compression lzf|gzip``) works per sample, so reading one
-    sample never decompresses its neighbours.
-  * ``images`` is resizable along N (the writer does not know N in advance);
-    the file is written with ``libver=("v110", "latest")``, so the chunk index is
-    an extensible array (O(1) lookup) instead of a B-tree; any HDF5 >= 1.10
-    (2016) reads it.
+  * one sample per chunk: a random read touches exactly one chunk, and compression
+    (``--compression lzf|gzip``) works per sample, so reading one sample never decompresses
+    its neighbours.
+  * ``images`` is resizable along N (the writer does not know N in advance); the file is
+    written with ``libver=("v110", "latest")``, so the chunk index is an extensible array
+    (O(1) lookup) instead of a B-tree; any HDF5 >= 1.10 (2016) reads it.
   * variable-shape samples use HDF5's own variable-length type, so
-    ``f["images"][i].reshape(f["shapes"][i])`` is the whole decoder. HDF5
-    filters cannot compress variable-length data (only its heap pointers), so
-    compression is refused for variable-shape stores rather than silently not
-    applied.
+    ``f["images"][i].reshape(f["shapes"][i])`` is the whole decoder. HDF5 filters cannot
+    compress variable-length data (only its heap pointers), so compression is refused for
+    variable-shape stores rather than silently not applied.
   * no pickled or object attributes: the manifest is a plain string attribute.
 
-Checksums (manifest ``checksums.files``; what each covers is spelt out in
-``layout["hashed"]`` so ``dlstore verify`` can recompute them): ``samples`` =
-sha256 of every sample's CHW bytes concatenated in sample order (the same digest
-an LMDB store of the same source records), ``labels`` = sha256 of the int64
-little-endian labels, ``shapes`` = sha256 of the int64 little-endian shapes.
+Checksums (manifest ``checksums.files``; what each covers is spelt out in ``layout["hashed"]``
+so ``dlstore verify`` can recompute them): ``samples`` = sha256 of every sample's CHW bytes
+concatenated in sample order (the same digest an LMDB store of the same source records),
+``labels`` = sha256 of the int64 little-endian labels, ``shapes`` = sha256 of the int64
+little-endian shapes, ``targets`` = sha256 of the little-endian target vectors.
 
-Reading: the file opens read-only, lazily, once per process, without HDF5 file
-locking (a published store is never modified in place, it is replaced by
-rename; and locks fail on some network filesystems). The chunk cache is sized
-for random access to one-sample chunks: a chunk is reused only when the same
-sample is read again, which the OS page cache already serves, so fixed-shape
-stores get no chunk cache (uncompressed samples are read with
-``read_direct_chunk`` straight into the output array, bypassing HDF5's
-selection machinery and the cache); variable-shape stores cache all chunks of
-heap pointers (16 bytes per sample, up to 64 MiB). Pass ``chunk_cache_bytes=``
-to choose.
+Reading: the file opens read-only, lazily, once per process, without HDF5 file locking (a
+published store is never modified in place, it is replaced by rename; and locks fail on some
+network filesystems). The chunk cache is sized for random access to one-sample chunks: a chunk
+is reused only when the same sample is read again, which the OS page cache already serves, so
+fixed-shape stores get no chunk cache (uncompressed samples are read with ``read_direct_chunk``
+straight into the output array, bypassing HDF5's selection machinery and the cache);
+variable-shape stores cache all chunks of heap pointers (16 bytes per sample, up to 64 MiB).
+Pass ``chunk_cache_bytes=`` to choose.
 """
 
 from __future__ import annotations
@@ -90,6 +87,7 @@ from ._integrity import (
     seal_userblock,
     userblock_seal,
 )
+from ._targets import HASHED, WithTargets, digest, read_hdf5
 from .manifest import loads as load_manifest_text
 from .manifest import validate
 
@@ -107,11 +105,10 @@ DEFAULT_BATCH_BYTES = 64 << 20  # sample bytes buffered before a write
 MAX_POINTER_CACHE = 64 << 20
 
 
-class Hdf5Writer:
+class Hdf5Writer(WithTargets):
     """Writes samples in order into a staging HDF5 file.
 
-    Used by ``dlstore.convert``, which owns staging and publishing; a writer only
-    fills the file it is given.
+    Used by ``dlstore.convert``, which owns staging and publishing; a writer only fills the file it is given.
 
     Args:
         path: the staging file to create.
@@ -350,6 +347,10 @@ class Hdf5Writer:
             self.checksums["shapes"] = hashlib.sha256(shapes.tobytes()).hexdigest()
             hashed["shapes"] = "shapes as int64 little-endian bytes"
             layout["shapes"] = "shapes"
+        if self.targets is not None:   # /targets (see _targets)
+            with self._writing(self.targets.nbytes):
+                self._file.create_dataset("targets", data=self.targets)
+            layout["targets"], self.checksums["targets"], hashed["targets"] = "targets", digest(self.targets), HASHED
         origins = getattr(self, "origins", None)
         if origins is not None:  # /provenance/indices, or /provenance/offsets + /provenance/blob
             arrays = origins.arrays()
@@ -454,8 +455,7 @@ class Hdf5Reader(SampleChecks, ForkSafe):
         self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see _common
         self._identity = self._pin.identity
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
-        # Read the metadata and close again: no HDF5 handle is held here if this process
-        # forks DataLoader workers next.
+        # Read the metadata and close again: no HDF5 handle is held here if this process forks workers next.
         with _open_file(self.path) as f, library_errors_as_damage(self.path):
             if manifest is None:
                 manifest = _manifest_from(f, self.path)
@@ -468,6 +468,7 @@ class Hdf5Reader(SampleChecks, ForkSafe):
             if images.is_virtual:
                 check_virtual_sources(self.path, images)
             self.labels = self._int_dataset(f, "labels", (self.count,))
+            self.targets = read_hdf5(f, self.path, manifest)   # (N, K), or None: int labels only
             if self.kind == "fixed":
                 self.shape: tuple[int, int, int] | None = tuple(manifest["sample"]["shape"])
                 self.shapes = None

@@ -15,36 +15,34 @@ On-disk layout of ``NAME.lmdb/`` (an LMDB environment folder, format version 1):
                            (variable-shape stores only; fixed-shape stores take the
                            shape from the manifest's sample.shape)
     b"__crc32__"           uint32 little-endian (N,): CRC32 of sample i's value (check="sample")
+    b"__targets__"         .npy bytes of the (N, K) int64/float32 target vectors (only where converted from them)
 
 Why this layout:
-  * zero-padded decimal keys sort in sample order, so the writer appends with
-    ``MDB_APPEND`` (no page splits, a compact file) and a reader scanning a
-    cursor meets samples in order; reserved keys start with ``__``, which sorts
-    after every digit.
-  * values are the bare pixels (no header, no pickle): ``np.frombuffer(value,
-    np.uint8).reshape(shape)`` is the whole decoder, in any language.
-  * shapes of a variable-shape store live in one ``__shapes__`` value rather than
-    a per-sample header, so every sample value has the same meaning.
+  * zero-padded decimal keys sort in sample order, so the writer appends with ``MDB_APPEND``
+    (no page splits, a compact file) and a reader scanning a cursor meets samples in order;
+    reserved keys start with ``__``, which sorts after every digit.
+  * values are the bare pixels (no header, no pickle): ``np.frombuffer(value, np.uint8)
+    .reshape(shape)`` is the whole decoder, in any language.
+  * shapes of a variable-shape store live in one ``__shapes__`` value rather than a
+    per-sample header, so every sample value has the same meaning.
 
-Checksums (manifest ``checksums.files``; what each covers is spelt out in
-``layout["hashed"]`` so ``dlstore verify`` can recompute them):
-``samples`` = sha256 of the values of keys 0..N-1 concatenated in key order (the
-same digest an HDF5 store of the same source records), ``labels`` = sha256 of the
-``__labels__`` value, ``shapes`` = sha256 of the ``__shapes__`` value.
+Checksums (manifest ``checksums.files``; what each covers is spelt out in ``layout["hashed"]``
+so ``dlstore verify`` can recompute them): ``samples`` = sha256 of the values of keys 0..N-1
+concatenated in key order (the same digest an HDF5 store of the same source records),
+``labels`` = sha256 of the ``__labels__`` value, ``shapes`` = sha256 of the ``__shapes__``
+value, ``targets`` = sha256 of the little-endian target vectors.
 
-Writing: samples are committed in batched write transactions (64 MiB by
-default). The map starts small and doubles whenever LMDB reports
-``MDB_MAP_FULL`` (the failed transaction is retried), so any store that fits the
-disk can be written. Syncing is deferred to the end: the store is published by
-rename only after a final ``fsync``, so a crash leaves only a staging folder.
+Writing: samples are committed in batched write transactions (64 MiB by default). The map
+starts small and doubles whenever LMDB reports ``MDB_MAP_FULL`` (the failed transaction is
+retried), so any store that fits the disk can be written. Syncing is deferred to the end: the
+store is published by rename only after a final ``fsync``, so a crash leaves only a staging folder.
 
-Reading: the environment is opened ``readonly=True, lock=False`` (a published
-store never changes in place: it is replaced by rename, so readers need no lock
-table), lazily, once per process. ``readahead`` defaults to True when the data
-file is smaller than half the physical memory (the page cache will hold it, and
-readahead fills it with fewer, larger reads) and to False otherwise (random
-reads of a store bigger than RAM: readahead would evict pages that are still
-needed for neighbours that are not); pass ``readahead=`` to choose.
+Reading: the environment is opened ``readonly=True, lock=False`` (a published store never
+changes in place: it is replaced by rename, so readers need no lock table), lazily, once per
+process. ``readahead`` defaults to True when the data file is smaller than half the physical
+memory (the page cache will hold it, and readahead fills it with fewer, larger reads) and to
+False otherwise (random reads of a store bigger than RAM: readahead would evict pages that are
+still needed for neighbours that are not); pass ``readahead=`` to choose.
 """
 
 from __future__ import annotations
@@ -86,6 +84,7 @@ from ._integrity import (
     check_sidecar_seal,
     seal_sidecar,
 )
+from ._targets import HASHED, LMDB_KEY, WithTargets, digest, npy_bytes, read_lmdb
 from .manifest import loads as load_manifest_text
 from .manifest import validate
 
@@ -109,11 +108,10 @@ def sample_key(i: int) -> bytes:
     return b"%010d" % i
 
 
-class LmdbWriter:
+class LmdbWriter(WithTargets):
     """Writes samples in order into a staging LMDB environment folder.
 
-    Used by ``dlstore.convert``, which owns staging and publishing; a writer only
-    fills the folder it is given.
+    Used by ``dlstore.convert``, which owns staging and publishing; a writer only fills the folder it is given.
 
     Args:
         folder: the staging folder to create.
@@ -292,6 +290,10 @@ class LmdbWriter:
             self.checksums["shapes"] = hashlib.sha256(shapes).hexdigest()
             hashed["shapes"] = f"value of key {SHAPES_KEY.decode()}"
             layout["shapes_key"] = SHAPES_KEY.decode()
+        if self.targets is not None:   # __targets__ (see _targets)
+            items.append((LMDB_KEY, npy_bytes(self.targets)))
+            layout["targets_key"], self.checksums["targets"], hashed["targets"] = LMDB_KEY.decode(), \
+                digest(self.targets), HASHED
         origins = getattr(self, "origins", None)
         if origins is not None:  # __provenance_indices__ (int64), or __provenance_offsets__ + __provenance_blob__
             keys = {}
@@ -437,10 +439,10 @@ class LmdbReader(SampleChecks, ForkSafe):
     Args:
         path: the ``.lmdb`` folder.
         manifest: the already-read manifest (read from the store if None).
-        readahead: OS readahead on the data file; default: True if the file is
-            smaller than half the physical memory, else False (see the module doc).
-            Readers of one store in one process share one environment (py-lmdb
-            allows a single open per process); the first one's setting applies.
+        readahead: OS readahead on the data file; default: True if the file is smaller than half
+            the physical memory, else False (see the module doc). Readers of one store in one
+            process share one environment (py-lmdb allows a single open per process); the first
+            one's setting applies.
     """
 
     format = FORMAT
@@ -457,8 +459,7 @@ class LmdbReader(SampleChecks, ForkSafe):
         self._env: lmdb.Environment | None = None
         self._pid: int | None = None
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
-        # The metadata lives inside the environment: open it, read, and let it go again, so
-        # that nothing is held open here if this process forks DataLoader workers next.
+        # Metadata lives in the environment: open, read, let go (nothing held open if this process forks next).
         env = _shared_env(self.path, self.readahead)
         with env.begin() as txn:
             if manifest is None:
@@ -472,6 +473,7 @@ class LmdbReader(SampleChecks, ForkSafe):
             if layout.get("key_digits", KEY_DIGITS) != KEY_DIGITS:
                 raise StoreCorruptError(f"{self.path}: unsupported key width {layout.get('key_digits')!r}")
             self.labels = self._int_array(txn, LABELS_KEY, (self.count,))
+            self.targets = read_lmdb(txn, self.path, manifest)   # (N, K), or None: int labels only
             if self.kind == "fixed":
                 self.shape: tuple[int, int, int] | None = tuple(manifest["sample"]["shape"])
                 self.shapes = None

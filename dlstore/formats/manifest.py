@@ -12,6 +12,8 @@ Every format stores the same JSON document in its native place (shards:
                  "shape": [3, 224, 224]},           # null shape: variable-shape store
                  # encoded stores ("jpeg"/"png") add "decoded_shape" and "quality"
       "classes": ["n01440764", ...],    # label i is classes[i]; [] when unlabelled (-1)
+      "targets": {"dtype": "float32", "shape": [K]},  # only in stores of target vectors
+                                        # (N, K) int64 or float32; see formats._targets
       "static": [{"op": "resize", ...}], # canonical static spec that produced the samples
       "source": {"kind": "folder", "root": "/data/train", "files": 1281167,
                  "skipped": [{"path": "n01/x.JPEG", "reason": "..."}]},
@@ -60,13 +62,14 @@ def make_manifest(
     encoding: str = "raw",
     decoded_shape: tuple[int, int, int] | None = None,
     quality: int | None = None,
+    targets: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     sample: dict[str, Any] = {"dtype": "uint8", "layout": "CHW", "encoding": encoding,
                               "shape": None if shape is None else list(shape)}
     if encoding != "raw":
         sample["decoded_shape"] = None if decoded_shape is None else list(decoded_shape)
         sample["quality"] = quality
-    return {
+    manifest = {
         "dlstore_manifest": MANIFEST_VERSION,
         "format": format,
         "format_version": format_version,
@@ -78,6 +81,9 @@ def make_manifest(
         "checksums": {"algorithm": "sha256", "files": dict(checksums)},
         "layout": layout,
     }
+    if targets is not None:   # absent otherwise: a store of int labels keeps its manifest as it was
+        manifest["targets"] = dict(targets)
+    return manifest
 
 
 def dumps(manifest: dict[str, Any]) -> str:
@@ -140,6 +146,12 @@ def validate(m: Any, where: str, *, format: str | None = None, max_format_versio
     classes = m.get("classes")
     _require(isinstance(classes, list) and all(isinstance(c, str) for c in classes), where,
              "'classes' must be a list of names")
+    if "targets" in m:
+        targets = m["targets"]
+        _require(isinstance(targets, dict) and targets.get("dtype") in ("int64", "float32")
+                 and isinstance(targets.get("shape"), list) and len(targets["shape"]) == 1
+                 and _is_int(targets["shape"][0]) and 0 < targets["shape"][0] <= MAX_DIM, where,
+                 f"invalid 'targets' {targets!r} (expected dtype int64 or float32 and shape [K])")
     _require(isinstance(m.get("static"), list), where, "'static' must be a list")
     _require(isinstance(m.get("source"), dict), where, "'source' must be an object")
     checksums = m.get("checksums")

@@ -5,6 +5,8 @@ On-disk layout of ``NAME.shards/`` (format version 1)::
     manifest.json          the store manifest (see dlstore.manifest)
     manifest.json.sha256   its sha256 (sha256sum format): every other file's digest is in the manifest
     labels.npy             int64 (N,)                      label of sample i; -1 if unlabelled
+    targets.npy            int64 or float32 (N, K)         target vector of sample i (stores of target
+                                                           vectors only; their labels are -1, see _targets)
     # fixed-shape store (the static spec fixes (C, H, W)):
     shard-00000.npy        uint8 (k, C, H, W)              samples [0, k)
     shard-00001.npy        uint8 (k, C, H, W)              samples [k, 2k) ... last one shorter
@@ -64,6 +66,7 @@ from ._integrity import (
     record_crc,
     seal_sidecar,
 )
+from ._targets import WithTargets, read_shards
 from .manifest import loads as load_manifest_text
 
 FORMAT = "shards"
@@ -110,7 +113,7 @@ class _HashingFile:
 
 
 
-class ShardWriter:
+class ShardWriter(WithTargets):
     """Writes samples in order into a staging folder; see the module doc for the layout.
 
     Used by ``dlstore.convert``, which owns staging and publishing; a writer only
@@ -211,7 +214,7 @@ class ShardWriter:
         writer.checksums.update(state["checksums"])
         keep = {f["file"] for f in writer._files} | {cls._PARTIAL_LABELS, cls._PARTIAL_INDEX, cls._PARTIAL_SUMS}
         for path in writer.folder.iterdir():
-            if path.name not in keep and path.name != "progress.json":
+            if path.name not in keep and not path.name.startswith("progress.json"):   # (and its .targets)
                 path.unlink()
         writer.labels.extend(writer._partial_labels.restore(rows))
         writer.sums.extend(writer._partial_sums.restore(rows))
@@ -240,6 +243,9 @@ class ShardWriter:
         self._save("labels.npy", np.frombuffer(self.labels, dtype=np.int64))
         self._save("crc32.npy", np.asarray(self.sums, dtype=SUMS_DTYPE))
         layout["sample_sums"] = {"algorithm": SUMS_ALGORITHM, "file": "crc32.npy"}
+        if self.targets is not None:
+            self._save("targets.npy", self.targets)
+            layout["targets"] = "targets.npy"
         origins = getattr(self, "origins", None)
         if origins is not None:  # provenance-{indices | offsets, blob}.npy
             files = {name: f"provenance-{name}.npy" for name in origins.arrays()}
@@ -291,7 +297,7 @@ def _load_npy(path: Path, mmap: bool) -> np.ndarray:
         return np.load(path, mmap_mode="c" if mmap else None, allow_pickle=False)
     except FileNotFoundError:
         raise StoreCorruptError(f"{path}: missing data file named in the manifest") from None
-    except Exception as exc:  # noqa: BLE001 - numpy's header parser raises ValueError, SyntaxError,
+    except Exception as exc:
         # tokenize.TokenError, EOFError, ... on damaged files; all mean the same to the user.
         raise StoreCorruptError(f"{path}: unreadable .npy file ({type(exc).__name__}: {exc})") from exc
 
@@ -345,6 +351,7 @@ class ShardReader(SampleChecks, ForkSafe):
             raise StoreCorruptError(
                 f"{self.path}: labels.npy holds {labels.dtype} {labels.shape}, expected int64 ({self.count},)")
         self.labels = labels
+        self.targets = read_shards(self.path, self.manifest)   # (N, K), or None: int labels only
         if self.kind == "variable":
             self._load_index(safe_member(self.path, layout.get("index", "index.npy")))
         self._maps: list[np.ndarray | None] | None = None

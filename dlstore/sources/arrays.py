@@ -1,5 +1,8 @@
 """In-memory arrays as a source: ``(images, labels)`` with images (N, H, W, C), (N, C, H, W) or (N, H, W).
 
+``labels``: N int class indices, or an (N, K) array of target vectors (ints or bools:
+stored int64; floats: stored float32; no classes).
+
 uint8 numpy arrays or tensors. The arrays are referenced, never copied (worker
 processes share them by ``fork``). Image ``i`` is handed to the static ops as the
 uint8 (C, H, W) tensor ``v2.ToImage`` makes of ``images[i]``, so the stored pixels
@@ -17,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, ArgumentTypeError
+from .items import target_dtype
 
 _CHANNELS = (1, 3)
 
@@ -27,7 +31,7 @@ class ArrayLoader:
     def __init__(self, images: Any, labels: Any, channels_first: bool):
         self.images, self.labels, self.channels_first = images, labels, channels_first
 
-    def __call__(self, i: int) -> tuple[Any, int]:
+    def __call__(self, i: int) -> tuple[Any, int | np.ndarray]:
         import torch
 
         image = self.images[i]
@@ -36,7 +40,9 @@ class ArrayLoader:
             tensor = tensor.unsqueeze(0)
         elif not self.channels_first:
             tensor = tensor.permute(2, 0, 1)
-        return tensor.contiguous(), -1 if self.labels is None else int(self.labels[i])
+        if self.labels is None:
+            return tensor.contiguous(), -1
+        return tensor.contiguous(), self.labels[i] if self.labels.ndim == 2 else int(self.labels[i])
 
 
 class ArraySource:
@@ -68,10 +74,15 @@ class ArraySource:
                 raise ArgumentError(f"images of shape {shape}: no axis of 1 or 3 channels")
         if labels is not None:
             labels = labels.numpy() if isinstance(labels, torch.Tensor) else np.asarray(labels)
-            if labels.shape != (shape[0],) or not np.issubdtype(labels.dtype, np.integer):
-                raise ArgumentError(f"labels must be {shape[0]} integers (one per image), got {labels.dtype} "
-                                    f"{labels.shape}")
+            if labels.ndim == 2 and labels.shape[0] == shape[0] and labels.shape[1] > 0 \
+                    and target_dtype(labels.dtype) is not None:   # target vectors: int64 or float32 (N, K)
+                labels, classes = np.ascontiguousarray(labels, dtype=target_dtype(labels.dtype)), []
+            elif labels.shape != (shape[0],) or not np.issubdtype(labels.dtype, np.integer):
+                raise ArgumentError(f"labels must be {shape[0]} integers (one per image) or an ({shape[0]}, K) "
+                                    f"array of target vectors, got {labels.dtype} {labels.shape}")
         self.images, self.labels = images, labels
+        # (K, dtype) of target vectors, None for int labels (see conversion.job)
+        self.target_spec = None if labels is None or labels.ndim == 1 else (labels.shape[1], str(labels.dtype))
         self.channels, self.sample_shape = chw[0], chw
         self.start, self.stop = start, shape[0] if stop is None else stop
         self.root = "<arrays>"

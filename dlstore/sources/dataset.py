@@ -11,6 +11,10 @@ Class names, first found wins: ``dataset.classes`` (torchvision), the
 (``FakeData``: names ``"0"``...); otherwise None, and the conversion names the
 classes ``"0"``... up to the largest label it met.
 
+Target vectors: when item 0's target is a list, tuple, 1-D ndarray or tensor of K
+numbers, every item's must be K numbers of the same kind (ints or bools: stored
+int64; floats: float32), and the store has no classes (see ``items.to_target``).
+
 Worker processes get the dataset by ``fork`` (no pickling). Where processes start
 by ``spawn`` a dataset that cannot be pickled (a lambda transform, an open file) is
 decoded in the main process instead, with a warning (``conversion.pool``).
@@ -24,7 +28,7 @@ from typing import Any
 from PIL import Image
 
 from ..errors import ArgumentError, DecodeError, SourceError
-from .items import to_image, to_label
+from .items import to_image, to_target
 
 
 class DatasetLoader:
@@ -36,7 +40,7 @@ class DatasetLoader:
         self.label_key = label_key
         self.name = name
 
-    def __call__(self, i: int) -> tuple[Any, int]:
+    def __call__(self, i: int) -> tuple[Any, Any]:
         where = f"{self.name} item {i}"
         try:
             item = self.dataset[i]
@@ -48,13 +52,13 @@ class DatasetLoader:
             if image_key not in item:
                 raise DecodeError(where, f"has no key {image_key!r} (keys: {', '.join(map(str, item))}); "
                                          "pass image_key=")
-            return to_image(item[image_key], where), to_label(item.get(label_key), where)
+            return to_image(item[image_key], where), to_target(item.get(label_key), where)
         if self.image_key is not None or self.label_key is not None:  # tuple items, keys are positions
             image_key = 0 if self.image_key is None else self.image_key
             label_key = 1 if self.label_key is None else self.label_key
-            return to_image(item[image_key], where), to_label(item[label_key], where)
+            return to_image(item[image_key], where), to_target(item[label_key], where)
         if isinstance(item, (tuple, list)) and len(item) == 2:
-            return to_image(item[0], where), to_label(item[1], where)
+            return to_image(item[0], where), to_target(item[1], where)
         return to_image(item, where), -1
 
 
@@ -115,13 +119,15 @@ class DatasetSource:
         if _probe is None:
             if n == 0:
                 raise SourceError(f"{self.name}: the dataset is empty")
-            first, _ = DatasetLoader(dataset, image_key, label_key, self.name)(0)
+            first, target = DatasetLoader(dataset, image_key, label_key, self.name)(0)
+            vector = (len(target), str(target.dtype)) if hasattr(target, "dtype") else None
             uniform = _shape(first)
             channels = uniform[0]
             if not fixed_shape and (fixed_shape is not None or not _known_uniform(dataset)):
                 uniform = None
-            _probe = (_class_names(dataset, label_key), channels, uniform)
-        classes, self.channels, self.sample_shape = _probe
+            _probe = ([] if vector else _class_names(dataset, label_key), channels, uniform, vector)
+        # target_spec: (K, dtype) of target vectors, None for int labels (see conversion.job)
+        classes, self.channels, self.sample_shape, self.target_spec = _probe
         self._probe = _probe
         self.classes = classes  # None: named "0".. by the conversion, from the labels it meets
         self.class_to_idx = {c: i for i, c in enumerate(classes or [])}

@@ -163,12 +163,13 @@ class FileLoader:
     Picklable (it holds only the decode options), so worker processes get it cheaply.
     """
 
-    def __init__(self, decode: dict[str, Any] | None = None):
+    def __init__(self, decode: dict[str, Any] | None = None, targets: np.ndarray | None = None):
         self.decode = dict(decode or {})
+        self.targets = targets   # (N, K) target vectors: the label of a key is its row
 
-    def __call__(self, key: tuple[str, int]) -> tuple[Image.Image, int]:
+    def __call__(self, key: tuple[str, int]) -> tuple[Image.Image, int | np.ndarray]:
         path, label = key
-        return pil_loader(path, **self.decode), label
+        return pil_loader(path, **self.decode), label if self.targets is None else self.targets[label]
 
 
 @dataclass
@@ -186,6 +187,12 @@ class Source:
     empty_classes: list[str] = field(default_factory=list)
     kind: str = "folder"
     list_file: str | None = None  # the CSV/JSON-lines list a "list" source was read from
+    targets: np.ndarray | None = None  # (N, K) target vectors of a list; the label of sample i is its row
+
+    @property
+    def target_spec(self) -> tuple[int, str] | None:
+        """(K, dtype) of target vectors, None for int labels (see conversion.job)."""
+        return None if self.targets is None else (int(self.targets.shape[1]), str(self.targets.dtype))
 
     origin_kind = "path"  # provenance: path relative to root
     channels = 3  # pil_loader converts every file to RGB
@@ -202,7 +209,7 @@ class Source:
         return itertools.islice(self.samples, start, None)
 
     def loader(self, decode: dict[str, Any] | None = None) -> FileLoader:
-        return FileLoader(decode)
+        return FileLoader(decode, self.targets)
 
     def origin(self, key: tuple[str, int]) -> str:
         return os.path.relpath(key[0], self.root)
@@ -217,6 +224,8 @@ class Source:
         listing = hashlib.sha256()
         for path, label in self.samples:
             listing.update(f"{os.path.relpath(path, self.root)}\0{label}\n".encode("utf-8", "surrogateescape"))
+        if self.targets is not None:
+            listing.update(np.ascontiguousarray(self.targets).tobytes())
         return {"source_root": os.path.abspath(self.root), "source_files": len(self),
                 "source_listing": listing.hexdigest()}
 

@@ -9,7 +9,9 @@ torchvision pipeline would see:
   makes it: ndarrays are read as (H, W, C) or (H, W), tensors as (C, H, W) or (H, W);
   when the other layout is the only one with 1 or 3 channels, that one.
 
-Labels: an int (Python, numpy or a 0-d tensor); ``None`` means unlabelled (-1).
+Labels: an int (Python, numpy or a 0-d tensor); ``None`` means unlabelled (-1). Or a
+target vector: a list, tuple, 1-D ndarray or tensor of K numbers, made an int64 array
+(ints, bools) or a float32 array (floats) by ``to_target``.
 """
 
 from __future__ import annotations
@@ -64,3 +66,31 @@ def to_label(obj: Any, where: str) -> int:
         return int(obj)
     raise DecodeError(where, f"yields the target {obj!r} ({type(obj).__name__}), expected an int class index "
                              "(or None: unlabelled)")
+
+
+def target_dtype(dtype: Any) -> np.dtype | None:
+    """The stored dtype for values of ``dtype`` (int64 for ints and bools, float32 for floats), or None."""
+    kind = np.dtype(dtype).kind
+    return np.dtype(np.int64) if kind in "biu" else np.dtype(np.float32) if kind == "f" else None
+
+
+def to_target(obj: Any, where: str) -> int | np.ndarray:
+    """An int label (see ``to_label``) or a 1-D int64/float32 target vector; DecodeError otherwise."""
+    if isinstance(obj, (list, tuple)) or getattr(obj, "ndim", 0) == 1:
+        return target_vector(obj, where)
+    return to_label(obj, where)
+
+
+def target_vector(obj: Any, where: str) -> np.ndarray:
+    """``obj`` (a sequence, 1-D ndarray or tensor of numbers) as an int64 or float32 (K,) array."""
+    if hasattr(obj, "detach"):   # a tensor
+        obj = obj.detach().cpu().numpy()
+    try:
+        values = np.asarray(obj)
+    except (ValueError, TypeError) as exc:   # ragged nested lists
+        raise DecodeError(where, f"yields the target {obj!r}, not a vector of numbers ({exc})") from None
+    dtype = target_dtype(values.dtype) if values.dtype != object else None
+    if dtype is None or values.ndim != 1 or values.size == 0:
+        raise DecodeError(where, f"yields the target {obj!r} ({values.dtype} {values.shape}), expected an int "
+                                 "class index or a non-empty vector of numbers (ints: int64, floats: float32)")
+    return np.ascontiguousarray(values, dtype=dtype)

@@ -12,6 +12,11 @@ list. Provenance is the path as listed.
 Labels: all integers (class indices; classes named ``"0"``... up to the largest) or
 all names (classes sorted, as ImageFolder sorts its folders); an empty or
 missing label everywhere means unlabelled (-1).
+
+Target vectors: CSV rows ``path,t0,t1,...`` with K >= 2 numbers (JSON lines: a
+``"label"`` list of numbers), the same K on every row: stored int64 when every value
+is an integer, else float32 (``nan``/``inf`` allowed); no classes. A header row
+(``path,a,b,...``) is skipped.
 """
 
 from __future__ import annotations
@@ -20,6 +25,8 @@ import csv
 import json
 import os
 from pathlib import Path
+
+import numpy as np
 
 from ..errors import SourceError
 from .folder import UNLABELLED, SampleList, Source
@@ -42,19 +49,36 @@ def _rows(path: Path):
                 if not isinstance(row, dict) or not isinstance(row.get("path"), str):
                     raise SourceError(f"{path}:{n}: expected an object with a \"path\" string (and \"label\")")
                 label = row.get("label")
+                if isinstance(label, list):   # a target vector
+                    yield n, row["path"], tuple(str(v) for v in label)
+                    continue
                 yield n, row["path"], None if label is None else str(label)
             return
         reader = csv.reader(f, delimiter="\t" if suffix == ".tsv" else ",")
         for n, row in enumerate(reader, 1):
             if not row or not "".join(row).strip():
                 continue
-            if len(row) > 2:
-                raise SourceError(f"{path}:{n}: expected path,label; got {len(row)} fields")
+            if len(row) > 2:   # path,t0,t1,...: a target vector
+                values = tuple(field.strip() for field in row[1:])
+                if n == 1 and row[0].strip().lower() in _HEADERS and not all(_is_number(v) for v in values):
+                    continue  # header
+                yield n, row[0].strip(), values
+                continue
             label = row[1].strip() if len(row) == 2 else ""
-            if n == 1 and label and not _is_int(label) and row[0].strip().lower() in ("path", "file", "filename",
-                                                                                          "image"):
+            if n == 1 and label and not _is_int(label) and row[0].strip().lower() in _HEADERS:
                 continue  # header
             yield n, row[0].strip(), label or None
+
+
+_HEADERS = ("path", "file", "filename", "image")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _is_int(text: str) -> bool:
@@ -78,11 +102,14 @@ def read_list(list_file: str | os.PathLike, root: str | os.PathLike | None = Non
         for n, rel, label in _rows(list_path):
             if not rel or os.path.isabs(rel):
                 raise SourceError(f"{list_path}:{n}: path {rel!r} must be relative to the root {root_str}")
-            rows.append((rel, label))
+            rows.append((rel, label, n))
     except (UnicodeDecodeError, csv.Error) as exc:
         raise SourceError(f"{list_path}: not a UTF-8 CSV/TSV or JSON-lines list of path,label rows ({exc})") from None
     if not rows:
         raise SourceError(f"{list_file}: lists no file")
+    if any(isinstance(label, tuple) for _, label, _ in rows):
+        return _vector_list(list_path, root_str, rows)
+    rows = [(rel, label) for rel, label, _ in rows]
     texts = {label for _, label in rows}
     if texts == {None}:
         classes, to_int = [], lambda text: UNLABELLED
@@ -102,3 +129,25 @@ def read_list(list_file: str | os.PathLike, root: str | os.PathLike | None = Non
     samples = SampleList.build(root_str, ((os.path.join(root_str, rel), to_int(label)) for rel, label in rows))
     return Source(root_str, classes, {c: i for i, c in enumerate(classes)}, samples, [], kind="list",
                   list_file=os.path.abspath(list_path))
+
+
+def _vector_list(list_path: Path, root_str: str, rows: list[tuple[str, tuple[str, ...] | str | None, int]]) -> Source:
+    """A list of ``path,t0,t1,...`` rows: a source of (N, K) int64 or float32 target vectors."""
+    first = rows[0][1]
+    width = len(first) if isinstance(first, tuple) else 1
+    for rel, values, n in rows:
+        if not isinstance(values, tuple) or len(values) != width:
+            got = len(values) if isinstance(values, tuple) else (0 if values is None else 1)
+            raise SourceError(f"{list_path}:{n}: {rel} has {got} target value(s), the first row {width}; every "
+                              "row needs the same number of values (path,t0,t1,...)")
+        bad = next((v for v in values if not _is_number(v)), None)
+        if bad is not None:
+            raise SourceError(f"{list_path}:{n}: {rel} has the target value {bad!r}, not a number")
+    texts = [v for _, values, _ in rows for v in values]
+    if all(_is_int(t) for t in texts):
+        targets = np.array([[int(v) for v in values] for _, values, _ in rows], dtype=np.int64)
+    else:
+        targets = np.array([[float(v) for v in values] for _, values, _ in rows], dtype=np.float32)
+    # the label of each path is its row in `targets` (FileLoader hands out targets[row])
+    samples = SampleList.build(root_str, ((os.path.join(root_str, rel), k) for k, (rel, _, _) in enumerate(rows)))
+    return Source(root_str, [], {}, samples, [], kind="list", list_file=os.path.abspath(list_path), targets=targets)

@@ -97,7 +97,10 @@ class Origins(Sequence):
     def __len__(self) -> int:
         return self._n
 
-    def __getitem__(self, i: int) -> str | int:  # type: ignore[override]
+    def __getitem__(self, i: int | slice) -> Any:  # type: ignore[override]
+        if isinstance(i, slice):   # a list, as slicing ImageFolder.samples gives
+            return [self[k] for k in range(*i.indices(self._n))]
+        i = _as_index(i)
         if i < 0:
             i += self._n
         if not 0 <= i < self._n:
@@ -110,10 +113,18 @@ class Origins(Sequence):
         return f"Origins({self._n} {self.kind}es)" if self.kind == "index" else f"Origins({self._n} paths)"
 
 
+def _as_index(i: Any) -> int:
+    if isinstance(i, bool) or not hasattr(i, "__index__"):
+        raise TypeError(f"sample indices must be integers or slices, not {type(i).__name__}")
+    return i.__index__()
+
+
 class OriginPairs(Sequence):
     """``(origin, target)`` per sample, as ``ImageFolder.samples``: paths joined to ``root``, or indices.
 
-    Built on demand from compact ``Origins`` and int64 labels: no list of tuples is held.
+    Built on demand from compact ``Origins`` and int64 labels: no list of tuples is held. The
+    target is an int, or for a store of target vectors ((N, K) ``labels``) a tuple of K numbers.
+    Slicing gives a list of pairs, as slicing ``ImageFolder.samples`` does.
     """
 
     def __init__(self, origins: Origins, labels: np.ndarray, root: str | None):
@@ -123,9 +134,14 @@ class OriginPairs(Sequence):
     def __len__(self) -> int:
         return len(self.origins)
 
-    def __getitem__(self, i: int) -> tuple[str | int, int]:  # type: ignore[override]
-        origin = self.origins[i]
-        return (self._prefix + origin if self._prefix else origin), int(self.labels[i])
+    def __getitem__(self, i: int | slice) -> Any:  # type: ignore[override]
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        i = _as_index(i)
+        origin = self.origins[i]   # (checks the range; negative indices count from the end)
+        label = self.labels[i + len(self) if i < 0 else i]
+        target = int(label) if np.ndim(label) == 0 else tuple(label.tolist())
+        return (self._prefix + origin if self._prefix else origin), target
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, Sequence) and len(self) == len(other) and list(self) == list(other)

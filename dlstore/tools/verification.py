@@ -32,7 +32,7 @@ import numpy as np
 
 from .. import formats
 from ..errors import DlstoreError, StoreCorruptError
-from ..formats import encoding
+from ..formats import _targets, encoding
 from ..formats._common import safe_member, sha256_file
 
 
@@ -87,6 +87,7 @@ def verify(path: str | os.PathLike, *, deep: bool = False) -> VerifyReport:
     report.count = manifest["count"]
     _enable_sums(reader, manifest, report)
     _check_labels(reader, manifest, report)
+    _check_targets(reader, manifest, report)
     if report.format == "shards":
         _check_files(Path(path), manifest, report)
         if deep:
@@ -132,6 +133,24 @@ def _enable_sums(reader: Any, manifest: dict[str, Any], report: VerifyReport) ->
         digest = hashlib.sha256(np.asarray(reader.sums.sums, dtype="<u4").tobytes()).hexdigest()
         if manifest["checksums"]["files"].get("crc32") != digest:
             report.problem("crc32", "sha256 mismatch: the per-sample sums changed since conversion")
+
+
+def _check_targets(reader: Any, manifest: dict[str, Any], report: VerifyReport) -> None:
+    """Target vectors (LMDB, HDF5) against the sha256 recorded at conversion; shards: targets.npy is
+    one of the files whose sha256 is checked."""
+    targets = getattr(reader, "targets", None)
+    if targets is None or "targets" not in manifest:
+        return
+    if report.format == "shards":
+        report.checked.append(f"targets: {targets.shape} {targets.dtype} (targets.npy checked with the files)")
+        return
+    expected = manifest["checksums"]["files"].get("targets")
+    if expected is None:
+        report.problem("targets", "the manifest records no sha256 of the target vectors")
+    elif _targets.digest(targets) != expected:
+        report.problem("targets", "sha256 mismatch: the target vectors changed since conversion")
+    else:
+        report.checked.append(f"targets: sha256 of {targets.shape} {targets.dtype} matches")
 
 
 def _check_labels(reader: Any, manifest: dict[str, Any], report: VerifyReport) -> None:
