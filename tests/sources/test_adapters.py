@@ -115,3 +115,23 @@ def test_hugging_face_dataset_converts_with_its_classlabel_names(tmp_path):
     assert store.classes == ["neg", "pos"] and store.targets == [k % 2 for k in range(6)]
     assert list(store.samples) == [(k, k % 2) for k in range(6)]
     assert torch.equal(store[3][0], torch.from_numpy(np.asarray(hf[3]["img"]).copy()).permute(2, 0, 1))
+
+
+def test_hugging_face_dataset_with_static_ops_and_vector_targets(tmp_path):
+    """A multi-label HF dataset (Sequence feature) through a static resize + crop: torchvision's pixels, (N, K) targets."""
+    datasets = pytest.importorskip("datasets")
+    import torchvision.transforms.v2 as v2
+
+    import dlstore
+
+    images = [Image.fromarray(synthetic_image(k % 3, k, (20 + k, 26))) for k in range(5)]
+    vectors = [[float(k), k / 2, -1.5] for k in range(5)]
+    features = datasets.Features({"image": datasets.Image(), "tags": datasets.Sequence(datasets.Value("float32"))})
+    hf = datasets.Dataset.from_dict({"image": images, "tags": vectors}, features=features)
+    dlstore.convert(hf, tmp_path / "hf.lmdb", label_key="tags", static="resize=12,center_crop=10", progress=False,
+                    workers=0)
+    store = dlstore.open_dataset(tmp_path / "hf.lmdb")
+    np.testing.assert_array_equal(store.targets, np.asarray(vectors, dtype=np.float32))
+    reference = v2.Compose([v2.Resize(12), v2.CenterCrop(10), v2.PILToTensor()])
+    for k in range(5):
+        assert torch.equal(store[k][0], reference(hf[k]["image"])), k
