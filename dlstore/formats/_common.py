@@ -200,6 +200,15 @@ def check_indices(path: Path, indices: Any, count: int) -> Any:
     return indices
 
 
+def check_sample(where: Path, sample: np.ndarray, shape: tuple[int, ...] | None) -> None:
+    """ArgumentError unless ``sample`` is a uint8 (C, H, W) array of the store's ``shape`` (None: any)."""
+    if sample.dtype != np.uint8 or sample.ndim != 3:
+        raise ArgumentError(f"{where}: sample must be a uint8 (C, H, W) array, got {sample.dtype} {sample.shape}")
+    if shape is not None and tuple(sample.shape) != shape:
+        raise ArgumentError(f"{where}: sample shape {tuple(sample.shape)} != store shape {shape}; "
+                            "every sample of a fixed-shape store has its shape")
+
+
 def check_destination(dst: Path, overwrite: bool) -> None:
     if dst.exists() and not overwrite:
         raise StoreExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")

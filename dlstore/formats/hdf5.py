@@ -70,6 +70,7 @@ from ._common import (
     check_identity,
     check_index,
     check_indices,
+    check_sample,
     ensure_space,
     free_bytes,
     library_errors_as_damage,
@@ -202,12 +203,7 @@ class Hdf5Writer(WithTargets):
 
     def add(self, sample: np.ndarray, label: int) -> bool:
         """Append one uint8 CHW sample and its label; True if this wrote a block to the file."""
-        if sample.dtype != np.uint8 or sample.ndim != 3:
-            raise ArgumentError(f"{self.path}: sample must be a uint8 (C, H, W) array, got {sample.dtype} "
-                                f"{sample.shape}")
-        if self.shape is not None and tuple(sample.shape) != self.shape:
-            raise ArgumentError(f"{self.path}: sample shape {tuple(sample.shape)} != store shape {self.shape}; "
-                                "every sample of a fixed-shape store has its shape")
+        check_sample(self.path, sample, self.shape)
         sample = np.ascontiguousarray(sample)
         self._hash.update(memoryview(sample).cast("B"))
         self.sums.append(record_crc(sample))

@@ -74,6 +74,7 @@ from ._common import (
     check_identity,
     check_index,
     check_indices,
+    check_sample,
     read_range_by_batch,
     write_error,
 )
@@ -157,12 +158,7 @@ class LmdbWriter(WithTargets):
 
     def add(self, sample: np.ndarray, label: int) -> bool:
         """Append one uint8 CHW sample and its label; True if this committed a transaction."""
-        if sample.dtype != np.uint8 or sample.ndim != 3:
-            raise ArgumentError(f"{self.folder}: sample must be a uint8 (C, H, W) array, got {sample.dtype} "
-                                f"{sample.shape}")
-        if self.shape is not None and tuple(sample.shape) != self.shape:
-            raise ArgumentError(f"{self.folder}: sample shape {tuple(sample.shape)} != store shape {self.shape}; "
-                                "every sample of a fixed-shape store has its shape")
+        check_sample(self.folder, sample, self.shape)
         if self._count >= 10 ** KEY_DIGITS:
             raise ArgumentError(f"{self.folder}: an LMDB store holds at most {10 ** KEY_DIGITS} samples; "
                                 "split the source or use --format shards")

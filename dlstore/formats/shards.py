@@ -53,6 +53,7 @@ from ._common import (
     check_identity,
     check_index,
     check_indices,
+    check_sample,
     safe_member,
     save_npy_synced,
     sha256_file,
@@ -173,9 +174,7 @@ class ShardWriter(WithTargets):
 
     def add(self, sample: np.ndarray, label: int) -> bool:
         """Append one uint8 CHW sample and its label; True if this completed a data file."""
-        if self.shape is not None and tuple(sample.shape) != self.shape:
-            raise ArgumentError(f"{self.folder}: sample shape {tuple(sample.shape)} != store shape {self.shape}; "
-                                "every sample of a fixed-shape store has its shape")
+        check_sample(self.folder, sample, self.shape)   # a float array would be written as its raw bytes
         if self._file is None:
             self._open_next()
         if self.shape is None:
