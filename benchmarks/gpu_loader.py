@@ -19,7 +19,6 @@ without a GPU; the issue's speed targets apply to the CUDA run of
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
 from pathlib import Path
 
@@ -27,14 +26,7 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import machine_info, write_json  # noqa: E402
-
-
-def load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", HERE.parent / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from _common import load_gpu_check, machine_info, write_json  # noqa: E402
 
 
 def main() -> None:

@@ -22,7 +22,6 @@ On a GPU machine, ``scripts/gpu_check.py`` (or anyone) can call
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import statistics
 import sys
@@ -35,17 +34,12 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from _common import machine_info, write_json
+from _common import load_gpu_check, machine_info, sync, time_epochs, write_json
 
 import dlstore
 from dlstore.transforms import BatchCompose, BatchRandomCrop, BatchRandomHorizontalFlip
 
 CIFAR = ((0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616))
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def variants(compile: bool) -> list[tuple[str, dict[str, Any], dict[str, Any]]]:
@@ -82,30 +76,24 @@ def residency_comparison(path: str | os.PathLike, device: str | torch.device = "
     # warm-up: CUDA context, allocator and pinned-memory caches, so that the baseline's first
     # preload does not pay them for everyone
     dlstore.GPUDataset(path, device, torch.float16, normalize=normalize)
-    _sync(device)
+    sync(device)
     for name, ds_kw, loader_kw in variants(compile):
         preloads = []
         for _ in range(repeats):
-            _sync(device)
+            sync(device)
             t0 = time.perf_counter()
             ds = dlstore.GPUDataset(path, device, torch.float16, normalize=normalize, **ds_kw)
-            _sync(device)
+            sync(device)
             preloads.append(time.perf_counter() - t0)
         loader = ds.loader(batch, shuffle=True, seed=0, drop_last=True, channels_last=True,
                            transform=transform, **loader_kw)
         first = [x for x, _ in loader]   # warm-up epoch (epoch 0), kept for the equality check
-        _sync(device)
+        sync(device)
         if reference is None:
             reference = first
         same = len(first) == len(reference) and all(torch.equal(a, b) for a, b in zip(first, reference))
         del first
-        times = []
-        for _ in range(epochs):
-            t0 = time.perf_counter()
-            for _images, _labels in loader:
-                pass
-            _sync(device)
-            times.append(time.perf_counter() - t0)
+        times = time_epochs(loader, device, epochs)
         samples = len(loader) * batch
         preload_s = statistics.median(preloads)
         epoch_s = statistics.median(times)
@@ -134,10 +122,10 @@ def copy_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float
     dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
     times = []
     for _ in range(repeats + 1):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         dst.copy_(host, non_blocking=True)
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
     return nbytes / statistics.median(times[1:]) / 1e9
 
@@ -172,10 +160,10 @@ def preload_bandwidth(path: str | os.PathLike, device: str | torch.device = "cud
                                  ("fp16", {"dtype": torch.float16, "normalize": normalize})):
                     seconds = []
                     for _ in range(repeats):
-                        _sync(device)
+                        sync(device)
                         t0 = time.perf_counter()
                         ds = dlstore.GPUDataset(path, device, chunk_size=chunk, **kw)
-                        _sync(device)
+                        sync(device)
                         seconds.append(time.perf_counter() - t0)
                         del ds
                     gbps = nbytes / statistics.median(seconds) / 1e9
@@ -207,13 +195,6 @@ def report(out: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _load_gpu_check():
-    spec = importlib.util.spec_from_file_location("gpu_check", HERE.parent / "scripts" / "gpu_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _load() -> str:
     try:
         return open("/proc/loadavg", encoding="ascii").read().strip()
@@ -243,7 +224,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             store_info = build_array_store(Path(tmp), args.count, args.size)
             path = store_info["path"]
         elif path is None:
-            check = _load_gpu_check()
+            check = load_gpu_check()
             store_info = check.build_store(Path(tmp), "cifar", count=args.count, unique=min(args.count, 300),
                                            classes=10, size=(32, 32), ext=".png", static="center_crop=32",
                                            workers=min(4, os.cpu_count() or 1))

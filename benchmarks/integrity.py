@@ -25,9 +25,7 @@ against copying samples out), not disks.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -36,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, write_json  # noqa: E402
+from _common import machine_info, uptime, write_json  # noqa: E402
 
 import dlstore  # noqa: E402
 from dlstore.sources.demo import make_image_folder  # noqa: E402
@@ -84,7 +82,7 @@ def main() -> None:
         order = np.random.default_rng(0).permutation(n)
         ways = ("get", "batch")
         runs = {(fmt, way): {mode: {"first": [], "second": []} for mode in MODES} for fmt in FORMATS for way in ways}
-        load_before = _uptime()
+        load_before = uptime()
         for _ in range(args.repeats):
             for fmt in FORMATS:
                 for way in ways:
@@ -92,7 +90,7 @@ def main() -> None:
                         first, second = _epoch(stores[fmt], mode, order, epochs=2, batched=way == "batch")
                         runs[fmt, way][mode]["first"].append(n / first)
                         runs[fmt, way][mode]["second"].append(n / second)
-        load_after = _uptime()
+        load_after = uptime()
         sizes = {fmt: sum(p.stat().st_size for p in ([path] if path.is_file() else path.rglob("*")))
                  for fmt, path in stores.items()}
 
@@ -119,14 +117,6 @@ def main() -> None:
                                  "repeats": args.repeats, "batch": BATCH, "uptime_before": load_before,
                                  "uptime_after": load_after, "results": results})
     print(f"wrote {path}")
-
-
-def _uptime() -> str:
-    """``uptime``'s line (the load averages: this machine is shared)."""
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 if __name__ == "__main__":

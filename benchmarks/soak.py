@@ -67,7 +67,7 @@ import numpy as np
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import machine_info, write_json  # noqa: E402
+from _common import machine_info, uptime, write_json  # noqa: E402
 
 import dlstore  # noqa: E402
 from dlstore.errors import DlstoreError  # noqa: E402
@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
     if unknown or set(args.pattern) != {"A", "B"}:
         parser.error(f"formats: {', '.join(FORMATS)} (got {unknown}); pattern: A and B only, both")
 
-    load_before = _uptime()
+    load_before = uptime()
     results = {}
     with tempfile.TemporaryDirectory(prefix="dlstore-soak-") as tmp:
         tmp = Path(tmp)
@@ -485,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
                                 hang_seconds=args.hang_seconds, pattern=args.pattern,
                                 loader_workers=args.loader_workers)
             print_table(results[fmt])
-    load_after = _uptime()
+    load_after = uptime()
     failed = [f"{fmt}: {f}" for fmt, r in results.items() for f in r["failures"]]
     print(f"\nuptime before: {load_before}")
     print(f"uptime after:  {load_after}")
@@ -499,14 +499,6 @@ def main(argv: list[str] | None = None) -> int:
                                      "ok": not failed, "failures": failed, "results": results})
         print(f"wrote {path}")
     return 1 if failed else 0
-
-
-def _uptime() -> str:
-    """``uptime``'s line (the load averages: this machine is shared)."""
-    try:
-        return subprocess.run(["uptime"], capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):
-        return "load average: " + ", ".join(f"{v:.2f}" for v in os.getloadavg())
 
 
 if __name__ == "__main__":

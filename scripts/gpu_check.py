@@ -224,13 +224,7 @@ def time_gpu_loader(ds: dlstore.GPUDataset, batch: int, transform, epochs: int) 
     for images, labels in loader:  # warm-up epoch (kernels, allocator)
         count += len(labels)
     sync(device)
-    times = []
-    for _ in range(epochs):
-        t0 = time.perf_counter()
-        for images, labels in loader:
-            pass
-        sync(device)
-        times.append(time.perf_counter() - t0)
+    times = _benchmark("_common").time_epochs(loader, device, epochs)  # as benchmarks/gpu_residency.py times
     n = len(ds)
     return {"batch_size": batch, "epochs_timed": epochs, "samples_per_epoch": n,
             "epochs_per_s": spread([1 / t for t in times]),

@@ -6,6 +6,7 @@ import threading
 
 import pytest
 import torch
+from _helpers import run_two_ranks, split_store
 from torchvision.transforms import v2
 
 import dlstore
@@ -21,13 +22,7 @@ N = 23  # 3 classes: 8 + 8 + 7; not a multiple of any chunk or batch size used b
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """A 23-sample 3x12x10 shards store split over several shard files."""
-    root = tmp_path_factory.mktemp("gpu")
-    src = make_image_folder(root / "images", classes=3, per_class=8, size=(14, 12), ext=".png")
-    (src / "class_02" / "img_0007.png").unlink()
-    dst = root / "s.shards"
-    dlstore.convert(src, dst, static="center_crop=12x10", workers=0, progress=False,
-                    shard_size=3 * 12 * 10 * 5)  # 5 samples per shard file
-    return dst
+    return split_store(tmp_path_factory.mktemp("gpu"))
 
 
 @pytest.fixture(scope="module")
@@ -324,13 +319,8 @@ def test_distributed_shares_have_different_samples(u8, stored):
     assert set(a) | set(b) == set(range(N))
 
 
+# Each rank of a 2-process gloo group (``_helpers.run_two_ranks``).
 _DDP_WORKER = """
-import json, sys
-import torch
-import torch.distributed as dist
-import dlstore
-store, rendezvous, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
 ds = dlstore.GPUDataset(store, "cpu", torch.uint8)   # rank and world size from torch.distributed
 loader = ds.loader(4, shuffle=True)                                  # no seed: the same default on every rank
 epochs = []
@@ -338,23 +328,13 @@ for epoch in (0, 1):
     loader.set_epoch(epoch)
     labels = [l.tolist() for _, l in loader]
     epochs.append({"indices": loader.indices(epoch).tolist(), "batches": len(labels), "len": len(loader)})
-json.dump({"rank": ds.rank, "world": ds.world_size, "epochs": epochs}, open(out, "w"))
-dist.destroy_process_group()
+result = {"rank": ds.rank, "world": ds.world_size, "epochs": epochs}
 """
 
 
 @pytest.mark.slow
 def test_under_torch_distributed_ranks_split_each_epoch(store, tmp_path):
-    import json
-    import subprocess
-    import sys
-    script = tmp_path / "worker.py"
-    script.write_text(_DDP_WORKER)
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(store), str(tmp_path / "rdv"), str(r),
-                               str(outs[r])]) for r in range(2)]
-    assert [p.wait(timeout=120) for p in procs] == [0, 0]
-    results = [json.loads(o.read_text()) for o in outs]
+    results = run_two_ranks(_DDP_WORKER, store, tmp_path, timeout=120)
     assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
     for e in (0, 1):
         a, b = (r["epochs"][e] for r in results)

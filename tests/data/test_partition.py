@@ -8,19 +8,17 @@ read by numpy from the shard files.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
+from _helpers import run_two_ranks, split_store
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dlstore
 from dlstore.data.partition import epoch_order, per_rank, rank_share
 from dlstore.errors import ArgumentError
-from dlstore.sources.demo import make_image_folder
 
 N = 23
 
@@ -28,13 +26,7 @@ N = 23
 @pytest.fixture(scope="module")
 def store(tmp_path_factory):
     """23 samples of 3x12x10 over 5 shard files, ordered by class (ImageFolder order)."""
-    root = tmp_path_factory.mktemp("partition")
-    src = make_image_folder(root / "images", classes=3, per_class=8, size=(14, 12), ext=".png")
-    (src / "class_02" / "img_0007.png").unlink()
-    dst = root / "s.shards"
-    dlstore.convert(src, dst, static="center_crop=12x10", workers=0, progress=False,
-                    shard_size=3 * 12 * 10 * 5)
-    return dst
+    return split_store(tmp_path_factory.mktemp("partition"))
 
 
 def _store_arrays(store):
@@ -122,13 +114,8 @@ def test_shard_needs_more_samples_than_ranks(store):
         dlstore.GPUDataset(store, "cpu", torch.uint8, shard=True, rank=0, world_size=N + 1)
 
 
+# Each rank of a 2-process gloo group (``_helpers.run_two_ranks``).
 _WORKER = """
-import json, sys
-import numpy as np, torch
-import torch.distributed as dist
-import dlstore
-store, rendezvous, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
-dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
 ds = dlstore.GPUDataset(store, "cpu", torch.uint8, shard=True)    # rank, world size from the group
 loader = ds.loader(4, shuffle=True, seed=11)
 epochs = []
@@ -146,21 +133,14 @@ for epoch in (0, 1):
     epochs.append({"served": served, "batches": len(batches), "len": len(loader)})
 gathered = [None, None]
 dist.all_gather_object(gathered, ds.store_indices.tolist())
-json.dump({"rank": ds.rank, "world": ds.world_size, "share": ds.store_indices.tolist(), "all": gathered,
-           "epochs": epochs, "data": ds.data.numpy().tolist(), "targets": ds.targets.tolist()}, open(out, "w"))
-dist.destroy_process_group()
+result = {"rank": ds.rank, "world": ds.world_size, "share": ds.store_indices.tolist(), "all": gathered,
+          "epochs": epochs, "data": ds.data.numpy().tolist(), "targets": ds.targets.tolist()}
 """
 
 
 @pytest.mark.slow
 def test_two_process_gloo_group_each_rank_holds_and_serves_its_share(store, tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(_WORKER)
-    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
-    procs = [subprocess.Popen([sys.executable, str(script), str(store), str(tmp_path / "rdv"), str(r),
-                               str(outs[r])]) for r in range(2)]
-    assert [p.wait(timeout=180) for p in procs] == [0, 0]
-    results = [json.loads(o.read_text()) for o in outs]
+    results = run_two_ranks(_WORKER, store, tmp_path, timeout=180)
     images, labels = _store_arrays(store)
     assert [(r["rank"], r["world"]) for r in results] == [(0, 2), (1, 2)]
     a, b = (set(r["share"]) for r in results)

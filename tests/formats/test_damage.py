@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from _helpers import ask, forked_helper
 
 import dlstore
 from dlstore.sources.demo import make_image_folder
@@ -40,14 +39,14 @@ from hypothesis import strategies as st  # noqa: E402
 CASES_PER_FORMAT = 30
 PAGE = 4096
 
-# Reads JSON lines {"path", "pristine"}; forks one process per case; answers one JSON line each.
+# Run in the helper process (``_helpers.forked_helper``), one forked process per case.
 HELPER = r"""
-import json, os, signal, sys, tempfile, time
 import numpy as np
 import dlstore
 from dlstore.errors import DlstoreError
 
-def case(path, pristine, check):
+def case(job):
+    path, pristine, check = job["path"], job["pristine"], job["check"]
     res = {"open": None, "read_errors": 0, "wrong": 0, "foreign": None}
     ref = dlstore.open_dataset(pristine)
     try:
@@ -74,45 +73,6 @@ def case(path, pristine, check):
     except Exception as exc:
         res["foreign"] = f"verify raised {type(exc).__name__}: {exc}"[:300]
     return res
-
-for line in sys.stdin:
-    job = json.loads(line)
-    out = tempfile.mktemp()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            res = case(job["path"], job["pristine"], job["check"])
-        except BaseException as exc:
-            import traceback
-            res = {"foreign": "helper: " + traceback.format_exc()[-600:]}
-        try:
-            with open(out, "w") as f:
-                json.dump(res, f)
-        finally:
-            os._exit(0)
-    end = time.monotonic() + 60
-    while True:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        if time.monotonic() > end:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            status = None
-            break
-        time.sleep(0.01)
-    if status is None:
-        answer = {"status": "hang"}
-    elif os.WIFSIGNALED(status):
-        answer = {"status": f"crash: {signal.Signals(os.WTERMSIG(status)).name}"}
-    else:
-        try:
-            with open(out) as f:
-                answer = {"status": "exit", **json.load(f)}
-            os.unlink(out)
-        except OSError:
-            answer = {"status": "exit without a result"}
-    print(json.dumps(answer), flush=True)
 """
 
 
@@ -129,19 +89,12 @@ def pristine(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def helper():
-    proc = subprocess.Popen([sys.executable, "-c", HELPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True)
-    yield proc
-    proc.stdin.close()
-    proc.wait(timeout=60)
+    with forked_helper(HELPER) as proc:
+        yield proc
 
 
 def _run(helper, path: Path, pristine: Path, check: str) -> dict:
-    helper.stdin.write(json.dumps({"path": str(path), "pristine": str(pristine), "check": check}) + "\n")
-    helper.stdin.flush()
-    line = helper.stdout.readline()
-    assert line, "the helper process died"
-    return json.loads(line)
+    return ask(helper, {"path": str(path), "pristine": str(pristine), "check": check})
 
 
 damage = st.one_of(

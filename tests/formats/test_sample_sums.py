@@ -19,12 +19,11 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import ask, forked_helper
 
 import dlstore
 from dlstore.errors import StoreCorruptError, UsageError
@@ -201,50 +200,22 @@ def test_sums_are_recorded_in_the_manifest_and_cover_the_stored_bytes(pristine):
 
 # --- random damage, one forked process per case -----------------------------------------------
 
-HELPER = r"""
-import json, os, signal, sys, tempfile, time
-sys.path.insert(0, os.environ["TESTS_DIR"])
-from test_sample_sums import read_all
+# Run in the helper process (``_helpers.forked_helper``), one forked process per case.
+HELPER = f"""
+import sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
 from pathlib import Path
+from test_sample_sums import read_all
 
-for line in sys.stdin:
-    job = json.loads(line)
-    out = tempfile.mktemp()
-    pid = os.fork()
-    if pid == 0:
-        try:
-            res = {"status": "exit", **read_all(Path(job["path"]), Path(job["pristine"]))}
-        except BaseException as exc:
-            import traceback
-            res = {"status": "foreign", "error": traceback.format_exc()[-800:]}
-        with open(out, "w") as f:
-            json.dump(res, f)
-        os._exit(0)
-    end = time.monotonic() + 60
-    while not os.waitpid(pid, os.WNOHANG)[0]:
-        if time.monotonic() > end:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            break
-        time.sleep(0.005)
-    try:
-        with open(out) as f:
-            print(f.read(), flush=True)
-        os.unlink(out)
-    except OSError:
-        print(json.dumps({"status": "crash or hang"}), flush=True)
+def case(job):
+    return read_all(Path(job["path"]), Path(job["pristine"]))
 """
 
 
 @pytest.fixture(scope="module")
 def helper():
-    import os
-    env = {**os.environ, "TESTS_DIR": str(Path(__file__).parent)}
-    proc = subprocess.Popen([sys.executable, "-c", HELPER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                            text=True, env=env)
-    yield proc
-    proc.stdin.close()
-    proc.wait(timeout=60)
+    with forked_helper(HELPER) as proc:
+        yield proc
 
 
 @pytest.mark.slow
@@ -264,9 +235,7 @@ def test_random_flips_in_records_are_caught_by_check_sample(pristine, helper, tm
         work = tmp_path_factory.mktemp("flipped") / name
         (shutil.copytree if (pristine / name).is_dir() else shutil.copy2)(pristine / name, work)
         changed = damage(work, records, sorted(samples), where, xor)
-        helper.stdin.write(json.dumps({"path": str(work), "pristine": str(pristine / name)}) + "\n")
-        helper.stdin.flush()
-        res = json.loads(helper.stdout.readline())
+        res = ask(helper, {"path": str(work), "pristine": str(pristine / name)})
         assert res["status"] == "exit", res
         _check(res, changed, len(records))
         outcomes.append(len(changed))

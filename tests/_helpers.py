@@ -1,0 +1,152 @@
+"""Helpers shared by test modules in several folders (fixtures go in conftest.py).
+
+Import with ``from _helpers import ...``: pytest puts ``tests/`` on ``sys.path`` when it
+imports ``tests/conftest.py`` (the default "prepend" import mode), as it puts each test
+module's own folder there (``from fidelity_harness import ...``).
+
+* ``forked_helper`` / ``ask``: test cases run each in its own process, forked from one
+  helper process. LMDB and HDF5 are C libraries: a damaged file may crash the process
+  instead of raising, or hang it. The helper imports dlstore once (a fresh interpreter
+  per case would spend seconds importing torch) and forks a process per case, so that a
+  crash or a hang fails that case, not the test run.
+* ``run_two_ranks``: a script run as the two ranks of a real gloo process group;
+  ``split_store``: a small store over several shard files, for rank partitions.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import dlstore
+from dlstore.sources.demo import make_image_folder
+
+TESTS = Path(__file__).resolve().parent
+
+
+# --- one forked process per case -------------------------------------------------------------
+
+def serve_forked(case: Callable[[dict], dict], timeout: float = 60) -> None:
+    """The helper process's loop: a JSON job a line on stdin, one JSON answer a line on stdout.
+
+    Each job runs as ``case(job)`` in a child forked for it. The answer is
+    ``{"status": "exit", **case(job)}``, or ``{"status": "foreign", "error": ...}`` where
+    ``case`` raised, ``"hang"`` (killed after ``timeout`` s), ``"crash: SIGSEGV"`` (or
+    whichever signal ended it) or ``"exit without a result"``.
+    """
+    for line in sys.stdin:
+        job = json.loads(line)
+        out = tempfile.mktemp()
+        pid = os.fork()
+        if pid == 0:
+            try:
+                res = {"status": "exit", **case(job)}
+            except BaseException:
+                res = {"status": "foreign", "error": "helper: " + traceback.format_exc()[-800:]}
+            try:
+                with open(out, "w") as f:
+                    json.dump(res, f)
+            finally:
+                os._exit(0)
+        end = time.monotonic() + timeout
+        while True:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                break
+            if time.monotonic() > end:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                status = None
+                break
+            time.sleep(0.005)
+        if status is None:
+            answer = {"status": "hang"}
+        elif os.WIFSIGNALED(status):
+            answer = {"status": f"crash: {signal.Signals(os.WTERMSIG(status)).name}"}
+        else:
+            try:
+                with open(out) as f:
+                    answer = json.load(f)
+                os.unlink(out)
+            except (OSError, ValueError):
+                answer = {"status": "exit without a result"}
+        print(json.dumps(answer), flush=True)
+
+
+@contextmanager
+def forked_helper(setup: str) -> Iterator[subprocess.Popen]:
+    """A helper process that runs ``setup`` (Python code defining ``case(job: dict) -> dict``,
+    with its imports) and then ``serve_forked(case)``; ``ask`` sends it a job."""
+    code = f"import sys\nsys.path.insert(0, {str(TESTS)!r})\n{setup}\n" \
+           "from _helpers import serve_forked\nserve_forked(case)\n"
+    proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    try:
+        yield proc
+    finally:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
+def ask(helper: subprocess.Popen, job: dict) -> dict:
+    """Run one ``job`` in ``helper`` (``forked_helper``): its answer (see ``serve_forked``)."""
+    helper.stdin.write(json.dumps(job) + "\n")
+    helper.stdin.flush()
+    line = helper.stdout.readline()
+    assert line, "the helper process died"
+    return json.loads(line)
+
+
+# --- a two-process gloo group ----------------------------------------------------------------
+
+def split_store(root: Path) -> Path:
+    """``root/s.shards``: 23 samples of 3x12x10 (3 classes: 8 + 8 + 7, ordered by class as
+    ImageFolder orders them) over 5 shard files of 5 samples; not a multiple of any chunk,
+    batch or world size the tests use."""
+    src = make_image_folder(root / "images", classes=3, per_class=8, size=(14, 12), ext=".png")
+    (src / "class_02" / "img_0007.png").unlink()
+    dst = root / "s.shards"
+    dlstore.convert(src, dst, static="center_crop=12x10", workers=0, progress=False,
+                    shard_size=3 * 12 * 10 * 5)  # 5 samples per shard file
+    return dst
+
+
+# Before the script: its arguments, and the process group joined (rank and world size are
+# then torch.distributed's defaults). After it: ``result`` written as JSON, the group left.
+_RANK_PROLOGUE = """
+import json, sys
+import torch
+import torch.distributed as dist
+import dlstore
+store, rendezvous, rank, out = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, world_size=2)
+"""
+_RANK_EPILOGUE = """
+json.dump(result, open(out, "w"))
+dist.destroy_process_group()
+"""
+
+
+def run_two_ranks(script: str, store: str | os.PathLike, tmp_path: Path, *, timeout: float) -> list[dict]:
+    """Run ``script`` as ranks 0 and 1 of a gloo group (file rendezvous in ``tmp_path``); each
+    rank's ``result`` (JSON), rank 0's first.
+
+    ``script`` sees ``store`` (a path), ``rank``, ``torch``, ``dist`` and ``dlstore``, and sets
+    ``result``. Both processes must exit with 0 within ``timeout`` seconds.
+    """
+    path = tmp_path / "worker.py"
+    path.write_text(_RANK_PROLOGUE + script + _RANK_EPILOGUE)
+    outs = [tmp_path / f"rank{r}.json" for r in range(2)]
+    procs = [subprocess.Popen([sys.executable, str(path), str(store), str(tmp_path / "rdv"), str(r),
+                               str(outs[r])]) for r in range(2)]
+    assert [p.wait(timeout=timeout) for p in procs] == [0, 0]
+    return [json.loads(o.read_text()) for o in outs]
