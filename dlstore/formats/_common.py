@@ -477,3 +477,48 @@ def next_prime(n: int) -> int:
     while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
         n += 1
     return n
+
+
+# --- cold reads: every sample of a batch in flight at once ------------------------------
+# A gather from memory maps of a cold store waits for one page fault at a time: the disk sees
+# one small read in flight. posix_fadvise(WILLNEED) per sample first has the kernel read them
+# all at once: 2.3x the plain gather's MB/s from a cold page cache (600 -> 1,370 MB/s, 224x224
+# samples, benchmarks/cold_cache.py) but 0.94x on a warm one, where the calls cost more than
+# they save. So it is on by default only where every epoch reads cold: samples of 64 KiB or
+# more in a store larger than half the physical memory; a reader option turns it on elsewhere.
+
+WILLNEED_MIN_SAMPLE_BYTES = 64 << 10   # below it one call per sample costs more than a page fault saves
+
+
+def willneed_default(count: int, sample_bytes: int) -> bool:
+    """On for samples of 64 KiB or more in a store of ``count`` larger than half the RAM."""
+    if not hasattr(os, "posix_fadvise") or sample_bytes < WILLNEED_MIN_SAMPLE_BYTES:
+        return False
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return False
+    return count * sample_bytes > ram // 2
+
+
+def advise_willneed(files: list[Path], data_offset: Any, file_no: np.ndarray, row: np.ndarray,
+                    sample_bytes: int) -> None:
+    """posix_fadvise(WILLNEED) for sample ``row[i]`` of file ``file_no[i]`` (rows of ``sample_bytes``
+    starting at byte ``data_offset(k)`` of ``files[k]``), in file order, one open per file. Advice
+    only: an error is ignored (the read that follows names any real one)."""
+    order = np.lexsort((row, file_no))
+    fd, current = -1, -1
+    try:
+        for k, j in zip(file_no[order].tolist(), row[order].tolist()):
+            if k != current:
+                if fd >= 0:
+                    os.close(fd)
+                    fd = -1
+                current, start = k, data_offset(k)
+                fd = os.open(files[k], os.O_RDONLY)
+            os.posix_fadvise(fd, start + j * sample_bytes, sample_bytes, os.POSIX_FADV_WILLNEED)
+    except OSError:
+        pass
+    finally:
+        if fd >= 0:
+            os.close(fd)

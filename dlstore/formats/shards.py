@@ -49,6 +49,7 @@ from ._common import (
     ForkSafe,
     PartialRows,
     StorePin,
+    advise_willneed,
     batch_out,
     check_identity,
     check_index,
@@ -57,6 +58,7 @@ from ._common import (
     safe_member,
     save_npy_synced,
     sha256_file,
+    willneed_default,
     write_synced,
 )
 from ._integrity import (
@@ -309,18 +311,9 @@ class ShardReader(SampleChecks, ForkSafe):
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
                  willneed: bool | None = None):
-        """
-        Args:
-            willneed: before each ``get_batch`` gather, tell the kernel which samples come next
-                (``posix_fadvise(WILLNEED)`` per sample, one file open per batch and file), so a
-                cold read has all of the batch's reads in flight at once instead of one page
-                fault at a time: 2.3x a plain gather from a cold page cache (600 -> 1,370 MB/s,
-                224x224 samples, benchmarks/cold_cache.py), but 0.94x on a warm cache (the
-                calls cost more than they save). None (default): on for samples of
-                64 KiB or more in a store larger than half the physical memory (which cannot
-                stay cached: every epoch reads cold), else off; True for cold first epochs or
-                network filesystems.
-        """
+        """``willneed``: posix_fadvise(WILLNEED) for each sample of a ``get_batch`` before the gather,
+        so a cold batch has all its reads in flight at once (see ``_common.advise_willneed``);
+        None: on only for big samples of a store that cannot stay cached."""
         self.path = Path(path)
         self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see _common
         self._identity = self._pin.identity
@@ -370,7 +363,8 @@ class ShardReader(SampleChecks, ForkSafe):
         self._pid = None
         if willneed is not None and not isinstance(willneed, bool):
             raise ArgumentError(f"willneed must be True, False or None (chosen), got {willneed!r}")
-        self.willneed = _default_willneed(self) if willneed is None else willneed
+        self.willneed = self.kind == "fixed" and (willneed_default(self.count, int(np.prod(self.shape)))
+                                                  if willneed is None else willneed)
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
 
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
@@ -519,27 +513,8 @@ class ShardReader(SampleChecks, ForkSafe):
         return out
 
     def _advise(self, shard_no: np.ndarray, local: np.ndarray) -> None:
-        """posix_fadvise(WILLNEED) for each sample of a batch, in file order: the kernel reads them
-        all ahead, in parallel, while the gather below waits only for the first."""
-        sample_bytes = int(np.prod(self.shape))
-        order = np.lexsort((local, shard_no))
-        files, rows = shard_no[order].tolist(), local[order].tolist()
-        fd, current = -1, -1
-        try:
-            for k, j in zip(files, rows):
-                if k != current:
-                    if fd >= 0:
-                        os.close(fd)
-                        fd = -1
-                    current = k
-                    data = int(self._map(k).offset)   # after the .npy header
-                    fd = os.open(self.files[k], os.O_RDONLY)
-                os.posix_fadvise(fd, data + j * sample_bytes, sample_bytes, os.POSIX_FADV_WILLNEED)
-        except OSError:
-            pass   # advice only: the gather reads what it needs anyway (and names any real error)
-        finally:
-            if fd >= 0:
-                os.close(fd)
+        """Advise the kernel of a batch's samples (see ``willneed``), rows after each file's .npy header."""
+        advise_willneed(self.files, lambda k: int(self._map(k).offset), shard_no, local, int(np.prod(self.shape)))
 
     def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
         """Samples ``[start, stop)`` of a fixed-shape store into one C-contiguous (k, C, H, W) array.
@@ -583,23 +558,6 @@ class ShardReader(SampleChecks, ForkSafe):
         if self.sums is not None:
             self.sums.check_many(range(start, stop), out)
         return out
-
-
-WILLNEED_MIN_SAMPLE_BYTES = 64 << 10   # below it one call per sample costs more than a page fault saves
-
-
-def _default_willneed(reader: ShardReader) -> bool:
-    """On for big samples of a store that cannot stay in the page cache (see ShardReader)."""
-    if reader.kind != "fixed" or not hasattr(os, "posix_fadvise"):
-        return False
-    sample_bytes = int(np.prod(reader.shape))
-    if sample_bytes < WILLNEED_MIN_SAMPLE_BYTES:
-        return False
-    try:
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return False
-    return reader.count * sample_bytes > ram // 2
 
 
 _PIECE = 8 << 20   # bytes per preadv call of read_range
