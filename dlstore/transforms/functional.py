@@ -11,29 +11,33 @@ parameters.
 
 Two kernels for the same result, chosen by output size:
 
-* ``crop_flip_loop``: per sample, one slice copy (large images: the copy dominates);
+* ``crop_flip_loop``: per sample, the padding strips then one slice copy (large images:
+  the copy dominates);
 * ``crop_flip_windows``: vectorised, no per-sample Python (small images).
 
-What the loop costs (issue 17; 2-core EPYC, 224x224 shards, batch 64, padding 4, half
-flipped, the kernels alone, interleaved; ``benchmarks/loader.py`` "kernel" rows):
+What the loop costs (issue 17; a 2-core Xeon VM shared with other jobs, 224x224 shards,
+padding 4, half flipped, the kernels alone on 8 shuffled batches, CPU time of the
+calling thread, 25th percentile of 12-30 interleaved runs):
 
-* 0.35-0.54 of the static gather (one ``np.take``), in three runs. A flipped sample
-  costs about twice a plain one: ``torch.flip`` of a cold 150 kB sample takes ~27 us
-  against ~15 us for a plain copy, then the window is copied from it. The rest is the strided window copy
-  and the padding strips (a plain sample alone: ~0.6).
-* Its copies release the GIL, but one call per sample hands the GIL over several
-  times per sample; each hand-over can cost a context switch, and on this machine 2
-  threads ran it at 0.74-1.04x of 1 thread while the static gather, one GIL-free call
-  per batch, ran at 1.15-1.56x in the same rounds (any per-sample loop of 150 kB
-  copies, numpy's or torch's, behaves the same).
-* Measured and rejected, all slower: staging the batch in a padded buffer and then one
-  window gather (torch.index_select / numpy fancy index; 0.24-0.33), torch.stack of
-  ``as_strided`` windows with a batched flip (0.32), a TorchScript loop (GIL-free,
-  0.2-0.25). Each adds a pass over the batch or a per-sample temporary.
-* A one-pass C loop (rows memcpy'd or copied reversed, strips memset, one GIL-free call
-  per batch through ctypes) gave identical pixels and 0.59-0.66 (0.70 with no flips).
-  So 0.85 is out of reach for numpy/torch primitives, and only borderline even for
-  compiled code that copies row by row.
+* batch 64: 23.5 us a sample against 11.6 for the static gather (one ``np.take``), 0.49;
+  the previous loop (``torch.flip`` of the whole sample into a temporary, then the
+  window copied from it, then the strips filled byte-wide row by row): 27.4, 0.42.
+  Batch 256: 28.1 against 12.2 (0.43), previous 31.8 (0.38).
+* Where it goes (per sample): ~3.4 us of Python (the reader's ``get_many`` ~1.2
+  included), the GIL held; a crop ~+2-5 (the memset and a strided window); a flip
+  ~+7-12 with a crop, ~+5-7 without (numpy's cast loop moves one word at a time where
+  memcpy moves 32 bytes; a row that is not whole words takes one more strided call).
+  The memset and the copies release the GIL.
+* Rejected, measured: strips filled as words after the copy, per sample (same speed,
+  one more call) or for the whole batch before the copies (slower: the rows are cold);
+  ``torch.flip`` into a temporary (23+ us a flipped sample, with allocator stalls);
+  staging the batch in a padded buffer then one window gather (torch.index_select /
+  numpy fancy index; 0.24-0.33), torch.stack of ``as_strided`` windows with a batched
+  flip (0.32), a TorchScript loop (GIL-free, 0.2-0.25); a one-pass C loop through
+  ctypes (0.59-0.66, but a compiler at install).
+* So 0.85 is out of reach with numpy/torch primitives: a flipped window costs ~1.4x a
+  plain one in the fastest reversing copy they offer, and the crop's strips and
+  strided rows cost more than the gather's one contiguous copy.
 
 And the resampling kernel of ``BatchRandomResizedCrop``: ``resized_crop``
 (torchvision's kernel per sample on the CPU, ``resized_crop_matmul`` elsewhere)
@@ -47,9 +51,6 @@ from collections.abc import Callable, Iterable
 import numpy as np
 import torch
 
-# Below this many pixels per sample numpy's strided copy flips faster than a torch flip
-# (per-call overhead dominates); above it torch's vectorised flip wins (measured, 2-core CPU).
-TORCH_FLIP_MIN_PIXELS = 4096
 # Up to this many output pixels per sample the fused crop/flip runs vectorised (three passes,
 # no per-sample Python); above it a per-sample loop of single slice copies is faster.
 VECTORISED_MAX_PIXELS = 64 * 64
@@ -57,11 +58,48 @@ VECTORISED_MAX_PIXELS = 64 * 64
 Padding = tuple[int, int, int, int]   # (left, top, right, bottom), as BatchRandomCrop.padding
 # The padded buffer of crop_flip_windows and what it was made for: (key, buffer).
 Scratch = tuple[tuple[int, ...], np.ndarray]
+# Unsigned words of n bytes: (native, byte-swapped). A row read as byte-swapped words in reverse
+# order and stored as native words is the row reversed, in one cast copy per window.
+_WORDS = {n: (np.dtype(f"u{n}"), np.dtype(f"u{n}").newbyteorder()) for n in (1, 2, 4, 8)}
+
+
+def _word_bytes(width: int) -> int:
+    """The widest word (8, 4, 2 or 1 bytes) that fits in ``width`` bytes."""
+    return 8 if width >= 8 else 4 if width >= 4 else 2 if width >= 2 else 1
+
+
+def copy_reversed(dst: np.ndarray, src: np.ndarray) -> None:
+    """``dst[..., k] = src[..., -1 - k]`` for uint8 arrays of one shape: each row copied reversed.
+
+    numpy copies a negative-stride row byte by byte (~40 us for a 3x224x224 sample);
+    read as byte-swapped 8-byte words in reverse order it is one cast copy, ~1.4x a plain
+    copy (~19 us against ~14 from a memory-mapped store; ``torch.flip`` into a temporary
+    and a copy: 23 or more, measured on a 2-core Xeon VM). A row whose width is not a
+    multiple of the word takes one more word per row, overlapping the rest.
+    """
+    width = src.shape[-1]
+    if width == 0 or dst.size == 0:
+        return
+    if src.itemsize != 1 or src.strides[-1] != 1 or dst.strides[-1] != 1:   # no word view
+        np.copyto(dst, src[..., ::-1])
+        return
+    n = _word_bytes(width)
+    native, swapped = _WORDS[n]
+    m = width - width % n
+    np.copyto(dst[..., :m].view(native), src[..., width - m:].view(swapped)[..., ::-1])
+    if m < width:
+        np.copyto(dst[..., width - n:].view(native), src[..., :n].view(swapped))
 
 
 def crop_flip_loop(views: Iterable[np.ndarray], out: np.ndarray, tops: np.ndarray, lefts: np.ndarray,
                    flips: np.ndarray, padding: Padding, fill: int) -> np.ndarray:
     """Crop + flip sample by sample into ``out`` (B, C, th, tw).
+
+    Per sample, two or three GIL-free numpy calls: a sample that shows any padding is set
+    to ``fill`` whole, then its part of the image is copied over it, reversed by
+    :func:`copy_reversed` if flipped (a third call where a row is not a whole number of
+    8-byte words). The Python around them, the reader's ``get_many`` included, is ~3 us
+    a sample.
 
     Args:
         views: the B samples, uint8 (C, H, W) arrays of one shape.
@@ -72,12 +110,10 @@ def crop_flip_loop(views: Iterable[np.ndarray], out: np.ndarray, tops: np.ndarra
         fill: the padding value.
     """
     th, tw = out.shape[2:]
-    views = iter(views)
-    first = next(views, None)
-    if first is None:
+    views = [np.asarray(v) for v in views]   # plain ndarrays: slicing a np.memmap runs Python code
+    if not views:
         return out
-    h, w = first.shape[1:]
-    torch_flip = th * tw >= TORCH_FLIP_MIN_PIXELS
+    h, w = views[0].shape[1:]
     # Window of every sample in image coordinates, its part inside the image (s*) and where
     # that part lands in the output (d*), computed for the whole batch at once.
     y = tops.astype(np.int64) - padding[1]
@@ -85,40 +121,24 @@ def crop_flip_loop(views: Iterable[np.ndarray], out: np.ndarray, tops: np.ndarra
     sy0, sy1 = np.maximum(y, 0), np.minimum(y + th, h)
     sx0, sx1 = np.maximum(x, 0), np.minimum(x + tw, w)
     dy0, dy1, dx0, dx1 = sy0 - y, sy1 - y, sx0 - x, sx1 - x
-    # a flipped sample is read from its flipped image, where the window is mirrored
-    fsx0, fsx1 = np.where(flips, w - sx1, sx0), np.where(flips, w - sx0, sx1)
+    # a flipped sample's image part lands mirrored
     fdx0, fdx1 = np.where(flips, tw - dx1, dx0), np.where(flips, tw - dx0, dx1)
     empty = (sy1 <= sy0) | (sx1 <= sx0)                          # window wholly in the padding
-    rows = zip(sy0.tolist(), sy1.tolist(), fsx0.tolist(), fsx1.tolist(), dy0.tolist(), dy1.tolist(),
-               fdx0.tolist(), fdx1.tolist(), flips.tolist(), empty.tolist())
-
-    def all_views() -> Iterable[np.ndarray]:
-        yield first
-        yield from views
-
-    for j, (view, r) in enumerate(zip(all_views(), rows)):
-        a0, a1, b0, b1, e0, e1, f0, f1, flipped, nothing = r
-        oj = out[j]
-        if nothing:
+    padded = empty | (dy0 > 0) | (dy1 < th) | (dx0 > 0) | (dx1 < tw)
+    rows = zip(views, sy0.tolist(), sy1.tolist(), sx0.tolist(), sx1.tolist(), dy0.tolist(), dy1.tolist(),
+               fdx0.tolist(), fdx1.tolist(), flips.tolist(), padded.tolist(), empty.tolist())
+    for oj, (view, a0, a1, b0, b1, e0, e1, f0, f1, flipped, strips, nothing) in zip(out, rows):
+        # The strips: the whole sample set to `fill`, then the pixels copied over it. One
+        # contiguous memset leaves the sample in the cache for the copy; filling only the
+        # strips, a few bytes in each of hundreds of rows, cost 2-3x more (measured).
+        if strips:
             oj[...] = fill
+        if nothing:
             continue
-        # padding: fill only the strips the image does not cover
-        if e0:
-            oj[:, :e0] = fill
-        if e1 < th:
-            oj[:, e1:] = fill
-        if f0:
-            oj[:, e0:e1, :f0] = fill
-        if f1 < tw:
-            oj[:, e0:e1, f1:] = fill
-        view = np.asarray(view)   # a plain ndarray: slicing a np.memmap runs Python code
         if flipped:
-            # torch flips a whole contiguous sample ~2x faster than a strided window (measured)
-            if torch_flip and view.flags.writeable and view.flags.c_contiguous:
-                view = torch.from_numpy(view).flip(-1).numpy()
-            else:
-                view = view[..., ::-1]
-        oj[:, e0:e1, f0:f1] = view[:, a0:a1, b0:b1]
+            copy_reversed(oj[:, e0:e1, f0:f1], view[:, a0:a1, b0:b1])
+        else:
+            oj[:, e0:e1, f0:f1] = view[:, a0:a1, b0:b1]
     return out
 
 

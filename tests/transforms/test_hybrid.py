@@ -21,7 +21,6 @@ from dlstore.transforms import (
     BatchRandomHorizontalFlip,
     BatchRandomResizedCrop,
     HybridTransform,
-    functional,
     parse_static,
     split_transforms,
 )
@@ -219,13 +218,11 @@ def test_batch_ops_are_mapped_and_unmappable_ops_run_per_sample(cifar_store):
 
 
 @pytest.mark.parametrize("crop,padding,fill", [(32, 4, 0), (24, 0, 0), (28, (1, 6), 7), (32, 40, 3)])
-@pytest.mark.parametrize("kernel", ["windows", "loop", "loop-torch-flip"])
+@pytest.mark.parametrize("kernel", ["windows", "loop"])
 def test_fused_gather_equals_unfused_batch_ops(cifar_store, monkeypatch, crop, padding, fill, kernel):
     dst, h = cifar_store
-    if kernel.startswith("loop"):
+    if kernel == "loop":
         monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
-    if kernel == "loop-torch-flip":
-        monkeypatch.setattr(functional, "TORCH_FLIP_MIN_PIXELS", 0)
     c, f = BatchRandomCrop(crop, padding=padding, fill=fill), BatchRandomHorizontalFlip()
     ds = dlstore.open_dataset(dst, batch_transform=BatchCompose([c, f]))
     fused = dlstore.open_dataset(dst, transform=HybridTransform(
