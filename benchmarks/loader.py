@@ -11,7 +11,9 @@ start-up included; ImageFolder reads every 5th image so its epoch is short too),
    store and crop+flip (``RandomCrop(224, padding=4)`` + ``RandomHorizontalFlip()``);
 2. crop+flip over static, through the default loader;
 3. the default ``dlstore.loader`` over a plain ``ds.get_batch`` loop;
-4. process workers: ``num_workers=2`` (persistent) over ``num_workers=0`` (both ``threads=0``);
+4. process workers: ``num_workers=2`` (persistent) over ``num_workers=0`` (both ``threads=0``),
+   through the DataLoader and through the shared-memory ring (``shm_ring=True``), and the ring
+   over the DataLoader;
 5. JPEG store: the default loader (threads, batches decoded by ``torchvision.io.decode_jpeg``)
    over today's path (PIL record by record, ``threads=0``), and decode_jpeg alone (both ``threads=0``);
 6. every format through the default loader over torchvision ``ImageFolder``
@@ -33,7 +35,9 @@ printed both raw and as a fraction of that ceiling. torch runs one intra-op thre
 thread count is the loader's alone. The stores are read right after being
 written (page cache warm), so the ratios compare CPU work, not disks.
 
-    python benchmarks/loader.py [--images 600] [--rounds 5] [--seconds 1.0] [--workdir DIR]
+    python benchmarks/loader.py [--images 600] [--rounds 5] [--seconds 1.0] [--workdir DIR] [--only (4)]
+
+``--only`` keeps the configurations of the ratios whose label contains it (say ``(4)``).
 """
 
 from __future__ import annotations
@@ -67,7 +71,8 @@ BATCH = 64
 STORES = {"shards": ("s.shards", {}), "lmdb": ("s.lmdb", {}), "hdf5": ("s.h5", {}),
           "jpeg lmdb": ("j.lmdb", {"encoding": "jpeg"})}
 TARGETS = {"(1) threads 2/1 static": 1.6, "(1) threads 2/1 crop+flip": 1.6, "(2) crop+flip/static": 0.85,
-           "(3) default loader/plain get_batch": 0.95, "(4) num_workers 2/0": 1.0, "(5) jpeg default/PIL today": 2.0,
+           "(3) default loader/plain get_batch": 0.95, "(4) num_workers 2/0": 1.0, "(4) ring num_workers 2/0": 1.0,
+           "(5) jpeg default/PIL today": 2.0,
            "(6) lmdb/ImageFolder": 50.0}
 
 
@@ -157,6 +162,12 @@ def configurations(stores: dict[str, Path], folder: Path) -> dict[str, Callable[
     imagefolder = Subset(imagefolder, range(0, len(imagefolder), 5))
     workers = dlstore.loader(static["shards"], BATCH, shuffle=True, num_workers=2, threads=0,
                              persistent_workers=True, generator=g)
+    ring = dlstore.loader(static["shards"], BATCH, shuffle=True, num_workers=2, threads=0,
+                          persistent_workers=True, generator=g, shm_ring=True)
+    ring_aug = dlstore.loader(aug, BATCH, shuffle=True, num_workers=2, threads=0,
+                              persistent_workers=True, generator=g, shm_ring=True)
+    workers_aug = dlstore.loader(aug, BATCH, shuffle=True, num_workers=2, threads=0,
+                                 persistent_workers=True, generator=g)
     return {
         "memcpy threads=1": lambda: memcpy(1),
         "memcpy threads=2": lambda: memcpy(2),
@@ -174,6 +185,10 @@ def configurations(stores: dict[str, Path], folder: Path) -> dict[str, Callable[
         "default crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, generator=g),
         "num_workers=0": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, threads=0, generator=g),
         "num_workers=2": lambda: workers,
+        "num_workers=2 ring": lambda: ring,
+        "num_workers=0 crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, threads=0, generator=g),
+        "num_workers=2 crop+flip": lambda: workers_aug,
+        "num_workers=2 ring crop+flip": lambda: ring_aug,
         "default lmdb": lambda: dlstore.loader(static["lmdb"], BATCH, shuffle=True, generator=g),
         "default hdf5": lambda: dlstore.loader(static["hdf5"], BATCH, shuffle=True, generator=g),
         "default jpeg lmdb": lambda: dlstore.loader(static["jpeg lmdb"], BATCH, shuffle=True, generator=g),
@@ -195,6 +210,10 @@ RATIOS = {   # name -> (numerator, denominator)
     "(2k) kernel crop+flip/static": ("kernel crop+flip threads=1", "kernel static threads=1"),
     "(3) default loader/plain get_batch": ("default", "plain get_batch"),
     "(4) num_workers 2/0": ("num_workers=2", "num_workers=0"),
+    "(4) ring num_workers 2/0": ("num_workers=2 ring", "num_workers=0"),
+    "(4) ring/DataLoader num_workers=2": ("num_workers=2 ring", "num_workers=2"),
+    "(4) ring num_workers 2/0 crop+flip": ("num_workers=2 ring crop+flip", "num_workers=0 crop+flip"),
+    "(4) ring/DataLoader crop+flip": ("num_workers=2 ring crop+flip", "num_workers=2 crop+flip"),
     "(5) jpeg default/PIL today": ("default jpeg lmdb", "PIL, threads=0 jpeg lmdb"),
     "(5) jpeg decode_jpeg/PIL, no threads": ("threads=0 jpeg lmdb", "PIL, threads=0 jpeg lmdb"),
     "(6) shards/ImageFolder": ("default", "ImageFolder"),
@@ -223,14 +242,21 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--seconds", type=float, default=1.0, help="per configuration and round")
     parser.add_argument("--workdir", type=Path, help="keep the images and stores here (reused when present)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "loader.json")
+    parser.add_argument("--only", help="measure only the ratios whose label contains this, e.g. '(4)'")
+    parser.add_argument("--out", type=Path, help="the JSON written (default: results/loader.json, or "
+                        "results/loader_only.json with --only, so a partial run keeps the full one)")
     args = parser.parse_args()
+    if args.out is None:
+        args.out = Path(__file__).parent / "results" / ("loader_only.json" if args.only else "loader.json")
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as tmp:
         root = args.workdir or Path(tmp)
         root.mkdir(parents=True, exist_ok=True)
         folder, stores = prepare(root, args.images)
         configs = configurations(stores, folder)
+        if args.only:
+            keep = {name for label, pair in RATIOS.items() if args.only in label for name in pair}
+            configs = {name: make for name, make in configs.items() if name in keep}
         runs: dict[str, list[tuple[float, float]]] = {name: [] for name in configs}
         loads = [os.getloadavg()[0]]
         for name, make in configs.items():                 # warm-up: page cache, worker start, first epochs
@@ -245,10 +271,12 @@ def main() -> None:
     # the ratio of the medians, and the spread of the per-round ratios (same conditions within a round)
     ratios, rounds = {}, {}
     for label, (a, b) in RATIOS.items():
+        if a not in runs or b not in runs:
+            continue
         rounds[label] = [x[0] / y[0] for x, y in zip(runs[a], runs[b])]
         ratios[label] = {"ratio": rate[a] / rate[b], "target": TARGETS.get(label)}
     control = "(1) control: memcpy threads 2/1"
-    for label in ("(1) threads 2/1 static", "(1) threads 2/1 crop+flip"):
+    for label in ("(1) threads 2/1 static", "(1) threads 2/1 crop+flip") if control in ratios else ():
         # what threads gained over what they could gain here: 1.0 = all of the machine's ceiling
         rounds[f"{label} / control"] = [x / c for x, c in zip(rounds[label], rounds[control])]
         ratios[f"{label} / control"] = {"ratio": ratios[label]["ratio"] / ratios[control]["ratio"], "target": None}
@@ -270,7 +298,7 @@ def main() -> None:
     print("(7) cold cache, random order: not measured here (see dlstore bench)")
     path = write_json(args.out, {
         "machine": machine_info(), "load_1min": loads, "uptime": uptime, "images": args.images,
-        "batch_size": BATCH, "rounds": args.rounds, "seconds": args.seconds, "static": STATIC,
+        "batch_size": BATCH, "only": args.only, "rounds": args.rounds, "seconds": args.seconds, "static": STATIC,
         "crop_flip": "RandomCrop(224, padding=4) + RandomHorizontalFlip()",
         "samples_per_s": {name: [x for x, _ in v] for name, v in runs.items()},
         "cpu_per_wall": {name: [c for _, c in v] for name, v in runs.items()},

@@ -105,3 +105,7 @@ class StoreWriteError(DlstoreError, OSError):
 class DiskFullError(StoreWriteError):
     """The filesystem holding a store being written is full (or the quota is used up); the
     message names the path, the free and needed bytes, and what to do."""
+
+
+class WorkerError(DlstoreError, RuntimeError):
+    """A loader worker process died (killed, crashed) while batches were being built."""

@@ -23,6 +23,7 @@ from .dataset import StoreDataset
 from .device import DeviceLoader, host_stage
 from .gpu import GPUDataset
 from .gpu_loader import GPULoader
+from .shm_ring import ShmRingLoader, batch_spec
 from .threads import ThreadLoader
 
 # threads=None picks min(usable CPUs, this): beyond it memory bandwidth, not CPU, bounds a
@@ -102,7 +103,8 @@ def loader(
     threads: int | None = None,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
-) -> ThreadLoader | DataLoader | GPULoader | DeviceLoader:
+    shm_ring: bool | None = None,
+) -> ThreadLoader | ShmRingLoader | DataLoader | GPULoader | DeviceLoader:
     """A loader that reads whole batches: one ``get_batch`` call per batch.
 
     Batches are built by a pool of threads in this process (a :class:`ThreadLoader`)
@@ -119,6 +121,19 @@ def loader(
     with 1 or 8 threads, in sampler order. ``prefetch_factor`` batches per thread
     are in flight (default 2). A batch handed out is never reused by the loader
     while any tensor refers to it. ``pin_memory`` pins on the loader threads.
+
+    With ``num_workers > 0`` and a batch path of fixed output shape (a fixed-shape store whose
+    transforms give tensors of one shape and dtype: :func:`~dlstore.data.shm_ring.batch_spec`
+    reads sample 0 to tell), worker processes write each batch into a ring of shared-memory
+    slots allocated once (a :class:`~dlstore.data.shm_ring.ShmRingLoader`; ``shm_ring=False``
+    takes the DataLoader instead): only the slot number, the batch index and the labels cross
+    the pipes, 3.8-4.7x the DataLoader path's samples/s on 224 px batches. Its batches are the
+    threads' (the same per-batch seeds, for batch transforms and for per-sample torchvision ops
+    alike, and the sampler order, whatever the worker count); a batch handed out is a slot,
+    reused only once no tensor (view, ``.numpy()`` array) refers to it. ``persistent_workers``,
+    ``multiprocessing_context``, ``worker_init_fn``, ``pin_memory`` and ``prefetch_factor``
+    (batches in flight per worker) apply; one pass at a time (a pass started while another is
+    suspended takes over, and the old iterator raises).
 
     Through the DataLoader, a ``BatchSampler`` yields index lists; each worker assembles a batch in one
     copy, runs the batch transforms once on it and returns ``(images, labels)``
@@ -169,6 +184,9 @@ def loader(
         dtype: with ``device=``, the float dtype of the images (torch.float32, float16 or
             bfloat16; None: what the pipeline gives, float32 for ``ToDtype(torch.float32)``,
             matching torchvision). The device stage computes in float32 and rounds once.
+        shm_ring: with ``num_workers > 0``, workers write batches into shared-memory slots
+            (None: where the batch has a fixed shape, else the DataLoader; True: the ring, or
+            ArgumentError; False: the DataLoader).
     """
     if isinstance(dataset, GPUDataset):
         unused = [name for name, value, default in (
@@ -205,7 +223,7 @@ def loader(
         host = loader(host_ds, batch_size, shuffle, num_workers, drop_last=drop_last, generator=generator,
                       persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
                       multiprocessing_context=multiprocessing_context, worker_init_fn=worker_init_fn,
-                      distributed=distributed, seed=seed, threads=threads)
+                      distributed=distributed, seed=seed, threads=threads, shm_ring=shm_ring)
         return DeviceLoader(host, device, steps, dtype=dtype, channels_last=channels_last, generator=generator)
     for name, flag in (("shuffle", shuffle), ("drop_last", drop_last), ("distributed", distributed)):
         if not isinstance(flag, bool):
@@ -223,6 +241,10 @@ def loader(
                                         or prefetch_factor < 1):
         raise ArgumentError(f"prefetch_factor must be a positive int (batches in flight per worker or thread), "
                             f"got {prefetch_factor!r}")
+    if shm_ring is not None and not isinstance(shm_ring, bool):
+        raise ArgumentTypeError(f"shm_ring must be None (chosen), True or False, got {shm_ring!r}")
+    if shm_ring and not num_workers:
+        raise ArgumentError("shm_ring=True applies to worker processes: pass num_workers >= 1")
     if threads is None:
         # DataLoader-only options ask for the DataLoader; under torchrun the node's CPUs are shared
         # by its LOCAL_WORLD_SIZE ranks, so each takes its share
@@ -243,6 +265,18 @@ def loader(
     if threads:
         return ThreadLoader(dataset, batches, threads=threads, prefetch=threads * (prefetch_factor or 2),
                             generator=generator, pin_memory=pin_memory)
+    # worker processes write into the shared-memory ring where the batch has one fixed shape
+    # (3.8-4.7x the DataLoader path on static 224 px batches, 2.0-2.5x with crop+flip); None
+    # chooses it there and the DataLoader elsewhere
+    spec = batch_spec(dataset) if num_workers > 0 and shm_ring is not False else None
+    if shm_ring and spec is None:
+        raise ArgumentError(f"shm_ring=True needs a batch path of fixed output shape; {dataset!r} gives "
+                            "variable shapes or non-tensor batches: pass shm_ring=False (or leave it None)")
+    if spec is not None:
+        return ShmRingLoader(dataset, batches, workers=num_workers, prefetch=num_workers * (prefetch_factor or 2),
+                             spec=spec, generator=generator, pin_memory=pin_memory,
+                             persistent_workers=persistent_workers, multiprocessing_context=multiprocessing_context,
+                             worker_init_fn=worker_init_fn)
     options: dict[str, Any] = {}
     if num_workers > 0:
         options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,

@@ -22,6 +22,7 @@ from torchvision.transforms import v2
 import dlstore
 from dlstore.data import dataset as dataset_module
 from dlstore.data.loading import threads_apply
+from dlstore.data.shm_ring import ShmRingLoader
 from dlstore.data.threads import ThreadLoader, batch_seed
 from dlstore.errors import ArgumentError
 
@@ -221,7 +222,8 @@ def test_default_chooses_threads_where_they_apply(stores):
     assert threads_apply(ds)
     assert isinstance(dlstore.loader(ds, 4), ThreadLoader)
     assert isinstance(dlstore.loader(ds, 4, threads=0), DataLoader)
-    assert isinstance(dlstore.loader(ds, 4, num_workers=1), DataLoader)
+    assert isinstance(dlstore.loader(ds, 4, num_workers=1), ShmRingLoader)   # fixed-shape batches: the ring
+    assert isinstance(dlstore.loader(ds, 4, num_workers=1, shm_ring=False), DataLoader)
     assert isinstance(dlstore.loader(dlstore.open_dataset(stores["jpeg"]), 4), ThreadLoader)
     per_sample = dlstore.open_dataset(stores["shards"], transform=v2.Compose([v2.RandomErasing(p=1.0)]))
     assert per_sample.per_sample_ops and not threads_apply(per_sample)

@@ -197,7 +197,7 @@ def hw_ok(op: Any, h: int, w: int) -> bool:
 
 
 def loader_params(ops: Sequence[Any], batch_shapes: Sequence[Sequence[int]], seed: int, *,
-                  workers: int = 0, threads: int = 0) -> list[list[dict[str, torch.Tensor]]]:
+                  workers: int = 0, threads: int = 0, ring: bool = False) -> list[list[dict[str, torch.Tensor]]]:
     """The parameters ``dlstore.loader(..., generator=gen(seed))`` draws for each batch (first epoch).
 
     Every way it builds batches starts a pass by drawing a base seed (one int64)
@@ -205,11 +205,12 @@ def loader_params(ops: Sequence[Any], batch_shapes: Sequence[Sequence[int]], see
     process (``workers=0``) the batches draw from that same generator, in order;
     DataLoader worker ``w`` seeds torch's default generator with ``base + w`` and
     gets batches ``w, w + W, ...`` (round robin); with ``threads`` batch ``k``
-    draws from a generator seeded with ``threads.batch_seed(base, epoch, k)``.
+    draws from a generator seeded with ``threads.batch_seed(base, epoch, k)``, and so do the
+    workers of the shared-memory ring (``ring=True``).
     """
     g = gen(seed)
     base = int(torch.empty((), dtype=torch.int64).random_(generator=g))
-    if threads:
+    if threads or ring:
         from dlstore.data.threads import batch_seed
 
         return [draw(ops, shape, gen(batch_seed(base, 0, k))) for k, shape in enumerate(batch_shapes)]

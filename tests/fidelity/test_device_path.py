@@ -54,7 +54,8 @@ def check_device_loader(ds, batch_size: int, seed: int, *, device: str, dtype=No
     bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
     raw_all, labels_all = ds.read_batch(range(n))
     shapes = [(e - s, *raw_all.shape[1:]) for s, e in bounds]
-    params = loader_params(host_ds.batch_ops, shapes, seed, workers=workers, threads=threads)
+    # worker processes: the shared-memory ring (the default for fixed-shape batches) seeds batches as threads do
+    params = loader_params(host_ds.batch_ops, shapes, seed, workers=workers, threads=threads, ring=workers > 0)
     options = {"num_workers": workers, "threads": threads, "multiprocessing_context": context}
     got = list(dlstore.loader(ds, batch_size, generator=gen(seed), device=device, dtype=dtype, **options))
     cpu = list(dlstore.loader(ds, batch_size, generator=gen(seed), **options))

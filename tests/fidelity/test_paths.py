@@ -67,6 +67,7 @@ from torchvision.transforms import v2
 import dlstore
 import dlstore.data.dataset as dataset_module
 from dlstore.data.gpu_loader import _is_torchvision, _PerSample, _steps
+from dlstore.data.shm_ring import ShmRingLoader
 from dlstore.errors import TransformSpecError
 from dlstore.transforms import (
     BatchCompose,
@@ -299,18 +300,22 @@ def test_get_batch_any_padding_and_batch(stores, padding, p, grow, fill, idx, se
 
 
 
-def _check_loader(ds, batch_size: int, seed: int, *, workers: int = 0, threads: int = 0, context=None) -> None:
+def _check_loader(ds, batch_size: int, seed: int, *, workers: int = 0, threads: int = 0, context=None,
+                  shm_ring: bool | None = None) -> None:
     n = len(ds)
     bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
     raw_all, labels_all = ds.read_batch(range(n))
     shapes = [(e - s, *raw_all.shape[1:]) for s, e in bounds]
-    params = loader_params(ds.batch_ops, shapes, seed, workers=workers, threads=threads)
-    batches = list(dlstore.loader(ds, batch_size, num_workers=workers, generator=gen(seed),
-                                  multiprocessing_context=context, threads=threads))
+    loader = dlstore.loader(ds, batch_size, num_workers=workers, generator=gen(seed),
+                            multiprocessing_context=context, threads=threads, shm_ring=shm_ring)
+    ring = isinstance(loader, ShmRingLoader)
+    assert ring == (workers > 0 and shm_ring is not False)   # the ring is the default for workers
+    params = loader_params(ds.batch_ops, shapes, seed, workers=workers, threads=threads, ring=ring)
+    batches = list(loader)
     assert len(batches) == len(bounds)
     for (s, e), p, (x, y) in zip(bounds, params, batches):
         assert_same(x, reference(ds.batch_ops, p, raw_all[s:e]),
-                    what=f"batch {s}:{e}, {workers} workers, {threads} threads")
+                    what=f"batch {s}:{e}, {workers} workers ({'ring' if ring else 'DataLoader'}), {threads} threads")
         assert torch.equal(y, labels_all[s:e])
 
 
@@ -330,13 +335,14 @@ def test_loader_threads_equal_torchvision(stores, case):
     _check_loader(_open(stores("lmdb"), case), 5, seed=4, threads=2)
 
 
+@pytest.mark.parametrize("shm_ring", [None, False], ids=["ring", "dataloader"])
 @pytest.mark.parametrize("case,kernel", [(c, "windows") for c in WORKER_CASES]
                          + [("crop-asym+flip-p0.5", "loop"), ("pipeline", "loop")])
-def test_loader_forked_workers_equal_torchvision(stores, case, kernel, monkeypatch):
+def test_loader_forked_workers_equal_torchvision(stores, case, kernel, shm_ring, monkeypatch):
     if kernel == "loop":
         monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
     _check_loader(_open(stores("lmdb" if kernel == "loop" else "shards"), case), 4, seed=5, workers=2,
-                  context="fork")
+                  context="fork", shm_ring=shm_ring)
 
 
 @pytest.mark.slow
