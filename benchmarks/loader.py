@@ -12,7 +12,7 @@ start-up included; ImageFolder reads every 5th image so its epoch is short too),
 2. crop+flip over static, through the default loader;
 3. the default ``dlstore.loader`` over a plain ``ds.get_batch`` loop;
 4. process workers: ``num_workers=2`` (persistent) over ``num_workers=0`` (both ``threads=0``),
-   through the DataLoader and through the shared-memory ring (``shm_ring=True``), and the ring
+   through the DataLoader (``shm_ring=False``) and through the shared-memory ring (the default), and the ring
    over the DataLoader;
 5. JPEG store: the default loader (threads, batches decoded by ``torchvision.io.decode_jpeg``)
    over today's path (PIL record by record, ``threads=0``), and decode_jpeg alone (both ``threads=0``);
@@ -161,13 +161,13 @@ def configurations(stores: dict[str, Path], folder: Path) -> dict[str, Callable[
     # every 5th image: an epoch of ImageFolder fits in a measurement window
     imagefolder = Subset(imagefolder, range(0, len(imagefolder), 5))
     workers = dlstore.loader(static["shards"], BATCH, shuffle=True, num_workers=2, threads=0,
-                             persistent_workers=True, generator=g)
+                             persistent_workers=True, generator=g, shm_ring=False)   # the DataLoader path
     ring = dlstore.loader(static["shards"], BATCH, shuffle=True, num_workers=2, threads=0,
                           persistent_workers=True, generator=g, shm_ring=True)
     ring_aug = dlstore.loader(aug, BATCH, shuffle=True, num_workers=2, threads=0,
                               persistent_workers=True, generator=g, shm_ring=True)
     workers_aug = dlstore.loader(aug, BATCH, shuffle=True, num_workers=2, threads=0,
-                                 persistent_workers=True, generator=g)
+                                 persistent_workers=True, generator=g, shm_ring=False)
     return {
         "memcpy threads=1": lambda: memcpy(1),
         "memcpy threads=2": lambda: memcpy(2),
