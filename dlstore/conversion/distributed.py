@@ -8,8 +8,8 @@ environment). The destination's folder must be on a filesystem every rank sees.
 Phases (each ends with a status exchange: an ``all_gather_object`` over a gloo
 group, so every rank learns whether every other rank succeeded)::
 
-    0. rank 0    checks DST, takes its lock, scans SRC once, and hands each rank a
-                 contiguous range of the file list (scatter; ranges differ by <= 1 file)
+    0. rank 0    checks DST, takes its lock, scans SRC once (checks a resumed run), and hands
+                 each rank a contiguous range of the file list (scatter; ranges differ by <= 1 file)
     1. all ranks decode their range with their own worker pool into a part store
                  ``.DST.dlstore-dist/parts/part-RRRRR{.shards,.h5,.lmdb}``
     2. rank 0    assembles the parts into one store and publishes it atomically
@@ -39,15 +39,33 @@ A rank that fails (a corrupt file with ``on_error="fail"``, a full disk, ...)
 drops a marker file in the shared work folder; the other ranks check for it
 every 256 files and stop too, so nobody converts for hours in vain. Every rank
 then raises (the failing rank its own error, the others ``DistributedError``
-naming the failing rank and its error), and rank 0 removes the work folder: no
-store, complete-looking or not, is left at ``DST``. Resuming is not supported
-for distributed conversions.
+naming the failing rank and its error): no store, complete-looking or not, is
+left at ``DST``.
+
+Resume: each rank checkpoints its part at every unit of its writer (a data file,
+a committed transaction, a written block) in ``.DST.dlstore-dist/rank-RRRRR.json``,
+which also records a finished part; ``plan.json`` records the number of ranks and
+the job's fingerprint. An interruption while the ranks convert (Ctrl-C, SIGTERM, a
+killed rank, a full disk) keeps the work folder, and rank 0 logs where;
+``resume=True`` (``--resume``) on as many ranks with the same settings continues
+every part from its checkpoint (a finished part is not converted again; a part that
+cannot be reopened, like an HDF5 file whose writer was killed, starts over) and gives
+the store an uninterrupted run gives. Other ranks or settings are refused, naming
+what differs, and the kept folder stays as it was. Nothing is kept after a failure
+on the input (DecodeError, SourceError: a resume would meet it again), nor after one
+while rank 0 assembles shards or HDF5 (the assembly moves the parts; LMDB's merge
+copies them, so they are kept).
+
+Paths: besides ``DST`` (and ``DST.parts``), a conversion writes only in
+``.DST.dlstore-dist`` and ``.DST.dlstore-tmp``, while rank 0 holds ``DST``'s lock.
+``overwrite`` replaces a ``DST.parts`` only if it holds nothing but ``part-NNNNN.h5``
+files (the parts of a store); any other path there is refused, named.
 """
 
 from __future__ import annotations
 
 import datetime
-import hashlib
+import glob
 import json
 import os
 import sys
@@ -56,30 +74,29 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from ..errors import (
     ArgumentError,
-    ConversionInterrupted,
     DistributedError,
-    StoreExistsError,
+    SourceError,
+    StoreCorruptError,
 )
 from ..formats._common import (
     DestinationLock,
-    _fsync_dir,
     check_destination,
-    publish,
     remove_path,
-    save_npy_synced,
     staging_path,
     write_synced,
 )
-from ..formats._integrity import SUMS_ALGORITHM, SUMS_DTYPE, seal_sidecar
-from ..formats.manifest import dumps
-from .job import ConvertResult, _feed, _finish, disk_usage, manifest_for
+from .assemble import (
+    assemble,
+    check_parts_folder,
+    hdf5_parts_path,
+    remove_with_siblings,
+)
+from .job import ConvertResult, _feed, _finish, disk_usage
 
+_PLAN = "plan.json"  # the ranks and the job's fingerprint: what a --resume must match
 DEFAULT_TIMEOUT_S = 2 * 3600  # a collective may wait this long for the slowest rank (scan, conversion)
-_CHECK_EVERY = 256
 
 
 def env_world_size() -> int:
@@ -143,13 +160,8 @@ def part_ranges(n: int, world: int) -> list[tuple[int, int]]:
 
 
 def work_path(dst: Path) -> Path:
-    """The shared folder where ranks write their parts (removed when the conversion ends)."""
+    """The shared folder where ranks write their parts (removed when the conversion ends, kept for --resume)."""
     return dst.with_name(f".{dst.name}.dlstore-dist")
-
-
-def hdf5_parts_path(dst: Path) -> Path:
-    """Folder holding the per-rank files of a distributed HDF5 store (next to the store)."""
-    return dst.with_name(f"{dst.name}.parts")
 
 
 def _part_name(rank: int, suffix: str) -> str:
@@ -164,6 +176,7 @@ class _Status:
     count: int = 0
     skipped: list[dict[str, Any]] | None = None
     labels_seen: list[int] | None = None  # [largest label, any -1]: names the classes of an unnamed source
+    bad_input: bool = False  # failed on the source (DecodeError, SourceError): nothing worth resuming
 
 
 class _Exchange:
@@ -232,16 +245,18 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
     ``open_src()`` opens the source; ``job_for(source)`` builds the conversion's ``_Job`` for a
     part of it. A file listing (folder, list file) is opened by rank 0 and its parts are sent
     to the ranks; an in-memory source (dataset, arrays), which every rank was given, is only
-    measured by rank 0 and each rank takes its own part of its own copy.
+    measured by rank 0 and each rank takes its own part of its own copy. ``resume`` continues
+    the interrupted conversion kept in the work folder (same ranks, same settings).
     Every rank returns the same ConvertResult (``workers`` is per rank).
     """
     ex = _Exchange(group)
     rank, world = ex.rank, ex.world
-    if resume:
-        raise ArgumentError("resume is not supported for distributed conversions; rerun without --resume")
     fmt = module.FORMAT
     work = work_path(dst)
     lock: DestinationLock | None = None
+    stage = "check"  # then "convert", "assemble", "done": what rank 0 keeps for --resume depends on it
+    keep = False
+    statuses: list[_Status] = []
     start = time.perf_counter()
     try:
         # --- phase 0: rank 0 checks, locks, scans, hands out ranges ---------------------
@@ -250,21 +265,27 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
         if rank == 0:
             try:
                 check_destination(dst, overwrite)
-                if fmt == "hdf5" and hdf5_parts_path(dst).exists() and not overwrite:
-                    raise StoreExistsError(f"{hdf5_parts_path(dst)}: already exists (parts of an HDF5 store); "
-                                           "pass overwrite=True (--overwrite) to replace it")
                 candidate = DestinationLock(dst)
                 candidate.acquire()
                 lock = candidate  # from here on this conversion owns the work and staging paths
+                if fmt == "hdf5":
+                    check_parts_folder(dst, overwrite)
                 source = open_src()
                 if source.empty_classes:
                     log(f"warning: {len(source.empty_classes)} class folder(s) hold no image and keep their "
                         f"label index: {', '.join(source.empty_classes)}")
-                remove_path(work)
-                (work / "parts").mkdir(parents=True)
                 total = len(source)
+                plan = json.loads(json.dumps({"ranks": world, "job": job_for(source).fingerprint()}))
+                resumed = resume and _resumable(work, plan, dst, log)
+                if not resumed:
+                    remove_path(work)
+                    (work / "parts").mkdir(parents=True)
+                    _write_json(work / _PLAN, plan)
+                stage = "convert"
+                for r in _failed_ranks(work):  # (markers of the interrupted run)
+                    (work / f"FAILED-rank-{r:05d}").unlink()
                 listing = source.origin_kind == "path"  # small and picklable: send it
-                parts_msg = [(source.part(a, b) if listing else (a, b), a, total)
+                parts_msg = [(source.part(a, b) if listing else (a, b), a, total, resumed)
                              for a, b in part_ranges(total, world)]
                 del source
             except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
@@ -274,7 +295,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
             if error is not None:
                 raise error
             raise DistributedError(f"rank 0 could not start the distributed conversion: {verdict}")
-        part, first, total = ex.scatter(parts_msg)
+        part, first, total, resumed = ex.scatter(parts_msg)
         del parts_msg
         if isinstance(part, tuple):  # an in-memory source: this rank's part of its own copy
             part = open_src().part(*part)
@@ -286,12 +307,14 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
         own: BaseException | None = None
         try:
             status.count, status.skipped = _convert_part(job, part_path, first, total, work, rank, world,
-                                                         progress, dst.name, _feed, _finish)
+                                                         progress, dst.name, _feed, _finish, resume=resumed,
+                                                         log=log)
             status.labels_seen = list(job.labels_seen)
         except BaseException as exc:  # noqa: BLE001 - reported to all ranks, then re-raised below
             own = exc
             status.error = _describe(exc)
             status.aborted = isinstance(exc, DistributedError)
+            status.bad_input = isinstance(exc, SourceError)
             if not status.aborted:
                 _mark_failed(work, rank)
         statuses = ex.gather(status)
@@ -300,6 +323,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
         _raise_if_failed(statuses, rank, own)
 
         # --- phase 2: rank 0 assembles and publishes ---------------------------------------
+        stage = "assemble"
         result = None
         error = None
         if rank == 0:
@@ -307,15 +331,14 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
                 count = sum(s.count for s in statuses)
                 skipped = [item for s in statuses for item in (s.skipped or [])]
                 if count == 0:
-                    from ..errors import SourceError
-
                     raise SourceError(f"{part.root}: no file could be converted ({len(skipped)} skipped)")
                 full_job = job_for(part)  # carries root/classes/spec; samples unused below
                 seen = [s.labels_seen for s in statuses if s.labels_seen]
                 full_job.labels_seen[:] = [max(x[0] for x in seen), max(x[1] for x in seen)]
                 parts = [work / "parts" / _part_name(r, module.SUFFIXES[0]) for r in range(world)]
                 counts = [s.count for s in statuses]
-                _assemble(full_job, dst, parts, counts, count, skipped, total, overwrite, _finish)
+                assemble(full_job, dst, parts, counts, count, skipped, total, overwrite, _finish)
+                stage = "done"
                 size = disk_usage(dst)
                 if fmt == "hdf5" and hdf5_parts_path(dst).exists():
                     size += disk_usage(hdf5_parts_path(dst))
@@ -334,16 +357,31 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
         result = verdict[1]
         result.workers = job.workers
         return result
+    except BaseException as exc:
+        if lock is not None and stage != "check":
+            keep = _keep_for_resume(work, stage, fmt, exc, statuses)
+            if keep:
+                log(f"partial conversion kept in {work}; run the same command with --resume on {world} ranks "
+                    "to continue")
+        raise
     finally:
         if lock is not None:
-            remove_path(work)
-            remove_path(staging_path(dst))
+            if stage != "check" and not keep:  # (check: this run has not touched the work folder)
+                remove_path(work)
+            if stage in ("assemble", "done"):  # (before: it may hold an interrupted single-process run)
+                remove_with_siblings(staging_path(dst))
             lock.release()
 
 
 def _convert_part(job: Any, part_path: Path, first: int, total: int, work: Path, rank: int, world: int,
-                  progress: bool, name: str, feed: Any, finish: Any) -> tuple[int, list[dict[str, str]]]:
-    """Convert ``job.source`` (this rank's range) into the part store ``part_path``."""
+                  progress: bool, name: str, feed: Any, finish: Any, *, resume: bool = False,
+                  log: Any = lambda message: None) -> tuple[int, list[dict[str, str]]]:
+    """Convert ``job.source`` (this rank's range) into the part store ``part_path``.
+
+    The rank's checkpoint ``work/rank-RRRRR.json`` is saved at every unit of the writer (as a
+    single-process conversion saves progress.json) and at the end (``done``): ``resume``
+    continues from it, or returns the finished part's counts at once.
+    """
     from tqdm.auto import tqdm
 
     def check() -> None:
@@ -351,17 +389,43 @@ def _convert_part(job: Any, part_path: Path, first: int, total: int, work: Path,
         if failed:
             raise DistributedError(f"rank {failed[0]} failed; rank {rank} stopped converting")
 
-    skipped: list[dict[str, str]] = []
-    writer = job.module.Writer(part_path, shape=job.record_shape, **job.options)
+    state_path = work / f"rank-{rank:05d}.json"
+    fingerprint = json.loads(json.dumps(job.fingerprint()))
+    state = _read_state(state_path, fingerprint, rank) if resume else None
+    if state is not None and "done" in state:
+        job.labels_seen[:] = state["labels_seen"]
+        return state["done"], state["skipped"]
+    module, writer, pos, skipped = job.module, None, 0, []
+    if state is not None and hasattr(module.Writer, "resume"):
+        try:
+            writer = module.Writer.resume(part_path, state["writer"], shape=job.record_shape, **job.options)
+        except StoreCorruptError as exc:  # e.g. an HDF5 file whose writer was killed: the part starts over
+            log(f"rank {rank}: its part cannot be resumed ({exc}); converting it again")
+        else:
+            pos, skipped = state["source_pos"], list(state["skipped"])
+            job.labels_seen[:] = state["labels_seen"]
+            unit = "files" if job.source.origin_kind == "path" else "items"
+            log(f"rank {rank}: resuming after {pos} of the {len(job.source)} {unit} of its part")
+    if writer is None:
+        state_path.unlink(missing_ok=True)
+        remove_with_siblings(part_path)  # (a part written before the first checkpoint)
+        writer = module.Writer(part_path, shape=job.record_shape, **job.options)
+
+    def save(source_pos: int) -> None:
+        _write_json(state_path, {"job": fingerprint, "source_pos": source_pos, "skipped": skipped,
+                                 "labels_seen": job.labels_seen, "writer": writer.checkpoint()})
+
     try:
-        with tqdm(total=len(job.source), unit="img", dynamic_ncols=True, disable=not progress or rank != 0,
+        with tqdm(total=len(job.source), initial=pos, unit="img", dynamic_ncols=True,
+                  disable=not progress or rank != 0,
                   desc=f"convert {name} [rank {rank}/{world}: files {first}..{first + len(job.source)} "
                        f"of {total}]") as bar:
-            feed(job, writer, 0, skipped, bar, check=check)
+            feed(job, writer, pos, skipped, bar, save if hasattr(writer, "checkpoint") else None, check=check)
         count = len(job.source) - len(skipped)
         finish(job, writer, count, skipped, files=len(job.source))
     finally:
         writer.close()
+    _write_json(state_path, {"job": fingerprint, "done": count, "skipped": skipped, "labels_seen": job.labels_seen})
     check()
     return count, skipped
 
@@ -374,199 +438,73 @@ def _mark_failed(work: Path, rank: int) -> None:
 
 
 def _failed_ranks(work: Path) -> list[int]:
+    return sorted(int(n[len("FAILED-rank-"):]) for n in _listdir(work) if n.startswith("FAILED-rank-"))
+
+
+# --- what an interrupted conversion keeps for --resume (rank 0 holds the lock) ----------------
+
+def _keep_for_resume(work: Path, stage: str, fmt: str, exc: BaseException, statuses: list[_Status]) -> bool:
+    """Whether the work folder holds something ``--resume`` can continue after ``exc``."""
+    if isinstance(exc, SourceError) or any(s.bad_input for s in statuses):
+        return False  # bad input: nothing worth resuming
+    if stage != "convert" and not (stage == "assemble" and fmt == "lmdb"):  # shards, HDF5: parts moved
+        return False
+    return any(name.startswith("rank-") for name in _listdir(work))
+
+
+def _resumable(work: Path, plan: dict[str, Any], dst: Path, log: Any) -> bool:
+    """True if ``work`` holds an interrupted run of ``plan``; raise, naming it, if it ran otherwise."""
     try:
-        names = os.listdir(work)
+        old = json.loads((work / _PLAN).read_text())
+    except (OSError, ValueError):
+        single = staging_path(dst)
+        if any(single.parent.glob(glob.escape(single.name) + "*")):
+            raise ArgumentError(f"{single}: the interrupted conversion ran in one process; resume it in one process "
+                                "(without torchrun, distributed=False), or rerun without --resume") from None
+        log("nothing to resume (no interrupted distributed conversion found); starting over")
+        return False
+    if old.get("ranks") != plan["ranks"]:
+        raise ArgumentError(f"{work}: the interrupted conversion ran on {old.get('ranks')} ranks, this one on "
+                            f"{plan['ranks']}; resume it on {old.get('ranks')} ranks (torchrun --nproc-per-node "
+                            f"{old.get('ranks')}), or rerun without --resume to start over")
+    if old.get("job") != plan["job"]:
+        raise SourceError(f"{work}: the interrupted conversion used other settings or another source listing "
+                          f"({_changes(old.get('job') or {}, plan['job'])}); rerun with the original settings, "
+                          "or without --resume to start over")
+    log(f"resuming the distributed conversion kept in {work}")
+    return True
+
+
+def _read_state(path: Path, fingerprint: dict[str, Any], rank: int) -> dict[str, Any] | None:
+    """A rank's checkpoint, or None (no unit written yet: the part starts over)."""
+    try:
+        state = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if state.get("job") != fingerprint:
+        raise SourceError(f"{path}: rank {rank}'s part of the interrupted conversion used other settings "
+                          f"({_changes(state.get('job') or {}, fingerprint)}); rerun without --resume")
+    return state
+
+
+def _changes(old: dict[str, Any], new: dict[str, Any]) -> str:
+    """``key: old -> new`` for every setting that differs."""
+    def short(value: Any) -> str:
+        text = json.dumps(value)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
+    return "; ".join(f"{k}: {short(old.get(k))} -> {short(new.get(k))}" for k in keys)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    write_synced(tmp, json.dumps(obj).encode("utf-8"))
+    os.replace(tmp, path)  # a checkpoint is whole or the previous one
+
+
+def _listdir(folder: Path) -> list[str]:
+    try:
+        return os.listdir(folder)
     except OSError:
         return []
-    return sorted(int(n[len("FAILED-rank-"):]) for n in names if n.startswith("FAILED-rank-"))
-
-
-# --- assembly on rank 0 ---------------------------------------------------------------------
-
-def _assemble(job: Any, dst: Path, parts: list[Path], counts: list[int], count: int,
-              skipped: list[dict[str, str]], total: int, overwrite: bool, finish: Any) -> None:
-    staged = staging_path(dst)
-    remove_path(staged)
-    fmt = job.module.FORMAT
-    if fmt == "shards":
-        layout, checksums = _assemble_shards(parts, staged)
-    elif fmt == "hdf5":
-        layout, checksums = _assemble_hdf5(parts, counts, staged, dst)
-    elif fmt == "lmdb":
-        _merge_lmdb(job, parts, staged, count, skipped, total, finish)
-        publish(staged, dst, overwrite)
-        return
-    else:  # pragma: no cover - every registered format is handled above
-        raise ArgumentError(f"distributed conversion does not know how to assemble {fmt!r} stores")
-
-    manifest = manifest_for(job, count=count, skipped=skipped, files=total, checksums=checksums, layout=layout)
-    if fmt == "shards":
-        write_synced(staged / "manifest.json", dumps(manifest).encode("utf-8"))
-        seal_sidecar(staged / "manifest.json")
-        publish(staged, dst, overwrite)
-    else:
-        import h5py
-
-        with h5py.File(staged, "r+") as f:
-            f.attrs["dlstore"] = dumps(manifest)
-        with open(staged, "rb+") as f:
-            os.fsync(f.fileno())
-        _publish_hdf5(parts[0].parent, staged, dst, overwrite)
-
-
-
-
-def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """Move every part's data files into ``staged`` (renames, no copy); concatenate labels/index."""
-    from ..formats.shards import ShardReader, read_manifest
-    from ..sources.origins import Origins
-
-    staged.mkdir()
-    files: list[dict[str, Any]] = []
-    checksums: dict[str, str] = {}
-    labels, indexes, sums = [], [], []
-    kind = per_shard = None
-    origins = []
-    for r, part in enumerate(parts):
-        m = read_manifest(part)
-        origins.append(ShardReader(part, m).origins())
-        layout = m["layout"]
-        kind = layout["kind"]
-        per_shard = layout.get("per_shard", per_shard)
-        entries = layout["shards"] if kind == "fixed" else layout["files"]
-        if kind == "variable":
-            index = np.load(part / layout["index"], allow_pickle=False)
-            index[:, 0] += len(files)
-            indexes.append(index)
-        labels.append(np.load(part / layout["labels"], allow_pickle=False))
-        sums.append(np.load(part / layout["sample_sums"]["file"], allow_pickle=False))
-        for entry in entries:
-            name = f"rank{r:05d}-{entry['file']}"
-            os.replace(part / entry["file"], staged / name)
-            files.append({"file": name, "count": int(entry["count"])})
-            checksums[name] = m["checksums"]["files"][entry["file"]]
-    layout_out: dict[str, Any] = {"labels": "labels.npy", "kind": kind, "ranks": len(parts)}
-    if kind == "fixed":
-        layout_out.update(per_shard=per_shard, shards=files)
-    else:
-        checksums["index.npy"] = save_npy_synced(staged / "index.npy", np.concatenate(indexes).astype(np.int64))
-        layout_out.update(files=files, index="index.npy")
-    checksums["labels.npy"] = save_npy_synced(staged / "labels.npy", np.concatenate(labels).astype(np.int64))
-    checksums["crc32.npy"] = save_npy_synced(staged / "crc32.npy", np.concatenate(sums).astype(SUMS_DTYPE))
-    layout_out["sample_sums"] = {"algorithm": SUMS_ALGORITHM, "file": "crc32.npy"}
-    merged = Origins.concat(origins)
-    files = {name: f"provenance-{name}.npy" for name in merged.arrays()}
-    for name, values in merged.arrays().items():
-        checksums[files[name]] = save_npy_synced(staged / files[name], values)
-    layout_out["provenance"] = {"kind": merged.kind, "files": files}
-    _fsync_dir(staged)
-    return layout_out, checksums
-
-
-def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
-                   dst: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """Write the main file: /labels, /shapes, and /images as a virtual dataset over the parts."""
-    import h5py
-
-    from ..formats.hdf5 import LIBVER, VLEN_CHUNK
-    from ..sources.origins import Origins
-
-    origins = []
-
-    folder = hdf5_parts_path(dst).name
-    samples = hashlib.sha256()
-    labels, shapes, sums = [], [], []
-    layout: dict[str, Any] = {}
-    sources = []
-    n = 0
-    for part, expected in zip(parts, counts):
-        with h5py.File(part, "r", locking=False) as f:
-            m = json.loads(f.attrs["dlstore"])
-            layout = m["layout"]
-            images = f["images"]
-            k = images.shape[0]
-            if k != expected:
-                raise ConversionInterrupted(f"{part}: holds {k} samples, its rank reported {expected}")
-            labels.append(f["labels"][()])
-            sums.append(f[layout["sample_sums"]["dataset"]][()])
-            group = f["provenance"]
-            origins.append(Origins.from_arrays(layout["provenance"]["kind"], {k: group[k][()] for k in group},
-                                               str(part)))
-            variable = layout["kind"] == "variable"
-            if variable:
-                shapes.append(f["shapes"][()])
-            step = 4096 if variable else max(1, (64 << 20) // max(1, int(np.prod(images.shape[1:]))))
-            for a in range(0, k, step):
-                block = images[a:a + step]
-                if variable:
-                    for record in block:
-                        samples.update(np.ascontiguousarray(record).data)
-                else:
-                    samples.update(np.ascontiguousarray(block).data)
-            if k:
-                sources.append((n, k, f"{folder}/{part.name}", images.shape, images.dtype))
-            n += k
-    variable = layout["kind"] == "variable"
-    dtype = h5py.vlen_dtype(np.uint8) if variable else np.uint8
-    shape = (n,) if variable else (n, *sources[0][3][1:])
-    vlayout = h5py.VirtualLayout(shape=shape, dtype=dtype)
-    for a, k, name, part_shape, _ in sources:
-        vlayout[a:a + k] = h5py.VirtualSource(name, "images", shape=part_shape, dtype=dtype)
-    all_labels = np.concatenate(labels).astype("<i8")
-    all_sums = np.concatenate(sums).astype(SUMS_DTYPE)
-    checksums = {"samples": samples.hexdigest(), "labels": hashlib.sha256(all_labels.tobytes()).hexdigest(),
-                 "crc32": hashlib.sha256(all_sums.tobytes()).hexdigest()}
-    with h5py.File(staged, "w", libver=LIBVER) as f:
-        f.create_virtual_dataset("images", vlayout)
-        f.create_dataset("labels", data=all_labels)
-        f.create_dataset("crc32", data=all_sums)
-        if variable:
-            all_shapes = np.concatenate(shapes).astype("<i8").reshape(-1, 3)
-            f.create_dataset("shapes", data=all_shapes, chunks=(VLEN_CHUNK, 3) if n else None,
-                             maxshape=(None, 3) if n else None)
-            checksums["shapes"] = hashlib.sha256(all_shapes.tobytes()).hexdigest()
-        merged = Origins.concat(origins)
-        group = f.create_group("provenance")
-        for name, values in merged.arrays().items():
-            group.create_dataset(name, data=values)
-    layout = dict(layout)
-    layout.pop("chunks", None)
-    layout["provenance"] = {"kind": merged.kind, "group": "provenance"}
-    layout["virtual"] = {"folder": folder, "parts": [{"file": p.name, "count": c} for p, c in zip(parts, counts)]}
-    return layout, checksums
-
-
-def _publish_hdf5(parts_dir: Path, staged: Path, dst: Path, overwrite: bool) -> None:
-    """Move the parts folder next to ``dst``, then publish the main file (which maps it)."""
-    final = hdf5_parts_path(dst)
-    old = final.with_name(f".{final.name}.dlstore-old")
-    if final.exists():
-        if not overwrite:
-            raise StoreExistsError(f"{final}: already exists; pass overwrite=True (--overwrite) to replace it")
-        remove_path(old)
-        os.replace(final, old)
-    os.replace(parts_dir, final)
-    publish(staged, dst, overwrite)
-    remove_path(old)
-
-
-def _merge_lmdb(job: Any, parts: list[Path], staged: Path, count: int, skipped: list[dict[str, str]],
-                total: int, finish: Any) -> None:
-    """Copy the parts' records in order into one environment at ``staged`` (the documented merge step)."""
-    from ..formats.lmdb import LmdbReader
-    from ..sources.origins import Origins
-
-    writer = job.module.Writer(staged, shape=job.record_shape, **job.options)
-    origins = []
-    try:
-        for part in parts:
-            reader = LmdbReader(part, readahead=True)
-            origins.append(reader.origins())
-            for lo in range(0, len(reader), 1024):
-                hi = min(len(reader), lo + 1024)
-                for sample, label in zip(reader.get_many(list(range(lo, hi))), reader.labels[lo:hi].tolist()):
-                    writer.add(sample, label)
-            del reader
-        finish(job, writer, count, skipped, files=total, origins=Origins.concat(origins))
-    finally:
-        writer.close()

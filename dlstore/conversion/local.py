@@ -145,7 +145,7 @@ def convert(
         resume: continue an interrupted conversion to ``dst`` from its last
             completed unit (a shards data file, a committed LMDB transaction, a
             written HDF5 block) instead of starting over. The result is identical
-            to an uninterrupted run (not for distributed conversions).
+            to an uninterrupted run (distributed too, resumed on as many ranks).
         exif_transpose: apply EXIF orientation when decoding (torchvision does not;
             off by default so pixels match your torchvision pipeline).
         max_pixels: refuse larger images (decompression-bomb guard; PIL's limit by default).
