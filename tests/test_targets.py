@@ -327,3 +327,31 @@ def test_gpu_dataset_and_its_partitions_keep_float_target_vectors(tmp_path, hold
     part = SubsetSource(ds, np.array([1, 4, 9]))
     assert part.targets.dtype == np.float32
     np.testing.assert_array_equal(part.targets, targets[[1, 4, 9]])
+
+
+def test_distributed_conversion_of_target_vectors_equals_one_process(tmp_path):
+    """Two gloo ranks convert an array source with (N, K) float targets: each format's assembled store
+    holds the same targets and samples as a single-process conversion, and verifies."""
+    from _helpers import run_two_ranks
+
+    images, targets = _images(13), np.random.default_rng(5).normal(size=(13, 3)).astype(np.float32)
+    np.save(tmp_path / "images.npy", images)
+    np.save(tmp_path / "targets.npy", targets)
+    script = (
+        "import numpy as np\n"
+        "from pathlib import Path\n"
+        "root = Path(store)\n"
+        "images, targets = np.load(root / 'images.npy'), np.load(root / 'targets.npy')\n"
+        "result = {s: dlstore.convert((images, targets), root / f'dist{s}', workers=0, progress=False,\n"
+        "                             distributed=True).count for s in ('.shards', '.lmdb', '.h5')}\n")
+    (tmp_path / "ranks").mkdir()
+    results = run_two_ranks(script, tmp_path, tmp_path / "ranks", timeout=300)
+    assert results[0] == {".shards": 13, ".lmdb": 13, ".h5": 13}
+    for suffix in FORMATS.values():
+        dlstore.convert((images, targets), tmp_path / f"one{suffix}", workers=0, progress=False)
+        dist, one = dlstore.open_dataset(tmp_path / f"dist{suffix}"), dlstore.open_dataset(tmp_path / f"one{suffix}")
+        np.testing.assert_array_equal(dist.targets, targets)
+        assert dist.targets.dtype == np.float32 and dist.manifest["targets"] == one.manifest["targets"]
+        assert torch.equal(dist.read_batch(range(13))[0], one.read_batch(range(13))[0])
+        np.testing.assert_array_equal(dist.get_batch([12, 0])[1].numpy(), targets[[12, 0]])
+        assert verify(tmp_path / f"dist{suffix}", deep=True).ok, suffix

@@ -97,13 +97,14 @@ def assemble(job: Any, dst: Path, parts: list[Path], counts: list[int], count: i
 
 def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """Move every part's data files into ``staged`` (renames, no copy); concatenate labels/index."""
+    from ..formats._targets import read_shards
     from ..formats.shards import ShardReader, read_manifest
     from ..sources.origins import Origins
 
     staged.mkdir()
     files: list[dict[str, Any]] = []
     checksums: dict[str, str] = {}
-    labels, indexes, sums = [], [], []
+    labels, indexes, sums, targets = [], [], [], []
     kind = per_shard = None
     origins = []
     for r, part in enumerate(parts):
@@ -118,6 +119,7 @@ def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], d
             index[:, 0] += len(files)
             indexes.append(index)
         labels.append(np.load(part / layout["labels"], allow_pickle=False))
+        targets.append(read_shards(part, m))
         sums.append(np.load(part / layout["sample_sums"]["file"], allow_pickle=False))
         for entry in entries:
             name = f"rank{r:05d}-{entry['file']}"
@@ -132,6 +134,9 @@ def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], d
         layout_out.update(files=files, index="index.npy")
     checksums["labels.npy"] = save_npy_synced(staged / "labels.npy", np.concatenate(labels).astype(np.int64))
     checksums["crc32.npy"] = save_npy_synced(staged / "crc32.npy", np.concatenate(sums).astype(SUMS_DTYPE))
+    if targets[0] is not None:   # target vectors: one (N, K) array, as a single writer saves it
+        checksums["targets.npy"] = save_npy_synced(staged / "targets.npy", np.concatenate(targets))
+        layout_out["targets"] = "targets.npy"
     layout_out["sample_sums"] = {"algorithm": SUMS_ALGORITHM, "file": "crc32.npy"}
     merged = Origins.concat(origins)
     files = {name: f"provenance-{name}.npy" for name in merged.arrays()}
@@ -147,6 +152,7 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
     """Write the main file: /labels, /shapes, and /images as a virtual dataset over the parts."""
     import h5py
 
+    from ..formats._targets import digest, read_hdf5
     from ..formats.hdf5 import LIBVER, VLEN_CHUNK
     from ..sources.origins import Origins
 
@@ -154,7 +160,7 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
 
     folder = hdf5_parts_path(dst).name
     samples = hashlib.sha256()
-    labels, shapes, sums = [], [], []
+    labels, shapes, sums, targets = [], [], [], []
     layout: dict[str, Any] = {}
     sources = []
     n = 0
@@ -167,6 +173,7 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
             if k != expected:
                 raise ConversionInterrupted(f"{part}: holds {k} samples, its rank reported {expected}")
             labels.append(f["labels"][()])
+            targets.append(read_hdf5(f, part, m))
             sums.append(f[layout["sample_sums"]["dataset"]][()])
             group = f["provenance"]
             origins.append(Origins.from_arrays(layout["provenance"]["kind"], {k: group[k][()] for k in group},
@@ -199,6 +206,10 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
         f.create_virtual_dataset("images", vlayout)
         f.create_dataset("labels", data=all_labels)
         f.create_dataset("crc32", data=all_sums)
+        if targets[0] is not None:   # the parts' layout names /targets and its hash already
+            all_targets = np.concatenate(targets)
+            f.create_dataset("targets", data=all_targets)
+            checksums["targets"] = digest(all_targets)
         if variable:
             all_shapes = np.concatenate(shapes).astype("<i8").reshape(-1, 3)
             f.create_dataset("shapes", data=all_shapes, chunks=(VLEN_CHUNK, 3) if n else None,
@@ -238,15 +249,21 @@ def _publish_hdf5(parts_dir: Path, staged: Path, dst: Path, overwrite: bool) -> 
 def _merge_lmdb(job: Any, parts: list[Path], staged: Path, count: int, skipped: list[dict[str, str]],
                 total: int, finish: Any) -> None:
     """Copy the parts' records in order into one environment at ``staged`` (the documented merge step)."""
+    from ..formats._targets import TargetRows
     from ..formats.lmdb import LmdbReader
     from ..sources.origins import Origins
 
     writer = job.module.Writer(staged, shape=job.record_shape, **job.options)
     origins = []
+    if job.targets is not None:   # the merged store's rows: every part's, in order (finish writes them)
+        job.targets = TargetRows(job.targets.length, job.targets.dtype)
     try:
         for part in parts:
             reader = LmdbReader(part, readahead=True)
             origins.append(reader.origins())
+            if job.targets is not None:
+                for row in reader.targets:
+                    job.targets.append(row)
             for lo in range(0, len(reader), 1024):
                 hi = min(len(reader), lo + 1024)
                 for sample, label in zip(reader.get_many(list(range(lo, hi))), reader.labels[lo:hi].tolist()):

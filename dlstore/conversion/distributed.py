@@ -390,6 +390,7 @@ def _convert_part(job: Any, part_path: Path, first: int, total: int, work: Path,
             raise DistributedError(f"rank {failed[0]} failed; rank {rank} stopped converting")
 
     state_path = work / f"rank-{rank:05d}.json"
+    rows_path = work / f"rank-{rank:05d}.targets"   # target vectors of the samples written (see _targets)
     fingerprint = json.loads(json.dumps(job.fingerprint()))
     state = _read_state(state_path, fingerprint, rank) if resume else None
     if state is not None and "done" in state:
@@ -404,16 +405,23 @@ def _convert_part(job: Any, part_path: Path, first: int, total: int, work: Path,
         else:
             pos, skipped = state["source_pos"], list(state["skipped"])
             job.labels_seen[:] = state["labels_seen"]
+            if job.targets is not None:
+                job.targets.restore(rows_path, int(state["target_rows"]))
             unit = "files" if job.source.origin_kind == "path" else "items"
             log(f"rank {rank}: resuming after {pos} of the {len(job.source)} {unit} of its part")
     if writer is None:
         state_path.unlink(missing_ok=True)
+        rows_path.unlink(missing_ok=True)
         remove_with_siblings(part_path)  # (a part written before the first checkpoint)
         writer = module.Writer(part_path, shape=job.record_shape, **job.options)
 
     def save(source_pos: int) -> None:
-        _write_json(state_path, {"job": fingerprint, "source_pos": source_pos, "skipped": skipped,
-                                 "labels_seen": job.labels_seen, "writer": writer.checkpoint()})
+        state = {"job": fingerprint, "source_pos": source_pos, "skipped": skipped, "labels_seen": job.labels_seen,
+                 "writer": writer.checkpoint()}
+        if job.targets is not None:
+            state["target_rows"] = len(job.targets)
+            job.targets.save(rows_path, len(job.targets))
+        _write_json(state_path, state)
 
     try:
         with tqdm(total=len(job.source), initial=pos, unit="img", dynamic_ncols=True,

@@ -220,9 +220,6 @@ def convert(
         part_workers = max(0, int(workers))
 
         def job_for(part: Any) -> _Job:
-            if getattr(part, "target_spec", None) is not None:
-                raise ArgumentError("target vectors cannot be converted collectively yet (distributed=True, "
-                                    "torchrun); convert them in one process: distributed=False")
             return _Job(source=part, spec=spec, shape=sample_shape(spec, part), module=module, decode=decode,
                         workers=usable_workers(part.loader(decode), part_workers, log), on_error=on_error,
                         options=format_options, codec=codec)

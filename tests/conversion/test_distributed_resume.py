@@ -379,3 +379,32 @@ def test_lmdb_merge_interrupted_keeps_the_finished_parts(tmp_path, reference):
     assert [r.get("count") for r in results] == [N, N], results
     assert not any("resuming after" in m for r in results for m in r["messages"])  # both parts were done
     _check_resumed(dst, "lmdb", reference)
+
+
+class StoppingVectors(Stopping):
+    """The same items with a float32 target vector each (regression-style targets)."""
+
+    def __getitem__(self, i):
+        image, label = super().__getitem__(i)
+        return image, np.array([label, i / 7.0, -1.0], dtype=np.float32)
+
+
+@pytest.mark.parametrize("fmt", list(SUFFIX))
+def test_interrupted_distributed_conversion_of_target_vectors_resumes(tmp_path, fmt):
+    """Each rank keeps its target rows beside its checkpoint: the resumed store holds every row, in order."""
+    dst = tmp_path / f"v{SUFFIX[fmt]}"
+    kwargs = {"static": STATIC, **OPTIONS[fmt]}
+    ds = StoppingVectors()
+    results = run_ranks(_convert_rank, ds, str(dst), kwargs, {"rank": 1, "at": 250}, tmp_path=tmp_path)
+    assert results[1]["error"] == "KeyboardInterrupt" and not dst.exists()
+    assert (work_path(dst) / "rank-00001.targets").is_file()
+    results = run_ranks(_convert_rank, ds, str(dst), {**kwargs, "resume": True}, {}, tmp_path=tmp_path)
+    assert [r.get("count") for r in results] == [N, N], results
+    assert "rank 1: resuming after 64 of the 150 items of its part" in results[1]["messages"]
+    expected = np.stack([ds[i][1] for i in range(N)])
+    one = convert(ds, tmp_path / f"one{SUFFIX[fmt]}", progress=False, workers=0, **kwargs)
+    resumed, reference = open_dataset(dst), open_dataset(one.path)
+    np.testing.assert_array_equal(resumed.targets, expected)
+    assert resumed.targets.dtype == np.float32 and resumed.manifest["targets"] == reference.manifest["targets"]
+    assert torch.equal(resumed.read_batch(range(N))[0], reference.read_batch(range(N))[0])
+    assert verify(dst, deep=True).ok
