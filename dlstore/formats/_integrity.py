@@ -269,3 +269,20 @@ def check_virtual_sources(path: Path, images: Any) -> None:
                 f"{path}: /images maps samples to {path.parent / name}, which is missing: the "
                 f"store's per-rank files (the {name.parent} folder) must stay next to {path.name}; "
                 "move or copy them together")
+
+
+def hold_virtual_sources(path: Path, images: Any, virtual: dict[str, Any]) -> None:
+    """Have HDF5 open every source file of the virtual dataset ``images`` now (one sample of each).
+
+    HDF5 opens a source when a read first touches it, and reads a missing one as zeros,
+    silently: a reader that has read rank 0's samples and not yet rank 1's would read zeros
+    for those once an overwrite deleted the old parts folder. Opened here, they stay open
+    (HDF5 keeps a virtual dataset's sources open while the dataset is), like the inodes the
+    other formats' readers hold.
+    """
+    check_virtual_sources(path, images)
+    start = 0
+    for part in virtual.get("parts", []):
+        if int(part["count"]) > 0:
+            images[start]
+        start += int(part["count"])

@@ -84,6 +84,7 @@ from ._integrity import (
     SUMS_DTYPE,
     SampleChecks,
     check_virtual_sources,
+    hold_virtual_sources,
     record_crc,
     seal_userblock,
     userblock_seal,
@@ -511,6 +512,8 @@ class Hdf5Reader(SampleChecks, ForkSafe):
         self._file = _open_file(self.path, **cache)
         with library_errors_as_damage(self.path):
             self._images = self._file["images"]
+            if self._images.is_virtual:   # every part held open from here on (see _integrity)
+                hold_virtual_sources(self.path, self._images, self.manifest["layout"].get("virtual", {}))
         check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
 
     def __len__(self) -> int:

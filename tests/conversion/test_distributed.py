@@ -21,6 +21,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as tmp
 
@@ -319,3 +320,19 @@ def test_hdf5_store_without_its_parts_folder_is_refused(rgb_folder, tmp_path):
         open_dataset(moved / "s.h5")
     shutil.move(tmp_path / "s.h5.parts", moved / "s.h5.parts")
     assert len(open_dataset(moved / "s.h5")) == 24 and verify(moved / "s.h5").ok
+
+
+def test_open_hdf5_reader_keeps_reading_its_parts_after_they_are_removed(rgb_folder, tmp_path):
+    """HDF5 reads a virtual dataset's missing source as zeros, silently. A reader that has read one
+    sample holds every part open: removing the parts folder (an overwrite deletes the old one)
+    leaves it reading the old pixels of every part, never zeros."""
+    results = run_ranks(_convert_one, str(rgb_folder), str(tmp_path / "s.h5"), {"static": "center_crop=16"},
+                        tmp_path=tmp_path)
+    assert all("ok" in r for r in results), results
+    expected = open_dataset(tmp_path / "s.h5").read_batch(range(24))[0].clone()
+    assert expected.flatten(1).amax(1).min() > 0   # no sample is all zeros: a zero read would show
+    ds = open_dataset(tmp_path / "s.h5")
+    assert torch.equal(ds.read(0), expected[0])    # warm: rank 0's part read, rank 1's not yet
+    shutil.rmtree(tmp_path / "s.h5.parts")
+    got = torch.stack([ds.read(i) for i in range(24)])
+    assert torch.equal(got, expected)
