@@ -132,7 +132,8 @@ dist.init_process_group("gloo", init_method="file://" + rendezvous, rank=rank, w
 """
 _RANK_EPILOGUE = """
 json.dump(result, open(out, "w"))
-dist.destroy_process_group()
+dist.barrier()   # both ranks leave together: gloo aborts ("terminate called without an active
+dist.destroy_process_group()   # exception") when its peer tears the group down mid-exchange
 """
 
 
