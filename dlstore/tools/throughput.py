@@ -103,7 +103,7 @@ def measure_throughput(
 ) -> Trial:
     """Steady-state throughput of ``DataLoader(dataset, shuffle=shuffle, **kwargs, **extra)``.
 
-    With ``kwargs["threads"] > 0`` it is ``dlstore.loader(dataset, shuffle=shuffle, **kwargs)``
+    With ``kwargs["threads"] > 0`` or ``kwargs["shm_ring"]`` it is ``dlstore.loader(dataset, shuffle=shuffle, **kwargs)``
     (``extra`` gives only ``drop_last`` then).
 
     Starts a fresh loader, skips the first ``warmup`` batches (default
@@ -134,7 +134,7 @@ def measure_throughput(
     warmup = workers + threads + 1 if warmup is None else warmup
     max_seconds = 4 * seconds + 30 if max_seconds is None else max_seconds
     non_blocking = bool(kwargs.get("pin_memory")) and dev is not None and dev.type == "cuda"
-    if threads:
+    if threads or kwargs.get("shm_ring"):   # dlstore.loader: threads, or workers writing into the ring
         from ..data.loading import loader as store_loader
 
         drop_last = bool((extra or {}).get("drop_last", False))

@@ -18,7 +18,9 @@ prefetch):
    CPUs); then the midpoints next to the best. For a StoreDataset that threads apply to
    (``dlstore.data.loading.threads_apply``), ``dlstore.loader(ds, threads=t)``, t = 1, 2 and
    the usable CPUs (at most 8), joins the sweep; among equals threads (no inter-process
-   copy) beat processes. When threads win, the kwargs are for ``dlstore.loader``.
+   copy) beat processes; so do ``dlstore.loader(ds, num_workers=w, shm_ring=True)``, worker
+   processes writing into a shared-memory ring (no per-batch segment), for the same worker
+   counts. When threads or the ring win, the kwargs are for ``dlstore.loader``.
 3. ``prefetch_factor`` 1, 4, 8 around the best worker count (2 was measured).
 4. ``pin_memory`` on and off, only when the target device is CUDA.
 5. ``persistent_workers`` off, only when an epoch is short enough that the
@@ -97,7 +99,8 @@ class TuneResult(dict):
     def call(self, name: str = "dataset") -> str:
         """The recommended loader as code: ``DataLoader(dataset, ...)`` or ``dlstore.loader(dataset, ...)``."""
         args = ", ".join(f"{k}={v!r}" for k, v in self.items())
-        return f"{'dlstore.loader' if self.get('threads') else 'DataLoader'}({name}, {args})"
+        store_loader = self.get("threads") or self.get("shm_ring")
+        return f"{'dlstore.loader' if store_loader else 'DataLoader'}({name}, {args})"
 
     def rate(self, kwargs: dict[str, Any]) -> float:
         """Median batches/s over every trial of exactly these kwargs (0.0 if never measured)."""
@@ -126,7 +129,8 @@ class TuneResult(dict):
             mark = "*" if t is self.best else " "
             note = t.stage + (f": {t.note}" if t.note else "")
             lines.append(
-                f"{mark} {t.num_workers:>7} {k.get('threads') or '-':>7} {str(k.get('prefetch_factor', '-')):>8} "
+                f"{mark} {t.num_workers:>7} {'ring' if k.get('shm_ring') else k.get('threads') or '-':>7} "
+                f"{str(k.get('prefetch_factor', '-')):>8} "
                 f"{'yes' if k.get('pin_memory') else 'no':>5} "
                 f"{('yes' if k.get('persistent_workers') else 'no') if t.num_workers else '-':>7} "
                 f"{t.batches_per_s:>10.1f} {t.samples_per_s:>10.0f} "
@@ -210,9 +214,12 @@ def tune(
         raise ArgumentError("tune(threads=True) needs a fixed-shape StoreDataset (dlstore.open_dataset)")
     deadline = time.perf_counter() + budget
     # Two rounds of the coarse sweep need ~0.5 s a trial at least; one round otherwise.
-    rounds = 2 if budget >= 2 * (1 + len(thread_counts) + len(candidates)) * 0.5 + 8 else 1
+    # the shared-memory ring applies where threads do (a fixed-shape StoreDataset)
+    ring_counts = [w for w in candidates if w > 0] if thread_counts else []
+    sweep_size = 1 + len(thread_counts) + len(candidates) + len(ring_counts)
+    rounds = 2 if budget >= 2 * sweep_size * 0.5 + 8 else 1
     # Planned trials: sweep, up to 2 refinements, 3 prefetch, pin, persistent, 3 confirmations.
-    planned = rounds * (1 + len(thread_counts) + len(candidates)) + 2 + 3 + (1 if cuda else 0) + 1 + 3
+    planned = rounds * sweep_size + 2 + 3 + (1 if cuda else 0) + 1 + 3
     trials: list[Trial] = []
     notes: list[str] = []
     skipped: list[str] = []
@@ -241,6 +248,10 @@ def tune(
     def config(workers: int, prefetch: int = 2, pin: bool = cuda, persistent: bool = True) -> dict[str, Any]:
         return loader_kwargs(batch_size, workers, prefetch_factor=prefetch, pin_memory=pin,
                              persistent_workers=persistent)
+
+    def like(kwargs: dict[str, Any], workers: int) -> dict[str, Any]:
+        """``config(workers)`` through the same kind of loader as ``kwargs`` (the ring or the DataLoader)."""
+        return dict(config(workers), shm_ring=True) if kwargs.get("shm_ring") and workers > 0 else config(workers)
 
     def rate(kwargs: dict[str, Any]) -> float:
         # The median of every measurement of these kwargs. Not the best: on a busy machine one
@@ -271,6 +282,7 @@ def tune(
     # Threads (a StoreDataset) join the sweep: against the processes under the same conditions.
     sweep = [(config(0), "baseline")] + [(config(w), "workers") for w in candidates]
     sweep[1:1] = [(dict(config(0), threads=t), "threads") for t in thread_counts]
+    sweep += [(dict(config(w), shm_ring=True), "ring") for w in ring_counts]
     for _ in range(rounds):
         for kwargs, stage in sweep:
             if run(kwargs, stage) is None:
@@ -283,17 +295,17 @@ def tune(
     while (max_workers is None and int(best["num_workers"]) == top_count
            and top_count < 4 * cpus.usable):
         top_count = min(2 * top_count, 4 * cpus.usable)
-        if run(config(top_count), "extend") is None:
+        if run(like(best, top_count), "extend") is None:
             break
         best = pick(measured())
     # Refine between the best worker count and its measured neighbours.
-    counts = sorted({int(k["num_workers"]) for k in measured()})
+    counts = sorted({int(k["num_workers"]) for k in measured() if bool(k.get("shm_ring")) == bool(best.get("shm_ring"))})
     best_workers = int(best["num_workers"])
     if best_workers > 0:
         i = counts.index(best_workers)
         for neighbour in (counts[i - 1] if i > 0 else None, counts[i + 1] if i + 1 < len(counts) else None):
             mid = (best_workers + neighbour) // 2 if neighbour is not None else 0
-            if mid >= 1 and mid not in counts and run(config(mid), "refine") is None:
+            if mid >= 1 and mid not in counts and run(like(best, mid), "refine") is None:
                 break
         best = pick(measured())
 
@@ -304,7 +316,7 @@ def tune(
         local = pick(with_workers)
         if rate(local) >= 0.7 * rate(best):
             for prefetch in (1, 4, 8):
-                if run(config(int(local["num_workers"]), prefetch=prefetch), "prefetch") is None:
+                if run(dict(local, prefetch_factor=prefetch), "prefetch") is None:
                     break
         best = pick(measured())
 

@@ -267,3 +267,22 @@ def test_tune_threads_only_for_stores(small_store):
     ds = dlstore.open_dataset(small_store / "small.shards")
     result = tune(ds, 8, budget=0.5, max_workers=1, threads=False)
     assert not [t for t in result.trials if t.kwargs.get("threads")] and result.call().startswith("DataLoader(")
+
+
+def test_tune_measures_the_shared_memory_ring_for_stores(small_store):
+    """Worker processes through dlstore.loader's ring join the sweep of a fixed-shape store; their
+    kwargs build a ShmRingLoader; a DataLoader-only tune (threads=False) measures none."""
+    from dlstore.data.shm_ring import ShmRingLoader
+
+    ds = dlstore.open_dataset(small_store / "small.shards")
+    result = tune(ds, 8, budget=2.0, max_workers=1)
+    ring = [t for t in result.trials if t.stage == "ring"]
+    assert ring and all(t.kwargs["shm_ring"] and t.num_workers >= 1 for t in ring), result.table()
+    assert "ring" in result.table()
+    loader = dlstore.loader(ds, **ring[0].kwargs)
+    assert isinstance(loader, ShmRingLoader)
+    assert sum(len(y) for _, y in loader) == len(ds)
+    if result.get("shm_ring"):
+        assert result.call().startswith("dlstore.loader(dataset, ")
+    plain = tune(ds, 8, budget=0.5, max_workers=1, threads=False)
+    assert not [t for t in plain.trials if t.kwargs.get("shm_ring")]
