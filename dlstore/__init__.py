@@ -24,6 +24,7 @@ from .errors import (
     DeviceMemoryError,
     DistributedError,
     DlstoreError,
+    SharedMemoryError,
     SourceError,
     StaticMismatchError,
     StoreBusyError,
@@ -32,6 +33,7 @@ from .errors import (
     TransformSpecError,
     UnknownFormatError,
     VariableShapeError,
+    WorkerError,
 )
 from .tools.verification import VerifyReport, verify
 from .transforms import HybridTransform, split_transforms
@@ -50,6 +52,7 @@ __all__ = [
     "HybridTransform",
     "LMDBDataset",
     "ShardsDataset",
+    "SharedMemoryError",
     "SourceError",
     "StaticMismatchError",
     "StoreBusyError",
@@ -60,6 +63,7 @@ __all__ = [
     "UnknownFormatError",
     "VariableShapeError",
     "VerifyReport",
+    "WorkerError",
     "convert",
     "loader",
     "open_dataset",

@@ -109,3 +109,8 @@ class DiskFullError(StoreWriteError):
 
 class WorkerError(DlstoreError, RuntimeError):
     """A loader worker process died (killed, crashed) while batches were being built."""
+
+
+class SharedMemoryError(DlstoreError, MemoryError):
+    """The shared memory (``/dev/shm``) cannot hold a loader's ring of batches; the message says how
+    much it needs, how much is free, and what to do."""

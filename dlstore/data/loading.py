@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,7 +24,7 @@ from .dataset import StoreDataset
 from .device import DeviceLoader, host_stage
 from .gpu import GPUDataset
 from .gpu_loader import GPULoader
-from .shm_ring import ShmRingLoader, batch_spec
+from .shm_ring import ShmRingLoader, batch_spec, ring_bytes, shm_free, shm_message
 from .threads import ThreadLoader
 
 # threads=None picks min(usable CPUs, this): beyond it memory bandwidth, not CPU, bounds a
@@ -272,6 +273,12 @@ def loader(
     if shm_ring and spec is None:
         raise ArgumentError(f"shm_ring=True needs a batch path of fixed output shape; {dataset!r} gives "
                             "variable shapes or non-tensor batches: pass shm_ring=False (or leave it None)")
+    if spec is not None and shm_ring is None:   # chosen: a ring that does not fit /dev/shm is not chosen
+        need, free = ring_bytes(spec, batch_size, num_workers * (prefetch_factor or 2), num_workers), shm_free()
+        if free is not None and need > free // 2:
+            warnings.warn(f"dlstore.loader: not using worker processes' shared-memory ring: {shm_message(need)}",
+                          stacklevel=2)
+            spec = None
     if spec is not None:
         return ShmRingLoader(dataset, batches, workers=num_workers, prefetch=num_workers * (prefetch_factor or 2),
                              spec=spec, generator=generator, pin_memory=pin_memory,

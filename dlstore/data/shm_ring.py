@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import pickle
 import random
+import shutil
 import time
 import traceback
 import weakref
@@ -71,7 +72,8 @@ import torch
 import torch.multiprocessing as tmp
 from torch.utils.data import BatchSampler
 
-from ..errors import ArgumentError, UsageError, WorkerError
+from ..errors import ArgumentError, SharedMemoryError, UsageError, WorkerError
+from ..units import human_bytes
 from .threads import ThreadLoader, batch_seed
 
 # Seconds the workers get to exit after being told to, before they are terminated.
@@ -79,6 +81,33 @@ _JOIN_S = 5.0
 # numpy stands in for torch dtypes it lacks (bfloat16) by an integer type of the same size:
 # the ring's numpy views are only handles whose lifetime says whether a slot is held.
 _SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+SHM = "/dev/shm"
+
+
+def shm_free() -> int | None:
+    """Free bytes of the shared memory torch allocates from (``/dev/shm``), or None if unknown."""
+    try:
+        return shutil.disk_usage(SHM).free
+    except OSError:
+        return None
+
+
+def ring_bytes(spec: tuple[tuple[int, ...], torch.dtype], rows: int, prefetch: int, workers: int) -> int:
+    """Shared memory a ShmRingLoader of ``prefetch`` batches in flight takes (its slots)."""
+    shape, dtype = spec
+    size = max(prefetch, workers) + 3   # as ShmRingLoader.ring_size
+    return size * rows * int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+
+
+def shm_message(need: int, detail: str = "") -> str:
+    free = shm_free()
+    have = "unknown" if free is None else human_bytes(free)
+    return (f"the loader's ring of batches needs {human_bytes(need)} of shared memory and {SHM} has {have} "
+            f"free {detail}".rstrip() + "; in Docker raise it (docker run --shm-size=2g), or lower "
+            "prefetch_factor / num_workers / batch_size, or read on threads (num_workers=0), or pass "
+            "shm_ring=False (the DataLoader path, which also needs shared memory per batch)")
 
 
 def batch_spec(dataset: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
@@ -174,7 +203,11 @@ class _Ring:
 
     def __init__(self, size: int, rows: int, shape: tuple[int, ...], dtype: torch.dtype):
         self.dtype = dtype
-        self.slots = [torch.empty((rows, *shape), dtype=dtype).share_memory_() for _ in range(size)]
+        try:
+            self.slots = [torch.empty((rows, *shape), dtype=dtype).share_memory_() for _ in range(size)]
+        except RuntimeError as exc:   # torch: "unable to allocate shared memory(shm) ... No space left"
+            need = size * rows * int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+            raise SharedMemoryError(shm_message(need, f"({exc})")) from None
         same = _SAME_SIZE[self.slots[0].element_size()]
         self.arrays = [s.view(same).numpy() for s in self.slots]
         self.held: list[weakref.ref | None] = [None] * size

@@ -372,3 +372,44 @@ def test_a_second_pass_started_mid_pass_takes_over(persistent, stores):
     assert torch.equal(x, expected[0][0])           # the old pass's batch is still the user's
     dl.close()
     assert not _children()
+
+
+_SMALL_SHM = r"""
+import sys, warnings
+import numpy as np
+import dlstore
+from torch.utils.data import DataLoader
+from dlstore.data.shm_ring import ShmRingLoader
+from dlstore.errors import SharedMemoryError
+
+images = np.random.default_rng(0).integers(0, 256, (40, 64, 64, 3), dtype=np.uint8)
+ds = dlstore.open_dataset(dlstore.convert((images, np.arange(40) % 2), sys.argv[1], workers=0, progress=False).path)
+try:   # asked for: 7 slots of 64x3x64x64 (5.5 MiB) in a 4 MiB /dev/shm
+    next(iter(dlstore.loader(ds, 64, num_workers=2, shm_ring=True)))
+    print("no error")
+except SharedMemoryError as exc:
+    print("error:", exc)
+with warnings.catch_warnings(record=True) as caught:   # chosen: not the ring, and a warning says why
+    warnings.simplefilter("always")
+    chosen = dlstore.loader(ds, 64, num_workers=2)
+print("chosen:", type(chosen).__name__, "|", "; ".join(str(w.message) for w in caught))
+"""
+
+
+def test_a_ring_that_does_not_fit_in_dev_shm_is_a_clear_error_or_not_chosen(tmp_path):
+    """A real 4 MiB /dev/shm (a tmpfs in a private mount namespace, as Docker's 64 MiB default is)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "small_shm.py"
+    script.write_text(_SMALL_SHM)
+    cmd = f"mount -t tmpfs -o size=4m tmpfs /dev/shm && exec {sys.executable} {script} {tmp_path / 's.shards'}"
+    proc = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=300,
+                          check=False)
+    if proc.returncode != 0 and ("mount" in proc.stderr or "unshare" in proc.stderr):
+        pytest.skip(f"cannot mount a private /dev/shm here (needs root): {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr
+    error, chosen = proc.stdout.strip().splitlines()[-2:]
+    assert error.startswith("error: the loader's ring of batches needs 5.2 MiB of shared memory and /dev/shm has")
+    assert "--shm-size" in error and "num_workers=0" in error
+    assert chosen.startswith("chosen: DataLoader | dlstore.loader: not using worker processes' shared-memory ring")
