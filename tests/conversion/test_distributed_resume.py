@@ -96,16 +96,21 @@ def run_ranks(fn, *args, tmp_path: Path, world: int = 2) -> list[dict | None]:
     return [None if r is None else r["ok"] for r in results]
 
 
+def _converting(src, dst: str, kwargs: dict) -> dict:
+    """``convert(src, dst)`` collectively: the count, or the error (KeyboardInterrupt included), with what it logged."""
+    messages: list[str] = []
+    try:
+        r = convert(src, dst, progress=False, workers=0, distributed=True, log=messages.append, **kwargs)
+    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt included: reported to the test
+        return {"error": type(exc).__name__, "message": str(exc), "messages": messages}
+    return {"count": r.count, "messages": messages}
+
+
 def _convert_rank(rank: int, ds: Stopping, dst: str, kwargs: dict, stop: dict) -> dict:
     """Convert ``ds`` collectively; the result or the error, with what the conversion logged."""
     if rank == stop.get("rank"):
         ds.stop_at, ds.how = stop["at"], stop.get("how", "interrupt")
-    messages: list[str] = []
-    try:
-        r = convert(ds, dst, progress=False, workers=0, distributed=True, log=messages.append, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt included: reported to the test
-        return {"error": type(exc).__name__, "message": str(exc), "messages": messages}
-    return {"count": r.count, "messages": messages}
+    return _converting(ds, dst, kwargs)
 
 
 def _store(path: Path) -> dict:
@@ -320,12 +325,7 @@ def _convert_folder_rank(rank: int, src: str, dst: str, kwargs: dict, stop_file:
             return opened(fp, *args, **kw)
 
         Image.open = stopping
-    messages: list[str] = []
-    try:
-        r = convert(src, dst, progress=False, workers=0, distributed=True, log=messages.append, **kwargs)
-    except BaseException as exc:  # noqa: BLE001 - KeyboardInterrupt included: reported to the test
-        return {"error": type(exc).__name__, "message": str(exc), "messages": messages}
-    return {"count": r.count, "messages": messages}
+    return _converting(src, dst, kwargs)
 
 
 @pytest.mark.parametrize("fmt", list(SUFFIX))
