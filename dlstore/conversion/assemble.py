@@ -60,6 +60,15 @@ def check_parts_folder(dst: Path, overwrite: bool) -> None:
                                "replaces only a store's own parts)")
 
 
+def remove_old_parts(dst: Path) -> None:
+    """After a single-process HDF5 store replaced a distributed one at ``dst``: remove the old
+    store's ``DST.parts`` folder, if it holds nothing but part files (readers of the old store
+    hold their parts open: see formats._integrity.hold_virtual_sources)."""
+    parts = hdf5_parts_path(dst)
+    if parts.is_dir() and not parts.is_symlink() and all(_PART_FILE.fullmatch(n) for n in os.listdir(parts)):
+        remove_path(parts)
+
+
 # --- assembly on rank 0 ---------------------------------------------------------------------
 
 def assemble(job: Any, dst: Path, parts: list[Path], counts: list[int], count: int,

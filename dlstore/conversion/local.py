@@ -38,6 +38,7 @@ from ..formats.encoding import ENCODINGS
 from ..sources import open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS
 from ..transforms.static import output_shape, parse_static
+from .assemble import remove_old_parts
 from .distributed import active_group, convert_distributed
 from .job import ON_ERROR, ConvertResult, _feed, _finish, _Job, disk_usage
 from .pool import apply_static_any, usable_workers
@@ -246,7 +247,10 @@ def convert(
             remove_staging(staged)  # left by a conversion that crashed, or not resumable
         try:
             count, skipped = _run(job, staged, checkpoint, progress, dst.name)
+            replaced = dst.exists()
             publish(staged, dst, overwrite)
+            if replaced and module.FORMAT == "hdf5":   # a distributed store replaced by this one: its parts
+                remove_old_parts(dst)
         except (DecodeError, SourceError):
             remove_staging(staged)  # bad input: nothing worth resuming
             raise

@@ -336,3 +336,16 @@ def test_open_hdf5_reader_keeps_reading_its_parts_after_they_are_removed(rgb_fol
     shutil.rmtree(tmp_path / "s.h5.parts")
     got = torch.stack([ds.read(i) for i in range(24)])
     assert torch.equal(got, expected)
+
+
+def test_single_process_overwrite_of_a_distributed_hdf5_store_removes_its_parts(rgb_folder, tmp_path):
+    results = run_ranks(_convert_one, str(rgb_folder), str(tmp_path / "s.h5"), {"static": "center_crop=16"},
+                        tmp_path=tmp_path)
+    assert all("ok" in r for r in results), results
+    old = open_dataset(tmp_path / "s.h5")
+    old_pixels = old.read_batch(range(24))[0].clone()
+    convert(rgb_folder, tmp_path / "s.h5", static="center_crop=12", workers=0, progress=False, overwrite=True)
+    assert not (tmp_path / "s.h5.parts").exists()
+    assert open_dataset(tmp_path / "s.h5").read(0).shape[-1] == 12 and verify(tmp_path / "s.h5").ok
+    # a reader of the old store that has read holds its parts open: still the old pixels, no zeros
+    assert torch.equal(old.read_batch(range(24))[0], old_pixels)
