@@ -129,8 +129,9 @@ def loader(
     slots allocated once (a :class:`~dlstore.data.shm_ring.ShmRingLoader`; ``shm_ring=False``
     takes the DataLoader instead): only the slot number, the batch index and the labels cross
     the pipes, 3.8-4.7x the DataLoader path's samples/s on 224 px batches. Its batches are the
-    threads' (the same per-batch seeds, for batch transforms and for per-sample torchvision ops
-    alike, and the sampler order, whatever the worker count); a batch handed out is a slot,
+    threads' (the same per-batch seeds and sampler order, whatever the worker count; per-sample
+    torchvision ops draw from torch's, numpy's and ``random``'s global generators, which each
+    worker seeds per batch, so they too are the same for any worker count); a batch handed out is a slot,
     reused only once no tensor (view, ``.numpy()`` array) refers to it. ``persistent_workers``,
     ``multiprocessing_context``, ``worker_init_fn``, ``pin_memory`` and ``prefetch_factor``
     (batches in flight per worker) apply; one pass at a time (a pass started while another is
@@ -279,15 +280,19 @@ def loader(
             warnings.warn(f"dlstore.loader: not using worker processes' shared-memory ring: {shm_message(need)}",
                           stacklevel=2)
             spec = None
+
+    def dataloader() -> DataLoader:
+        options: dict[str, Any] = {}
+        if num_workers > 0:
+            options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                           multiprocessing_context=multiprocessing_context)
+        return DataLoader(_Batches(dataset, generator), sampler=batches,
+                          batch_size=None, num_workers=num_workers, collate_fn=_as_is, pin_memory=pin_memory,
+                          worker_init_fn=worker_init_fn, generator=generator, **options)
+
     if spec is not None:
         return ShmRingLoader(dataset, batches, workers=num_workers, prefetch=num_workers * (prefetch_factor or 2),
                              spec=spec, generator=generator, pin_memory=pin_memory,
                              persistent_workers=persistent_workers, multiprocessing_context=multiprocessing_context,
-                             worker_init_fn=worker_init_fn)
-    options: dict[str, Any] = {}
-    if num_workers > 0:
-        options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
-                       multiprocessing_context=multiprocessing_context)
-    return DataLoader(_Batches(dataset, generator), sampler=batches,
-                      batch_size=None, num_workers=num_workers, collate_fn=_as_is, pin_memory=pin_memory,
-                      worker_init_fn=worker_init_fn, generator=generator, **options)
+                             worker_init_fn=worker_init_fn, fallback=dataloader if shm_ring is None else None)
+    return dataloader()

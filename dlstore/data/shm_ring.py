@@ -62,6 +62,7 @@ import random
 import shutil
 import time
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from multiprocessing.connection import wait
@@ -175,6 +176,7 @@ def _serve(dataset: Any, slots: list[torch.Tensor], tasks: Any, results: Any, cu
             # also seed every accelerator's, 0.14 ms a batch)
             torch.default_generator.manual_seed(seed)
             random.seed(seed)
+            np.random.seed(seed % (1 << 32))   # as DataLoader workers seed numpy (np.random augmentations)
             target[0] = slot
             images, labels = dataset.get_batch(indices, generator=generator)
             target[0] = None
@@ -186,8 +188,10 @@ def _serve(dataset: Any, slots: list[torch.Tensor], tasks: Any, results: Any, cu
                     f"batch {k} is {got} {getattr(images, 'dtype', '')}, but the loader's shared-memory slots "
                     f"hold ({rows}, {', '.join(map(str, slot.shape[1:]))}) {slot.dtype} (the shape of sample 0's "
                     "batch): this pipeline's output shape varies; use dlstore.loader(..., shm_ring=False)")
-            if images.data_ptr() != slot.data_ptr():
-                slot[:rows].copy_(images)
+            if images.data_ptr() != slot.data_ptr() or images.stride() != slot[:rows].stride():
+                # another tensor, or a view of the slot in another layout (a transpose of square
+                # images): copied through a contiguous copy, since the source may overlap the slot
+                slot[:rows].copy_(images if images.data_ptr() != slot.data_ptr() else images.contiguous())
             del images
             if isinstance(labels, torch.Tensor):
                 labels = labels.numpy()          # plain bytes through the pipe, not a shared segment
@@ -330,9 +334,12 @@ class ShmRingLoader(ThreadLoader):
     def __init__(self, dataset: Any, batch_sampler: BatchSampler, *, workers: int, prefetch: int,
                  spec: tuple[tuple[int, ...], torch.dtype], generator: torch.Generator | None = None,
                  pin_memory: bool = False, persistent_workers: bool = False, multiprocessing_context: Any = None,
-                 worker_init_fn: Callable[[int], None] | None = None):
+                 worker_init_fn: Callable[[int], None] | None = None, fallback: Callable[[], Any] | None = None):
         super().__init__(dataset, batch_sampler, threads=workers, prefetch=prefetch, generator=generator,
                          pin_memory=pin_memory)
+        # chosen by dlstore.loader (not asked for): the loader to use if /dev/shm cannot hold the ring
+        self.fallback = fallback
+        self._fallback_loader: Any = None
         self.workers = workers
         self.spec = spec
         self.persistent_workers = persistent_workers
@@ -372,8 +379,18 @@ class ShmRingLoader(ThreadLoader):
         return None
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
-        self._start()   # the workers start here, as a DataLoader's do at iter(): worker_init_fn runs
-        return self._pass_batches()   # before the first next() (dlstore bench gates on it)
+        if self._fallback_loader is not None:
+            return iter(self._fallback_loader)
+        try:
+            self._start()   # the workers start here, as a DataLoader's do at iter(): worker_init_fn runs
+        except SharedMemoryError as exc:   # before the first next() (dlstore bench gates on it)
+            if self.fallback is None:
+                raise
+            # other loaders took the shared memory since this one was made: the DataLoader path
+            warnings.warn(f"dlstore.loader: {exc}; this loader takes the DataLoader path", stacklevel=2)
+            self._fallback_loader = self.fallback()
+            return iter(self._fallback_loader)
+        return self._pass_batches()
 
     def _pass_batches(self) -> Iterator[tuple[torch.Tensor, Any]]:
         base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
@@ -461,8 +478,9 @@ class ShmRingLoader(ThreadLoader):
                     pool.ready.discard(j)
                 if self._pool is not None:
                     self._pool.current.value = 0     # workers skip what is left of this pass
-                if not self.persistent_workers:
-                    self._stop_workers()
+                if not self.persistent_workers or (self._pool is not None and
+                                                   any(p.exitcode is not None for p in self._pool.procs)):
+                    self._stop_workers()     # (persistent workers with a dead one: fresh ones next pass)
 
     def _receive(self, pool: _Pool, pass_id: int, ready: dict[int, tuple], pending: dict[int, int]) -> None:
         got_pass, k, j, rows, labels, error = pool.get(sorted(pending))

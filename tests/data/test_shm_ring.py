@@ -272,8 +272,36 @@ def test_a_dead_worker_raises(stores):
             if k == 2:
                 os.kill(dl._pool.procs[0].pid, signal.SIGKILL)
                 dl._pool.procs[0].join()
+    # persistent workers, one of them dead: the next pass starts fresh ones (it raised again before)
+    assert _same(_epoch(dl), _epoch(dlstore.loader(dlstore.open_dataset(stores["shards"]), 1, threads=1)))
     dl.close()
     assert not _children()
+
+
+def _transpose(images, generator=None):
+    return images.transpose(2, 3)   # a view of the batch (in the worker: of its slot) in another layout
+
+
+def _np_noise(images, generator=None):
+    return images + torch.from_numpy(np.random.randint(0, 50, images.shape, dtype=np.uint8))
+
+
+def test_a_batch_transform_returning_a_view_of_the_slot_in_another_layout_is_copied(stores):
+    """Square samples transposed: the same shape and memory as the slot, other strides (was: the raw pixels)."""
+    ds = dlstore.open_dataset(stores["hdf5"], batch_transform=_transpose)
+    reference = _epoch(dlstore.loader(ds, 5, threads=1))
+    assert not torch.equal(reference[0][0], reference[0][0].transpose(2, 3))   # a transpose changes pixels
+    assert _same(_epoch(_ring(ds, 5, 2)), reference)
+
+
+def test_workers_seed_numpy_per_batch(stores):
+    """np.random augmentations draw anew each epoch and the same for any worker count (DataLoader
+    workers seed numpy too; the ring's did not: every epoch repeated the parent's draws)."""
+    ds = dlstore.open_dataset(stores["shards"], batch_transform=_np_noise)
+    one, two = _ring(ds, 4, 1, generator=_gen(3)), _ring(ds, 4, 2, generator=_gen(3))
+    first, second = _epoch(one), _epoch(one)
+    assert not _same(first, second)
+    assert _same(first, _epoch(two))
 
 
 @pytest.mark.parametrize("persistent", [False, True])
@@ -393,6 +421,13 @@ with warnings.catch_warnings(record=True) as caught:   # chosen: not the ring, a
     warnings.simplefilter("always")
     chosen = dlstore.loader(ds, 64, num_workers=2)
 print("chosen:", type(chosen).__name__, "|", "; ".join(str(w.message) for w in caught))
+# three loaders made up front (train/val/test), each fitting alone (5 slots of 24x3x64x64: 1.4 MiB), not
+# together: the one that finds no room when it starts takes the DataLoader path, with a warning
+loaders = [dlstore.loader(ds, 24, num_workers=1) for _ in range(3)]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    counts = [sum(len(y) for _, y in dl) for dl in loaders]
+print("three:", [type(dl).__name__ for dl in loaders], counts, sum("DataLoader path" in str(w.message) for w in caught))
 """
 
 
@@ -409,7 +444,8 @@ def test_a_ring_that_does_not_fit_in_dev_shm_is_a_clear_error_or_not_chosen(tmp_
     if proc.returncode != 0 and ("mount" in proc.stderr or "unshare" in proc.stderr):
         pytest.skip(f"cannot mount a private /dev/shm here (needs root): {proc.stderr.strip()[-200:]}")
     assert proc.returncode == 0, proc.stderr
-    error, chosen = proc.stdout.strip().splitlines()[-2:]
+    error, chosen, three = proc.stdout.strip().splitlines()[-3:]
+    assert three == "three: ['ShmRingLoader', 'ShmRingLoader', 'ShmRingLoader'] [40, 40, 40] 1"
     assert error.startswith("error: the loader's ring of batches needs 5.2 MiB of shared memory and /dev/shm has")
     assert "--shm-size" in error and "num_workers=0" in error
     assert chosen.startswith("chosen: DataLoader | dlstore.loader: not using worker processes' shared-memory ring")
