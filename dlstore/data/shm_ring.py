@@ -95,10 +95,16 @@ def shm_free() -> int | None:
         return None
 
 
+def ring_size(in_flight: int) -> int:
+    """Slots of a ring with ``in_flight`` batches dispatched: those, the one the user holds and the one
+    before it (still bound to the loop variable, and to enumerate's tuple, while next() runs), a spare."""
+    return in_flight + 3
+
+
 def ring_bytes(spec: tuple[tuple[int, ...], torch.dtype], rows: int, prefetch: int, workers: int) -> int:
     """Shared memory a ShmRingLoader of ``prefetch`` batches in flight takes (its slots)."""
     shape, dtype = spec
-    size = max(prefetch, workers) + 3   # as ShmRingLoader.ring_size
+    size = ring_size(max(prefetch, workers))
     return size * rows * int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
 
 
@@ -345,9 +351,7 @@ class ShmRingLoader(ThreadLoader):
         self.persistent_workers = persistent_workers
         self.multiprocessing_context = multiprocessing_context
         self.worker_init_fn = worker_init_fn
-        # Slots: the batches in flight, the one the user holds and the one before it (still bound
-        # to the loop variable, and to enumerate's tuple, while next() runs), and a spare.
-        self.ring_size = self.prefetch + 3
+        self.ring_size = ring_size(self.prefetch)
         self._ring: _Ring | None = None
         self._pool: _Pool | None = None
         self._pass = 0
