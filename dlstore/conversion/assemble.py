@@ -172,10 +172,12 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
     labels, shapes, sums, targets = [], [], [], []
     layout: dict[str, Any] = {}
     sources = []
+    part_checksums = []
     n = 0
     for part, expected in zip(parts, counts):
         with h5py.File(part, "r", locking=False) as f:
             m = json.loads(f.attrs["dlstore"])
+            part_checksums.append(m["checksums"]["files"])
             layout = m["layout"]
             images = f["images"]
             k = images.shape[0]
@@ -231,7 +233,10 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
     layout = dict(layout)
     layout.pop("chunks", None)
     layout["provenance"] = {"kind": merged.kind, "group": "provenance"}
-    layout["virtual"] = {"folder": folder, "parts": [{"file": p.name, "count": c} for p, c in zip(parts, counts)]}
+    # each part's own checksums: a reader checks that the part it opens by name is this store's (an
+    # overwrite publishes its parts under the same names before its main file: _integrity.hold_virtual_sources)
+    layout["virtual"] = {"folder": folder, "parts": [{"file": p.name, "count": c, "checksums": s}
+                                                     for p, c, s in zip(parts, counts, part_checksums)]}
     return layout, checksums
 
 

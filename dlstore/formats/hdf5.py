@@ -513,7 +513,7 @@ class Hdf5Reader(SampleChecks, ForkSafe):
         with library_errors_as_damage(self.path):
             self._images = self._file["images"]
             if self._images.is_virtual:   # every part held open from here on (see _integrity)
-                hold_virtual_sources(self.path, self._images, self.manifest["layout"].get("virtual", {}))
+                hold_virtual_sources(self.path, self._images, self.manifest["layout"])
         check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
 
     def __len__(self) -> int:

@@ -349,3 +349,79 @@ def test_single_process_overwrite_of_a_distributed_hdf5_store_removes_its_parts(
     assert open_dataset(tmp_path / "s.h5").read(0).shape[-1] == 12 and verify(tmp_path / "s.h5").ok
     # a reader of the old store that has read holds its parts open: still the old pixels, no zeros
     assert torch.equal(old.read_batch(range(24))[0], old_pixels)
+
+
+# --- a reader between the two renames of a distributed HDF5 overwrite ------------------------------
+
+@pytest.mark.parametrize("new", ["other-pixels", "shorter-parts", "one-sample-differs"])
+def test_reader_opening_an_hdf5_store_mid_overwrite_never_mixes_two_stores(rgb_folder, tmp_path, monkeypatch, new):
+    """An overwrite publishes the new ``DST.parts`` before the new ``DST``. A reader opening the old
+    ``DST`` in between resolves its virtual dataset to the new parts (HDF5 maps sources by name):
+    the old labels with the new pixels, silently (a shorter new part: the new pixels, then an HDF5
+    error past its end). It must get a clear error instead (open again: the new store)."""
+    from dlstore.conversion import assemble
+    from dlstore.errors import StoreCorruptError
+    from dlstore.sources.demo import make_image_folder
+
+    dst = tmp_path / "s.h5"
+    results = run_ranks(_convert_one, str(rgb_folder), str(dst), {"static": "center_crop=16"}, tmp_path=tmp_path)
+    assert all("ok" in r for r in results), results
+    # the new store: a distributed conversion of the same name elsewhere, published below as the
+    # overwrite publishes it (its main file plays the staged one)
+    other = tmp_path / "other"
+    other.mkdir()
+    src, static = rgb_folder, "resize=20,center_crop=16"   # same shape and count, other pixels
+    if new == "shorter-parts":   # 6 samples per part where the old store has 12
+        src, static = make_image_folder(tmp_path / "few", classes=3, per_class=4, size=(32, 40)), "center_crop=16"
+    if new == "one-sample-differs":   # sample 3 only (rank 0's part): the other part is the old store's
+        src = tmp_path / "changed"
+        shutil.copytree(rgb_folder, src)
+        shutil.copyfile(src / "class_02" / "img_0005.jpg", src / "class_00" / "img_0003.jpg")
+        static = "center_crop=16"
+    results = run_ranks(_convert_one, str(src), str(other / "s.h5"), {"static": static}, tmp_path=tmp_path)
+    assert all("ok" in r for r in results), results
+    old_pixels = open_dataset(dst).read_batch(range(24))[0].clone()
+    new_pixels = open_dataset(other / "s.h5").read_batch(range(len(open_dataset(other / "s.h5"))))[0].clone()
+    assert old_pixels.flatten(1).amax(1).min() > 0   # no sample is all zeros: a zero read would show
+    # (no reader of the old store is open in this process: HDF5 would share its open parts with the next)
+    seen: dict = {}
+
+    def publish_after_a_reader(staged, target, overwrite):   # the real publish, a reader opening first
+        try:
+            seen["pixels"] = open_dataset(target).read_batch(range(24))[0].clone()
+        except StoreCorruptError as exc:
+            seen["error"] = str(exc)
+        publish(staged, target, overwrite)
+
+    publish = assemble.publish
+    monkeypatch.setattr(assemble, "publish", publish_after_a_reader)
+    assemble._publish_hdf5(other / "s.h5.parts", other / "s.h5", dst, True)
+    if "pixels" in seen:   # (what the reader got, spelt out in the failure)
+        got = seen["pixels"]
+        foreign = sum(not torch.equal(got[i], old_pixels[i]) for i in range(24))
+        new_ones = sum(torch.equal(got[i], new_pixels[i]) for i in range(min(24, len(new_pixels))))
+        zeros = int((got.flatten(1).amax(1) == 0).sum())
+        assert "pixels" not in seen, (f"the old store's reader read {foreign} of 24 samples that are not the old "
+                                      f"store's ({new_ones} are the new store's, {zeros} all zeros), no error")
+    assert "replaced" in seen["error"] and str(dst) in seen["error"], seen["error"]
+    assert "part-00000.h5" in seen["error"] and "checksums differ" in seen["error"], seen["error"]
+    # the store is whole again: a new reader reads the new store
+    assert torch.equal(open_dataset(dst).read_batch(range(len(new_pixels)))[0], new_pixels)
+    assert verify(dst, deep=True).ok
+
+
+def test_hdf5_store_assembled_before_parts_had_checksums_still_reads(rgb_folder, tmp_path):
+    """A main file whose manifest lists its parts without their checksums (dlstore before they were
+    recorded) opens and reads as before."""
+    dst = tmp_path / "s.h5"
+    results = run_ranks(_convert_one, str(rgb_folder), str(dst), {"static": "center_crop=16"}, tmp_path=tmp_path)
+    assert all("ok" in r for r in results), results
+    expected = open_dataset(dst).read_batch(range(24))[0].clone()
+    with h5py.File(dst, "r+") as f:
+        manifest = json.loads(f.attrs["dlstore"])
+        assert all(len(p["checksums"]["samples"]) == 64 for p in manifest["layout"]["virtual"]["parts"])
+        for part in manifest["layout"]["virtual"]["parts"]:
+            del part["checksums"]
+        f.attrs["dlstore"] = json.dumps(manifest)
+    assert torch.equal(open_dataset(dst).read_batch(range(24))[0], expected)
+    assert verify(dst, deep=True).ok
