@@ -10,6 +10,9 @@ start-up included; ImageFolder reads every 5th image so its epoch is short too),
 1. thread scaling: ``dlstore.loader(threads=2)`` over ``threads=1``, static
    store and crop+flip (``RandomCrop(224, padding=4)`` + ``RandomHorizontalFlip()``);
 2. crop+flip over static, through the default loader;
+
+   crop+flip runs numba's compiled kernel where numba is installed (the ``fast`` extra), and
+   ``... pure`` configurations run the pure-numpy kernel (``DLSTORE_COMPILED=0``) for (1) and (2);
 3. the default ``dlstore.loader`` over a plain ``ds.get_batch`` loop;
 4. process workers: ``num_workers=2`` (persistent) over ``num_workers=0`` (both ``threads=0``),
    through the DataLoader (``shm_ring=False``) and through the shared-memory ring (the default), and the ring
@@ -22,8 +25,13 @@ start-up included; ImageFolder reads every 5th image so its epoch is short too),
 
 And the kernels alone, without the loader (``kernel ...``): the static gather
 (``reader.get_batch``, one ``np.take``) against the fused crop+flip
-(``functional.crop_flip_loop`` on the reader's views), whole batches on 1 and 2
-threads of a pool: what (1) and (2) would be if the loader cost nothing.
+(``functional.crop_flip_loop`` on the reader's views, or ``compiled.crop_flip_at`` on
+the samples in place), whole batches on 1 and 2 threads of a pool: what (1) and (2)
+would be if the loader cost nothing.
+
+Each ratio is printed twice: the ratio of the two configurations' medians (judged against
+the target), and ``paired``, the median of the per-round ratios (both sides measured
+seconds apart, so a load change between rounds cancels).
 
 Every configuration also records ``cpu/wall``: the CPU seconds this process got
 per wall second (worker processes not counted). On a machine shared with other
@@ -65,6 +73,7 @@ from _common import machine_info, write_json
 
 import dlstore
 from dlstore.sources.demo import make_image_folder
+from dlstore.transforms import compiled
 
 STATIC = "resize=256,center_crop=224"
 BATCH = 64
@@ -119,9 +128,23 @@ def memcpy(threads: int, batches: int = 16) -> Iterable:
             yield None, labels
 
 
-def kernel(ds, crop_flip_: bool, threads: int, generator: torch.Generator, batches: int = 16) -> Iterable:
+def pure(make: Callable[[], Iterable]) -> Callable[[], Iterable]:
+    """``make`` with the pure crop+flip kernel (``DLSTORE_COMPILED=0`` while its batches are read)."""
+    def run() -> Iterable:
+        os.environ["DLSTORE_COMPILED"] = "0"
+        try:
+            yield from make()
+        finally:
+            os.environ.pop("DLSTORE_COMPILED", None)
+    return run
+
+
+def kernel(ds, crop_flip_: bool, threads: int, generator: torch.Generator, batches: int = 16,
+           compiled_: bool = False) -> Iterable:
     """``batches`` shuffled batches of ``ds`` built by the bare kernel on ``threads`` threads: the static
-    gather into a reused buffer, or the fused crop (224, padding 4) + flip of the loader's crop+flip."""
+    gather into a reused buffer, or the fused crop (224, padding 4) + flip of the loader's crop+flip
+    (the pure loop, or with ``compiled_`` numba's kernel reading the samples in place)."""
+    from dlstore.transforms import compiled
     from dlstore.transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip
     from dlstore.transforms.functional import crop_flip_loop
 
@@ -137,7 +160,12 @@ def kernel(ds, crop_flip_: bool, threads: int, generator: torch.Generator, batch
         if not hasattr(local, "out"):
             local.out = np.empty((BATCH, c, h, w), np.uint8)
         idx = order[starts[k]:starts[k] + BATCH]
-        if crop_flip_:
+        if crop_flip_ and compiled_:
+            p_crop, p_flip = params[k]
+            addresses, _mapped = ds.reader.sample_addresses(idx)
+            compiled.crop_flip_at(addresses, (c, h, w), local.out, p_crop["top"].numpy(), p_crop["left"].numpy(),
+                                  p_flip["flip"].numpy(), crop.padding_for(h, w), 0)
+        elif crop_flip_:
             p_crop, p_flip = params[k]
             crop_flip_loop(ds.reader.get_many(idx.tolist()), local.out, p_crop["top"].numpy(),
                            p_crop["left"].numpy(), p_flip["flip"].numpy(), crop.padding_for(h, w), 0)
@@ -175,14 +203,19 @@ def configurations(stores: dict[str, Path], folder: Path) -> dict[str, Callable[
         "kernel static threads=2": lambda: kernel(static["shards"], False, 2, g),
         "kernel crop+flip threads=1": lambda: kernel(static["shards"], True, 1, g),
         "kernel crop+flip threads=2": lambda: kernel(static["shards"], True, 2, g),
+        "kernel crop+flip compiled threads=1": lambda: kernel(static["shards"], True, 1, g, compiled_=True),
+        "kernel crop+flip compiled threads=2": lambda: kernel(static["shards"], True, 2, g, compiled_=True),
         "plain get_batch": lambda: plain_loop(static["shards"], g),
         "plain get_batch crop+flip": lambda: plain_loop(aug, g),
         "threads=1": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, threads=1, generator=g),
         "threads=2": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, threads=2, generator=g),
         "threads=1 crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, threads=1, generator=g),
         "threads=2 crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, threads=2, generator=g),
+        "threads=1 crop+flip pure": pure(lambda: dlstore.loader(aug, BATCH, shuffle=True, threads=1, generator=g)),
+        "threads=2 crop+flip pure": pure(lambda: dlstore.loader(aug, BATCH, shuffle=True, threads=2, generator=g)),
         "default": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, generator=g),
         "default crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, generator=g),
+        "default crop+flip pure": pure(lambda: dlstore.loader(aug, BATCH, shuffle=True, generator=g)),
         "num_workers=0": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, threads=0, generator=g),
         "num_workers=2": lambda: workers,
         "num_workers=2 ring": lambda: ring,
@@ -205,9 +238,15 @@ RATIOS = {   # name -> (numerator, denominator)
     "(1) threads 2/1 crop+flip": ("threads=2 crop+flip", "threads=1 crop+flip"),
     "(2) crop+flip/static": ("default crop+flip", "default"),
     "(2) crop+flip/static, plain loop": ("plain get_batch crop+flip", "plain get_batch"),
+    "(1) pure: threads 2/1 crop+flip": ("threads=2 crop+flip pure", "threads=1 crop+flip pure"),
+    "(2) pure: crop+flip/static": ("default crop+flip pure", "default"),
+    "(2) compiled/pure crop+flip, default": ("default crop+flip", "default crop+flip pure"),
     "(1k) kernel threads 2/1 static": ("kernel static threads=2", "kernel static threads=1"),
     "(1k) kernel threads 2/1 crop+flip": ("kernel crop+flip threads=2", "kernel crop+flip threads=1"),
+    "(1k) kernel threads 2/1 crop+flip compiled": ("kernel crop+flip compiled threads=2",
+                                                   "kernel crop+flip compiled threads=1"),
     "(2k) kernel crop+flip/static": ("kernel crop+flip threads=1", "kernel static threads=1"),
+    "(2k) kernel crop+flip compiled/static": ("kernel crop+flip compiled threads=1", "kernel static threads=1"),
     "(3) default loader/plain get_batch": ("default", "plain get_batch"),
     "(4) num_workers 2/0": ("num_workers=2", "num_workers=0"),
     "(4) ring num_workers 2/0": ("num_workers=2 ring", "num_workers=0"),
@@ -234,6 +273,14 @@ def prepare(root: Path, images: int) -> tuple[Path, dict[str, Path]]:
             dlstore.convert(folder, path, static=STATIC, progress=False, **options)
         stores[name] = path
     return folder, stores
+
+
+def numba_version() -> str | None:
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba.__version__
 
 
 def main() -> None:
@@ -280,8 +327,8 @@ def main() -> None:
         # what threads gained over what they could gain here: 1.0 = all of the machine's ceiling
         rounds[f"{label} / control"] = [x / c for x, c in zip(rounds[label], rounds[control])]
         ratios[f"{label} / control"] = {"ratio": ratios[label]["ratio"] / ratios[control]["ratio"], "target": None}
-    for label, r in ratios.items():
-        r.update(round_min=min(rounds[label]), round_max=max(rounds[label]))
+    for label, r in ratios.items():   # "paired": the median of the per-round ratios
+        r.update(round_min=min(rounds[label]), round_max=max(rounds[label]), paired=statistics.median(rounds[label]))
     uptime = subprocess.run(["uptime"], check=False, capture_output=True, text=True).stdout.strip()
     print(f"{args.images} images, batch {BATCH}, {args.rounds} rounds x {args.seconds}s; load during the run: "
           f"{min(loads):.1f}-{max(loads):.1f} (1-min avg, {os.cpu_count()} CPUs)\n{uptime}\n")
@@ -289,17 +336,21 @@ def main() -> None:
     for name, v in runs.items():
         s = [x for x, _ in v]
         print(f"{name:28s} {rate[name]:10.0f} {min(s):8.0f} {max(s):8.0f} {share[name]:8.2f}")
-    print(f"\n{'ratio':36s} {'median':>7s} {'rounds':>13s} {'target':>7s}  met")
+    print(f"\n{'ratio':44s} {'median':>7s} {'paired':>7s} {'rounds':>13s} {'target':>7s}  met")
     for label, r in ratios.items():
         target = r["target"]
         met = "" if target is None else ("yes" if r["ratio"] >= target else "NO")
         tgt = "" if target is None else f">={target:g}"
-        print(f"{label:36s} {r['ratio']:7.2f} {r['round_min']:6.2f}-{r['round_max']:<6.2f} {tgt:>7s}  {met}")
+        print(f"{label:44s} {r['ratio']:7.2f} {r['paired']:7.2f} {r['round_min']:6.2f}-{r['round_max']:<6.2f} "
+              f"{tgt:>7s}  {met}")
+    print("median: of each configuration's rounds, then divided; paired: the median of the per-round ratios "
+          "(both sides measured seconds apart); met: judged on median")
     print("(7) cold cache, random order: not measured here (see dlstore bench)")
     path = write_json(args.out, {
         "machine": machine_info(), "load_1min": loads, "uptime": uptime, "images": args.images,
         "batch_size": BATCH, "only": args.only, "rounds": args.rounds, "seconds": args.seconds, "static": STATIC,
         "crop_flip": "RandomCrop(224, padding=4) + RandomHorizontalFlip()",
+        "compiled_kernel": compiled.available(), "numba": numba_version(),
         "samples_per_s": {name: [x for x, _ in v] for name, v in runs.items()},
         "cpu_per_wall": {name: [c for _, c in v] for name, v in runs.items()},
         "median_samples_per_s": rate, "ratios": ratios})

@@ -39,6 +39,7 @@ from ..errors import (
 )
 from ..formats.encoding import DecodingReader
 from ..sources.origins import OriginPairs
+from ..transforms import compiled
 from ..transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip
 from ..transforms.functional import (
     VECTORISED_MAX_PIXELS,
@@ -359,13 +360,24 @@ class StoreDataset(Dataset):
             tops = lefts = np.zeros(b, dtype=np.int64)
         flips = flip.sample((b, c, th, tw), generator=generator)["flip"].numpy() if flip is not None \
             else np.zeros(b, dtype=bool)
-        if th * tw <= VECTORISED_MAX_PIXELS and hasattr(self.reader, "get_batch"):
+        fast = compiled.available()
+        if not fast and th * tw <= VECTORISED_MAX_PIXELS and hasattr(self.reader, "get_batch"):
             batch, self._local.scratch = crop_flip_windows(self.reader.get_batch, idx, self.shape, (th, tw), tops,
                                                            lefts, flips, padding, fill,
                                                            getattr(self._local, "scratch", None))
             return batch
         out = self._new_batch((b, c, th, tw))
-        crop_flip_loop(self.reader.get_many(idx.tolist()), out.numpy(), tops, lefts, flips, padding, fill)
+        if not fast:
+            crop_flip_loop(self.reader.get_many(idx.tolist()), out.numpy(), tops, lefts, flips, padding, fill)
+            return out
+        # one GIL-free call for the batch (numba, the `fast` extra), reading the samples in
+        # place where the reader can say where they are (shards), else its get_many copies/views
+        located = self.reader.sample_addresses(idx) if hasattr(self.reader, "sample_addresses") else None
+        if located is not None:
+            addresses, _mapped = located          # _mapped: kept mapped until the kernel returns
+            compiled.crop_flip_at(addresses, self.shape, out.numpy(), tops, lefts, flips, padding, fill)
+        else:
+            compiled.crop_flip(self.reader.get_many(idx.tolist()), out.numpy(), tops, lefts, flips, padding, fill)
         return out
 
     def _new_batch(self, shape: tuple[int, ...]) -> torch.Tensor:

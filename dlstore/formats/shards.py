@@ -488,12 +488,7 @@ class ShardReader(SampleChecks, ForkSafe):
                                      "with get/get_many, or convert with a size-fixing static op)")
         indices = check_indices(self.path, indices, self.count)
         out = batch_out(out, len(indices), self.shape)
-        if self._uniform:
-            shard_no = indices // self.per_shard
-            local = indices % self.per_shard
-        else:
-            shard_no = np.searchsorted(self._starts, indices, side="right") - 1
-            local = indices - self._starts[shard_no]
+        shard_no, local = self._locate(indices)
         # sorted(set(...)), not np.unique: the latter imports a numpy submodule on its first
         # call (~50 ms), paid by every fresh DataLoader worker on its first batch
         shards = set(shard_no.tolist())
@@ -511,6 +506,29 @@ class ShardReader(SampleChecks, ForkSafe):
         if self.sums is not None:   # the copy handed out is what is checked
             self.sums.check_many(indices.tolist(), out)
         return out
+
+    def sample_addresses(self, indices: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]] | None:
+        """(uintp address of each C-contiguous sample, the maps holding them: keep those until
+        done) for a kernel reading in place; None where ``get_many`` must (variable shapes, sums)."""
+        if self.kind != "fixed" or self.sums is not None:
+            return None
+        self._ensure_open()
+        indices = check_indices(self.path, indices, self.count)
+        shard_no, local = self._locate(indices)
+        if self.willneed and len(indices) > 1:
+            self._advise(shard_no, local)
+        maps = {k: self._map(k) for k in set(shard_no.tolist())}
+        bases = np.zeros(len(self.files), dtype=np.uint64)
+        bases[list(maps)] = [arr.__array_interface__["data"][0] for arr in maps.values()]
+        addresses = bases[shard_no] + local.astype(np.uint64) * np.uint64(int(np.prod(self.shape)))
+        return addresses.astype(np.uintp), list(maps.values())
+
+    def _locate(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(file number, row in that file) of each of the checked ``indices`` (fixed-shape store)."""
+        if self._uniform:
+            return indices // self.per_shard, indices % self.per_shard
+        shard_no = np.searchsorted(self._starts, indices, side="right") - 1
+        return shard_no, indices - self._starts[shard_no]
 
     def _advise(self, shard_no: np.ndarray, local: np.ndarray) -> None:
         """Advise the kernel of a batch's samples (see ``willneed``), rows after each file's .npy header."""

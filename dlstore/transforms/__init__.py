@@ -5,6 +5,8 @@
 * ``batch``: ``Batch*`` transforms that draw independent parameters per sample,
   then run one pure kernel over the whole batch;
 * ``functional``: the pure kernels shared by the read paths (the fused crop/flip gather);
+* ``compiled``: the same crop/flip as one GIL-free numba call (the ``fast`` extra), used
+  by the readers when numba imports;
 * ``hybrid``: ``split_transforms`` cuts a torchvision pipeline into static and
   dynamic parts; ``batch_plan`` maps the dynamic ops to batch transforms.
 """

@@ -35,6 +35,9 @@ Path x op matrix (what these tests assert)::
   .   not run separately: the same get_batch as the neighbouring columns; the worker columns
       change only where it runs and where its generator comes from (7 cases fork, 1 spawn).
   in proc: the DataLoader in this process (threads=0); 2 thr: dlstore's thread pool.
+  get_batch's columns hold for a third kernel too, the compiled one-pass crop/flip (numba, the
+  `fast` extra, the default where numba imports; skipped without it), on every format and in
+  forked workers.
   CUDA: the same tests parametrised with device="cuda"; they run only where a GPU is present.
 
 The device path, ``dlstore.loader(..., device=D)`` (host stage in threads / workers, the float
@@ -44,6 +47,9 @@ bfloat16 the float32 reference rounded once; and equal to the same loader with d
 """
 
 from __future__ import annotations
+
+import contextlib
+import os
 
 import pytest
 import torch
@@ -76,6 +82,7 @@ from dlstore.transforms import (
     BatchRandomCrop,
     BatchRandomHorizontalFlip,
     BatchRandomResizedCrop,
+    compiled,
 )
 from dlstore.transforms.functional import crop_flip_loop, crop_flip_windows
 
@@ -84,6 +91,30 @@ H, W = 13, 11          # the stores' sample size: odd, not square
 FORMATS = ["shards", "lmdb", "hdf5"]
 SETTINGS = settings(max_examples=25, deadline=None, derandomize=True,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+# The fused crop/flip gather kernels: numba's one-pass (the `fast` extra; the default where numba
+# imports), and the pure ones: vectorised windows (small images) and the per-sample loop.
+KERNELS = ["compiled", "windows", "loop"]
+
+
+@contextlib.contextmanager
+def kernel_selected(kernel: str):
+    """Make get_batch take ``kernel`` (skips "compiled" where numba is not installed)."""
+    if kernel == "compiled" and not compiled.available():
+        pytest.skip(f"compiled kernel: {compiled.unavailable_reason()}")
+    old_env, old_max = os.environ.get("DLSTORE_COMPILED"), dataset_module.VECTORISED_MAX_PIXELS
+    os.environ["DLSTORE_COMPILED"] = "1" if kernel == "compiled" else "0"
+    if kernel == "loop":
+        dataset_module.VECTORISED_MAX_PIXELS = 0
+    try:
+        yield
+    finally:
+        dataset_module.VECTORISED_MAX_PIXELS = old_max
+        if old_env is None:
+            del os.environ["DLSTORE_COMPILED"]
+        else:
+            os.environ["DLSTORE_COMPILED"] = old_env
+
 
 # One row of the matrix each: torchvision ops (what users write), or dlstore batch ops where
 # torchvision has no per-batch counterpart (cutout). Sizes refer to the 13x11 stores.
@@ -236,34 +267,35 @@ def test_fused_crop_flip_kernels_equal_torchvision(h, w, b, padding, grow, fill,
     out = torch.empty((b, 3, th, tw), dtype=torch.uint8)
     crop_flip_loop((a[i] for i in idx), out.numpy(), tops, lefts, fl, crop.padding, fill)
     assert_same(out, ref, what="crop_flip_loop")
+    if compiled.available():
+        out = torch.empty((b, 3, th, tw), dtype=torch.uint8)
+        compiled.crop_flip([a[i] for i in idx], out.numpy(), tops, lefts, fl, crop.padding, fill)
+        assert_same(out, ref, what="compiled.crop_flip")
 
 
 # --- StoreDataset.get_batch: the fused gather on every format, vectorised and loop --------------
 
-@pytest.mark.parametrize("kernel", ["windows", "loop"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("case", list(CASES))
-def test_get_batch_on_every_format_equals_torchvision(stores, case, fmt, kernel, monkeypatch):
-    if kernel == "loop":
-        monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
+def test_get_batch_on_every_format_equals_torchvision(stores, case, fmt, kernel):
     ds = _open(stores(fmt), case)
     idx = [5, 0, 11, 7, 7, 2, 9]
     raw_batch, labels = ds.read_batch(idx)
     for seed in (0, 1):
         torch.manual_seed(seed)       # per-sample torchvision ops draw from torch's global generator
-        got, got_labels = ds.get_batch(idx, generator=gen(seed))
+        with kernel_selected(kernel):
+            got, got_labels = ds.get_batch(idx, generator=gen(seed))
         torch.manual_seed(seed)
         ref = _dataset_reference(ds, raw_batch, draw(ds.batch_ops, raw_batch.shape, gen(seed)))
         assert_same(got, ref, what=f"{case} {fmt} {kernel} seed {seed}")
         assert torch.equal(got_labels, labels)
 
 
-@pytest.mark.parametrize("kernel", ["windows", "loop"])
+@pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("size,crop", [((1, 1), (3, 3)), ((1, 1), (1, 1)), ((2, 7), (5, 4))])
-def test_get_batch_tiny_images_pad_if_needed(stores, size, crop, kernel, monkeypatch):
+def test_get_batch_tiny_images_pad_if_needed(stores, size, crop, kernel):
     """1-pixel and thin images, smaller than the crop: pad_if_needed pads both sides, as torchvision."""
-    if kernel == "loop":
-        monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
     path = stores("shards", size)
     ds = dlstore.open_dataset(path, transform=v2.Compose([
         v2.RandomCrop(crop, padding=[0, 1, 0, 0], pad_if_needed=True, fill=9), v2.RandomHorizontalFlip()]))
@@ -271,27 +303,25 @@ def test_get_batch_tiny_images_pad_if_needed(stores, size, crop, kernel, monkeyp
     idx = list(range(12))
     raw_batch, _ = ds.read_batch(idx)
     for seed in range(3):
-        got, _ = ds.get_batch(idx, generator=gen(seed))
+        with kernel_selected(kernel):
+            got, _ = ds.get_batch(idx, generator=gen(seed))
         assert_same(got, reference(ds.batch_ops, draw(ds.batch_ops, raw_batch.shape, gen(seed)), raw_batch),
-                    what=f"{size} crop {crop} seed {seed}")
+                    what=f"{size} crop {crop} {kernel} seed {seed}")
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
 @given(padding=st.lists(st.integers(0, 4), min_size=4, max_size=4), p=st.sampled_from([0.0, 0.5, 1.0]),
        grow=st.tuples(st.integers(-5, 3), st.integers(-5, 3)), fill=st.integers(0, 255),
        idx=st.lists(st.integers(0, 11), min_size=1, max_size=12), seed=st.integers(0, 2**31),
-       loop=st.booleans())
-def test_get_batch_any_padding_and_batch(stores, padding, p, grow, fill, idx, seed, loop):
+       kernel=st.sampled_from(KERNELS if compiled.available() else KERNELS[1:]),
+       fmt=st.sampled_from(FORMATS))
+def test_get_batch_any_padding_and_batch(stores, padding, p, grow, fill, idx, seed, kernel, fmt):
     left, top, right, bottom = padding
     th, tw = max(1, min(H + top + bottom, H + grow[0])), max(1, min(W + left + right, W + grow[1]))
     ops = [v2.RandomCrop((th, tw), padding=padding, fill=fill), v2.RandomHorizontalFlip(p)]
-    ds = dlstore.open_dataset(stores(), transform=v2.Compose(ops))
-    old = dataset_module.VECTORISED_MAX_PIXELS
-    dataset_module.VECTORISED_MAX_PIXELS = 0 if loop else old    # hypothesis: no function-scoped monkeypatch
-    try:
+    ds = dlstore.open_dataset(stores(fmt), transform=v2.Compose(ops))
+    with kernel_selected(kernel):        # hypothesis: no function-scoped monkeypatch
         got, _ = ds.get_batch(idx, generator=gen(seed))
-    finally:
-        dataset_module.VECTORISED_MAX_PIXELS = old
     raw_batch, _ = ds.read_batch(idx)
     assert_same(got, reference(ds.batch_ops, draw(ds.batch_ops, raw_batch.shape, gen(seed)), raw_batch))
 
@@ -337,12 +367,12 @@ def test_loader_threads_equal_torchvision(stores, case):
 
 @pytest.mark.parametrize("shm_ring", [None, False], ids=["ring", "dataloader"])
 @pytest.mark.parametrize("case,kernel", [(c, "windows") for c in WORKER_CASES]
-                         + [("crop-asym+flip-p0.5", "loop"), ("pipeline", "loop")])
-def test_loader_forked_workers_equal_torchvision(stores, case, kernel, shm_ring, monkeypatch):
-    if kernel == "loop":
-        monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
-    _check_loader(_open(stores("lmdb" if kernel == "loop" else "shards"), case), 4, seed=5, workers=2,
-                  context="fork", shm_ring=shm_ring)
+                         + [("crop-asym+flip-p0.5", k) for k in ("loop", "compiled")]
+                         + [("pipeline", k) for k in ("loop", "compiled")])
+def test_loader_forked_workers_equal_torchvision(stores, case, kernel, shm_ring):
+    with kernel_selected(kernel):       # set before the fork: the workers inherit it
+        _check_loader(_open(stores({"loop": "lmdb", "compiled": "hdf5"}.get(kernel, "shards")), case), 4,
+                      seed=5, workers=2, context="fork", shm_ring=shm_ring)
 
 
 @pytest.mark.slow
