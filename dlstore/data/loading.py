@@ -20,6 +20,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .._system import usable_cpus
 from ..errors import ArgumentError, ArgumentTypeError
+from ..transforms import compiled
 from .dataset import StoreDataset
 from .device import DeviceLoader, host_stage
 from .gpu import GPUDataset
@@ -264,6 +265,8 @@ def loader(
     else:
         sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
     batches = _EpochBatchSampler(sampler, batch_size, drop_last)
+    if num_workers and (getattr(dataset, "_fused_crop", None) or getattr(dataset, "_fused_flip", None)):
+        compiled.available()   # numba's kernel built (or loaded) here, once, before workers fork
     if threads:
         return ThreadLoader(dataset, batches, threads=threads, prefetch=threads * (prefetch_factor or 2),
                             generator=generator, pin_memory=pin_memory)

@@ -38,6 +38,11 @@ calling thread, 25th percentile of 12-30 interleaved runs):
 * So 0.85 is out of reach with numpy/torch primitives: a flipped window costs ~1.4x a
   plain one in the fastest reversing copy they offer, and the crop's strips and
   strided rows cost more than the gather's one contiguous copy.
+* And threads barely help it: its 2-3 numpy calls a sample each release and retake the
+  GIL, and two loader threads spend the difference handing it over (1.0-1.1x on 2
+  threads where whole-batch copies give 1.9-2.0x). ``compiled.crop_flip`` (numba, the
+  ``fast`` extra) does the batch in one GIL-free call and is what the readers use where
+  numba imports; these kernels stay the reference path and the fallback.
 
 And the resampling kernel of ``BatchRandomResizedCrop``: ``resized_crop``
 (torchvision's kernel per sample on the CPU, ``resized_crop_matmul`` elsewhere)
