@@ -140,15 +140,16 @@ def pure(make: Callable[[], Iterable]) -> Callable[[], Iterable]:
 
 
 def kernel(ds, crop_flip_: bool, threads: int, generator: torch.Generator, batches: int = 16,
-           compiled_: bool = False) -> Iterable:
+           compiled_: bool = False, flip_p: float = 0.5) -> Iterable:
     """``batches`` shuffled batches of ``ds`` built by the bare kernel on ``threads`` threads: the static
     gather into a reused buffer, or the fused crop (224, padding 4) + flip of the loader's crop+flip
-    (the pure loop, or with ``compiled_`` numba's kernel reading the samples in place)."""
+    (the pure loop, or with ``compiled_`` numba's kernel reading the samples in place). ``flip_p=0``:
+    crops only, what a store holding a mirrored copy of every sample would cost (its flips plain copies)."""
     from dlstore.transforms import compiled
     from dlstore.transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip
     from dlstore.transforms.functional import crop_flip_loop
 
-    crop, flip = BatchRandomCrop(224, padding=4), BatchRandomHorizontalFlip()
+    crop, flip = BatchRandomCrop(224, padding=4), BatchRandomHorizontalFlip(flip_p)
     c, h, w = ds.shape
     local = threading.local()
     order = torch.randperm(len(ds), generator=generator).numpy()
@@ -205,6 +206,8 @@ def configurations(stores: dict[str, Path], folder: Path) -> dict[str, Callable[
         "kernel crop+flip threads=2": lambda: kernel(static["shards"], True, 2, g),
         "kernel crop+flip compiled threads=1": lambda: kernel(static["shards"], True, 1, g, compiled_=True),
         "kernel crop+flip compiled threads=2": lambda: kernel(static["shards"], True, 2, g, compiled_=True),
+        "kernel crop only compiled threads=1": lambda: kernel(static["shards"], True, 1, g, compiled_=True,
+                                                              flip_p=0.0),
         "plain get_batch": lambda: plain_loop(static["shards"], g),
         "plain get_batch crop+flip": lambda: plain_loop(aug, g),
         "threads=1": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, threads=1, generator=g),
@@ -247,6 +250,8 @@ RATIOS = {   # name -> (numerator, denominator)
                                                    "kernel crop+flip compiled threads=1"),
     "(2k) kernel crop+flip/static": ("kernel crop+flip threads=1", "kernel static threads=1"),
     "(2k) kernel crop+flip compiled/static": ("kernel crop+flip compiled threads=1", "kernel static threads=1"),
+    "(2k) mirrored-copy bound: crop only/crop+flip, compiled": ("kernel crop only compiled threads=1",
+                                                                "kernel crop+flip compiled threads=1"),
     "(3) default loader/plain get_batch": ("default", "plain get_batch"),
     "(4) num_workers 2/0": ("num_workers=2", "num_workers=0"),
     "(4) ring num_workers 2/0": ("num_workers=2 ring", "num_workers=0"),

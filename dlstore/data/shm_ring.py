@@ -57,6 +57,7 @@ slots over, and the old iterator raises ``UsageError`` when next resumed.
 
 from __future__ import annotations
 
+import inspect
 import pickle
 import random
 import shutil
@@ -64,7 +65,7 @@ import time
 import traceback
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator, Iterator
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -317,6 +318,32 @@ def _drain(results: list[Any]) -> None:
             continue
 
 
+class _Pass:
+    """One pass's iterator. Closed or dropped before its first batch, it stops the workers
+    ``iter()`` started (unless persistent, or a later pass has begun): a generator never
+    advanced does not run its ``finally``, and they would run until the loader went away."""
+
+    def __init__(self, loader: ShmRingLoader, batches: Generator[tuple[torch.Tensor, Any], None, None]):
+        self._batches = batches
+        self._stop_unstarted = weakref.finalize(self, _stop_unstarted, loader, batches, loader._pass)
+
+    def __iter__(self) -> _Pass:
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, Any]:
+        return next(self._batches)
+
+    def close(self) -> None:
+        self._stop_unstarted()     # (once: a finalizer runs at most once)
+        self._batches.close()      # a started pass: its finally stops or keeps the workers
+
+
+def _stop_unstarted(loader: ShmRingLoader, batches: Generator, passes_before: int) -> None:
+    if (inspect.getgeneratorstate(batches) == inspect.GEN_CREATED and not loader.persistent_workers
+            and loader._pass == passes_before):
+        loader._stop_workers()
+
+
 class ShmRingLoader(ThreadLoader):
     """Iterates ``(images, labels)`` batches built by ``workers`` processes into shared-memory slots.
 
@@ -394,7 +421,7 @@ class ShmRingLoader(ThreadLoader):
             warnings.warn(f"dlstore.loader: {exc}; this loader takes the DataLoader path", stacklevel=2)
             self._fallback_loader = self.fallback()
             return iter(self._fallback_loader)
-        return self._pass_batches()
+        return _Pass(self, self._pass_batches())
 
     def _pass_batches(self) -> Iterator[tuple[torch.Tensor, Any]]:
         base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())

@@ -327,6 +327,31 @@ def test_break_mid_epoch_then_a_new_epoch(persistent, stores):
     assert not _children()
 
 
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("drop", ["del", "close"])
+def test_an_iterator_dropped_before_its_first_batch_stops_its_workers(persistent, drop, stores):
+    """iter() starts the workers (as a DataLoader's do); an iterator never advanced must not leave
+    them running for the loader's life (its generator never ran, so no finally did either)."""
+    ds = _random(stores["lmdb"])
+    dl = _ring(ds, 3, 2, shuffle=True, generator=_gen(3), persistent_workers=persistent)
+    it = iter(dl)
+    assert len(_children()) == 2
+    if drop == "del":
+        del it
+        gc.collect()
+    else:
+        it.close()
+        with pytest.raises(StopIteration):
+            next(it)
+    for p in multiprocessing.active_children():
+        p.join(timeout=5)
+    assert len(_children()) == (2 if persistent else 0)
+    expected = _epoch(dlstore.loader(ds, 3, shuffle=True, generator=_gen(3), threads=2))
+    assert _same(_epoch(dl), expected)       # the next pass starts workers again and reads the same batches
+    dl.close()
+    assert not _children()
+
+
 def test_nothing_outlives_the_loader(stores):
     ds = dlstore.open_dataset(stores["shards"])
     list(_ring(ds, 4, 2))                            # the first pass opens what stays open (the store)
