@@ -326,6 +326,37 @@ def sample_transforms(kind: str, size: int):
     return v2.Compose([v2.RandomResizedCrop(size, antialias=True), v2.RandomHorizontalFlip()])
 
 
+def jpeg_decode(path: str, device: torch.device, count: int, repeats: int) -> dict[str, Any]:
+    """``count`` samples of a store encoded as the JPEG stores encode them (PIL, quality 90), decoded
+    by PIL (the reference), by ``torchvision.io.decode_jpeg`` on the CPU (what JPEG stores use), and
+    in one call on ``device`` (nvjpeg on CUDA): pixel differences against PIL and images/s of each.
+    What decoding a JPEG store's batches on the GPU would change (issue 17: not built yet)."""
+    from dlstore.formats.encoding import decode, decode_batch, encode
+
+    ds = dlstore.open_dataset(path)
+    records = [encode(ds.read(i).numpy(), "jpeg", quality=90) for i in range(min(count, len(ds)))]
+    reference = [torch.from_numpy(decode(r)) for r in records]
+    out: dict[str, Any] = {"images": len(records), "shape": list(reference[0].shape), "quality": 90}
+    ways = {"pil": lambda: [torch.from_numpy(decode(r)) for r in records],
+            "decode_jpeg cpu": lambda: decode_batch(records, "jpeg")}
+    if device.type != "cpu":
+        ways[f"decode_jpeg {device.type}"] = lambda: decode_batch(records, "jpeg", device=device)
+    for name, fn in ways.items():
+        fn()                                          # warm-up (nvjpeg's first call initialises it)
+        seconds = []
+        for _ in range(repeats):
+            sync(device)
+            t = time.perf_counter()
+            got = fn()
+            sync(device)
+            seconds.append(time.perf_counter() - t)
+        diff = torch.cat([(g.cpu().int() - r.int()).abs().reshape(-1) for g, r in zip(got, reference)])
+        out[name] = {"images_per_s": spread([len(records) / x for x in seconds]),
+                     "identical_to_pil": bool(diff.max() == 0), "max_abs_diff": int(diff.max()),
+                     "mean_abs_diff": float(diff.float().mean()), "fraction_pixels_differing": float((diff > 0).float().mean())}
+    return out
+
+
 def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
     device = torch.device(args.device)
     if device.type == "cuda" and device.index is None:
@@ -397,6 +428,9 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
                     out["stores"][kind]["path"], device, batch=args.batch if kind == "cifar" else 128,
                     seconds=0.3 if args.quick else 2.0, rounds=1 if args.quick else 3, num_workers=workers)
                 log(f"  {key}: {out['device_loader'][key]['ratio_device_over_cpu_float32']:.2f}x")
+        log("JPEG decode: PIL vs decode_jpeg on the CPU and on the device ...")
+        out["jpeg_decode"] = jpeg_decode(out["stores"]["imagenet"]["path"], device, count=64 if args.quick else 512,
+                                         repeats=1 if args.quick else 3)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     h2d = out["h2d"]["gb_per_s"]["median"]
@@ -486,6 +520,12 @@ def report(out: dict[str, Any]) -> str:
             best = max(v["ratio_device_over_cpu_float32"] for v in out["device_loader"].values())
             lines.append(f"target loader(device=) >= 1.5x CPU normalisation: {'met' if best >= 1.5 else 'NOT met'} "
                          f"(best {best:.2f}x)")
+    if "jpeg_decode" in out:
+        j = out["jpeg_decode"]
+        lines.append(f"JPEG decode of {j['images']} x {'x'.join(map(str, j['shape']))} q{j['quality']} records, vs PIL: "
+                     + ", ".join(f"{k} {v['images_per_s']['median']:,.0f}/s (max |diff| {v['max_abs_diff']}, "
+                                 f"{v['fraction_pixels_differing']:.1%} of pixels differ)"
+                                 for k, v in j.items() if isinstance(v, dict)))
     if "device_tests" in out:
         t = out["device_tests"]
         c = t["counts"]

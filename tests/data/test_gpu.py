@@ -532,6 +532,9 @@ def test_gpu_check_script_runs_on_cpu(tmp_path, capsys):
     for r in result["device_loader"].values():
         assert min(r["samples_per_s"].values()) > 0
         assert r["bytes_per_sample_delivered"]["device"] == r["bytes_per_sample_delivered"]["cpu_float32"]
+    jpeg = result["jpeg_decode"]      # on CPU: PIL and decode_jpeg on the same libjpeg-turbo records
+    assert jpeg["images"] == 40 and jpeg["pil"]["identical_to_pil"] and jpeg["pil"]["max_abs_diff"] == 0
+    assert jpeg["decode_jpeg cpu"]["images_per_s"]["median"] > 0 and "decode_jpeg cuda" not in jpeg
     assert "device_tests" not in result  # CUDA only, unless --tests
     assert "GPU loader / best DataLoader" in capsys.readouterr().out
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("dlstore-gpu-check-")]  # cleaned up
