@@ -286,3 +286,25 @@ def test_tune_measures_the_shared_memory_ring_for_stores(small_store):
         assert result.call().startswith("dlstore.loader(dataset, ")
     plain = tune(ds, 8, budget=0.5, max_workers=1, threads=False)
     assert not [t for t in plain.trials if t.kwargs.get("shm_ring")]
+
+
+@pytest.mark.parametrize("compiled_kernel", ["0", "1"])
+def test_tune_says_when_crop_flip_ran_the_pure_kernel(small_store, monkeypatch, compiled_kernel):
+    """A store read with RandomCrop + flip and no compiled kernel (numba missing, or switched off):
+    the result names why and what the compiled one gives; with it (or no crop/flip) nothing is said."""
+    from torchvision.transforms import v2
+
+    from dlstore.transforms import compiled
+
+    if compiled_kernel == "1" and not compiled.available():
+        pytest.skip(f"compiled kernel: {compiled.unavailable_reason()}")
+    monkeypatch.setenv("DLSTORE_COMPILED", compiled_kernel)
+    aug = dlstore.open_dataset(small_store / "small.shards",
+                               transform=v2.Compose([v2.RandomCrop(32, padding=4), v2.RandomHorizontalFlip()]))
+    said = [w for w in tune(aug, 8, budget=0.5, max_workers=1, threads=False).warnings if "pure-numpy kernel" in w]
+    assert len(said) == (compiled_kernel == "0")
+    if said:
+        assert "DLSTORE_COMPILED=0" in said[0] and "docs/reading.md" in said[0]
+    plain = dlstore.open_dataset(small_store / "small.shards")
+    assert not [w for w in tune(plain, 8, budget=0.5, max_workers=1, threads=False).warnings
+                if "pure-numpy kernel" in w]
