@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .. import formats
 from .._system import usable_cpus
-from ..errors import ArgumentError, ArgumentTypeError, DecodeError, SourceError
+from ..errors import ArgumentError, ArgumentTypeError, DecodeError, SourceError, StoreCorruptError
 from ..formats._common import (
     DestinationLock,
     check_destination,
@@ -246,7 +246,7 @@ def convert(
         if checkpoint is None:
             remove_staging(staged)  # left by a conversion that crashed, or not resumable
         try:
-            count, skipped = _run(job, staged, checkpoint, progress, dst.name)
+            count, skipped = _run(job, staged, checkpoint, progress, dst.name, log)
             replaced = dst.exists()
             publish(staged, dst, overwrite)
             if replaced and module.FORMAT == "hdf5":   # a distributed store replaced by this one: its parts
@@ -292,11 +292,6 @@ def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dic
         raise SourceError(
             f"{staged}: the interrupted conversion used other settings or another source listing; "
             "rerun without --resume to start over (or with the original settings)")
-    job.labels_seen[:] = checkpoint.get("labels_seen", job.labels_seen)
-    if job.targets is not None:
-        job.targets.restore(targets_path(staged), int(checkpoint["target_rows"]))
-    unit = "files" if job.source.origin_kind == "path" else "items"
-    log(f"resuming after {checkpoint['source_pos']} of {len(job.source)} {unit}")
     return checkpoint
 
 
@@ -319,15 +314,33 @@ def _save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skip
     os.replace(tmp, path)
 
 
+def _resume_writer(job: _Job, staged: Path, checkpoint: dict[str, Any], log: Callable[[str], None]) -> Any:
+    """The interrupted conversion's writer, reopened, with the job's state restored; None where
+    its file cannot be reopened (an HDF5 file whose writer was killed: HDF5 refuses to open it
+    for writing again), the staging then removed: the conversion starts over."""
+    try:
+        writer = job.module.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
+    except StoreCorruptError as exc:
+        log(f"the interrupted conversion cannot be resumed ({exc}); starting over")
+        remove_staging(staged)
+        return None
+    job.labels_seen[:] = checkpoint.get("labels_seen", job.labels_seen)
+    if job.targets is not None:
+        job.targets.restore(targets_path(staged), int(checkpoint["target_rows"]))
+    unit = "files" if job.source.origin_kind == "path" else "items"
+    log(f"resuming after {checkpoint['source_pos']} of {len(job.source)} {unit}")
+    return writer
+
+
 def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: bool,
-         name: str) -> tuple[int, list[dict[str, str]]]:
+         name: str, log: Callable[[str], None]) -> tuple[int, list[dict[str, str]]]:
     """Decode, write and finish into ``staged``; return (sample count, skipped files)."""
     source, module = job.source, job.module
-    if checkpoint is None:
+    writer = None if checkpoint is None else _resume_writer(job, staged, checkpoint, log)
+    if writer is None:
         writer = module.Writer(staged, shape=job.record_shape, **job.options)
         start, skipped = 0, []
     else:
-        writer = module.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
         start, skipped = checkpoint["source_pos"], list(checkpoint["skipped"])
     resumable = hasattr(writer, "checkpoint")
     try:
