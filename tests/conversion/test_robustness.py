@@ -432,14 +432,15 @@ def test_verify_cli_names_a_damaged_manifest(small_folder, tmp_path):
 @pytest.mark.parametrize("name, progress, files", [
     ("s.lmdb", ".s.lmdb.dlstore-tmp/progress.json", ["data.mdb", "data.mdb.sha256", "lock.mdb"]),
     ("s.h5", ".s.h5.dlstore-tmp.progress.json", None),
+    ("s.shards", ".s.shards.dlstore-tmp/progress.json", None),
 ])
-def test_lmdb_and_hdf5_conversions_resume_from_their_last_written_block(slow_folder, tmp_path, name, progress,
-                                                                        files, sig):
+def test_conversions_resume_from_their_last_written_block(slow_folder, tmp_path, name, progress, files, sig):
     """Interrupted (Ctrl-C) or killed (SIGKILL: the OOM killer, kill -9), then --resume. A killed
     HDF5 writer leaves a file HDF5 will not open for writing again: that conversion starts over,
-    saying so, and gives the same store; LMDB continues from its last committed block."""
+    saying so, and gives the same store; LMDB and shards continue from their last unit."""
     dst = tmp_path / name
-    options = dict(static="resize=48,center_crop=40", batch_bytes=30_000)  # a unit per ~6 samples
+    unit = "shard_size" if name.endswith(".shards") else "batch_bytes"
+    options = {"static": "resize=48,center_crop=40", unit: 30_000}  # a unit per ~6 samples
     # The conversion (workers=1: decoding in this process) holds at its first image after the first
     # checkpoint until the gate file exists, which it never does: the interrupt arrives mid-run
     # however fast or loaded the machine is, not in a race with the end of the conversion.
@@ -454,7 +455,7 @@ def test_lmdb_and_hdf5_conversions_resume_from_their_last_written_block(slow_fol
             return opened(*args, **kwargs)
         PIL.Image.open = gated
         dlstore.convert({str(slow_folder)!r}, {str(dst)!r}, workers=1, progress=False,
-                        static={options['static']!r}, batch_bytes={options['batch_bytes']})
+                        static={options['static']!r}, {unit}={options[unit]})
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     _wait_for(tmp_path / progress, proc)
