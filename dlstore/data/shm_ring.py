@@ -267,19 +267,22 @@ class _Pool:
         sentinels = {p.sentinel: p for p in self.procs}
         while True:
             ready = wait([*self.results, *sentinels])
-            for conn in self.results:
-                if conn in ready:
-                    try:
-                        return conn.recv()
-                    except EOFError:    # its worker is gone: the sentinel says how
-                        pass
+            # the dead first: while the others keep reporting, their results are always ready and
+            # a pass the survivors can finish alone would end without a word (seen in CI)
             dead = [p for p in self.procs if p.sentinel in ready or p.exitcode is not None]
-            if dead:
-                dead[0].join()
-                raise WorkerError(
-                    f"dlstore.loader: worker process {dead[0].name} (pid {dead[0].pid}) exited with code "
-                    f"{dead[0].exitcode} while batches {waiting_for} were being built (killed, out of "
-                    "memory, or crashed in native code)")
+            if not dead:
+                for conn in self.results:
+                    if conn in ready:
+                        try:
+                            return conn.recv()
+                        except EOFError:    # its worker is gone: the sentinel says how
+                            pass
+                continue
+            dead[0].join()
+            raise WorkerError(
+                f"dlstore.loader: worker process {dead[0].name} (pid {dead[0].pid}) exited with code "
+                f"{dead[0].exitcode} while batches {waiting_for} were being built (killed, out of "
+                "memory, or crashed in native code)")
 
     def stop(self) -> None:
         self._finalizer()
