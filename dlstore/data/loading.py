@@ -129,7 +129,7 @@ def loader(
     reads sample 0 to tell), worker processes write each batch into a ring of shared-memory
     slots allocated once (a :class:`~dlstore.data.shm_ring.ShmRingLoader`; ``shm_ring=False``
     takes the DataLoader instead): only the slot number, the batch index and the labels cross
-    the pipes, 3.8-4.7x the DataLoader path's samples/s on 224 px batches. Its batches are the
+    the pipes, 3.8-5.7x the DataLoader path's samples/s on 224 px batches. Its batches are the
     threads' (the same per-batch seeds and sampler order, whatever the worker count; per-sample
     torchvision ops draw from torch's, numpy's and ``random``'s global generators, which each
     worker seeds per batch, so they too are the same for any worker count); a batch handed out is a slot,
@@ -271,7 +271,7 @@ def loader(
         return ThreadLoader(dataset, batches, threads=threads, prefetch=threads * (prefetch_factor or 2),
                             generator=generator, pin_memory=pin_memory)
     # worker processes write into the shared-memory ring where the batch has one fixed shape
-    # (3.8-4.7x the DataLoader path on static 224 px batches, 2.0-3.6x with crop+flip); None
+    # (3.8-5.7x the DataLoader path on static 224 px batches, 2.0-3.9x with crop+flip); None
     # chooses it there and the DataLoader elsewhere
     spec = batch_spec(dataset) if num_workers > 0 and shm_ring is not False else None
     if shm_ring and spec is None:
