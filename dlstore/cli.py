@@ -103,11 +103,25 @@ def convert(src, dst, root, fmt, static, workers, overwrite, on_error, shard_siz
         _fail(exc)
     finally:
         if started_group:
-            import torch.distributed as dist
-
-            dist.destroy_process_group()
+            _leave_group()
     if rank == 0:
         click.echo(str(result))
+
+
+def _leave_group() -> None:
+    """Leave the process group together, then destroy it. The rendezvous store lives in rank 0's
+    process: a rank still tearing its gloo group down when rank 0 exits aborts ("terminate called
+    without an active exception", SIGABRT, seen in CI). A rank that died does not come: the
+    others wait at most 30 s for it, then leave anyway."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    except RuntimeError:
+        pass
+    dist.destroy_process_group()
 
 
 def parse_bytes(text: str) -> int:
