@@ -111,15 +111,16 @@ def convert(src, dst, root, fmt, static, workers, overwrite, on_error, shard_siz
 def _leave_group() -> None:
     """Leave the process group together, then destroy it. The rendezvous store lives in rank 0's
     process: a rank still tearing its gloo group down when rank 0 exits aborts ("terminate called
-    without an active exception", SIGABRT, seen in CI). A rank that died does not come: the
-    others wait at most 30 s for it, then leave anyway."""
+    without an active exception", SIGABRT, seen in CI). The ranks normally arrive together (the
+    conversion ends with a collective exchange). Rank 0 waits at most 30 s for a missing rank; the
+    others wait for rank 0 and leave at once if it died. A second Ctrl-C skips the wait."""
     import datetime
 
     import torch.distributed as dist
 
     try:
         dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
-    except RuntimeError:
+    except (RuntimeError, KeyboardInterrupt):
         pass
     dist.destroy_process_group()
 

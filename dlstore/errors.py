@@ -78,6 +78,11 @@ class StoreCorruptError(DlstoreError, ValueError):
     """A store's manifest or data is missing, damaged or inconsistent."""
 
 
+class WriterKilledError(StoreCorruptError):
+    """An interrupted conversion's staged HDF5 file whose writer was killed: HDF5 will not open it
+    for writing again (its consistency flags), so ``--resume`` starts that conversion over."""
+
+
 class ConversionInterrupted(DlstoreError, RuntimeError):
     """A conversion stopped before completion (signal, dead worker, I/O error)."""
 

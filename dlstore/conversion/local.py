@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 
 from .. import formats
 from .._system import usable_cpus
-from ..errors import ArgumentError, ArgumentTypeError, DecodeError, SourceError, StoreCorruptError
+from ..errors import ArgumentError, ArgumentTypeError, DecodeError, SourceError, WriterKilledError
 from ..formats._common import (
     DestinationLock,
     check_destination,
@@ -316,11 +316,12 @@ def _save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skip
 
 def _resume_writer(job: _Job, staged: Path, checkpoint: dict[str, Any], log: Callable[[str], None]) -> Any:
     """The interrupted conversion's writer, reopened, with the job's state restored; None where
-    its file cannot be reopened (an HDF5 file whose writer was killed: HDF5 refuses to open it
-    for writing again), the staging then removed: the conversion starts over."""
+    its file can never be reopened (an HDF5 file whose writer was killed: HDF5 refuses to open it
+    for writing again), the staging then removed: the conversion starts over. Any other failure
+    to reopen (the file locked by a reader, no permission) is raised, the staging kept."""
     try:
         writer = job.module.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
-    except StoreCorruptError as exc:
+    except WriterKilledError as exc:
         log(f"the interrupted conversion cannot be resumed ({exc}); starting over")
         remove_staging(staged)
         return None

@@ -429,9 +429,10 @@ class ShmRingLoader(ThreadLoader):
     def _pass_batches(self) -> Iterator[tuple[torch.Tensor, Any]]:
         base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
         epoch = self._epoch()
+        self._pass += 1          # before _start: an unstarted iterator collected from here on
+        pass_id = self._pass     # (its finalizer, _stop_unstarted) leaves this pass's workers alone
         ring, pool = self._start()
-        self._pass += 1
-        pass_id = pool.current.value = self._pass
+        pool.current.value = pass_id
         # a pass left suspended (an iterator not run to its end) gives up the batches it had
         # received and not handed out; resumed, it raises (below)
         pool.busy -= pool.ready

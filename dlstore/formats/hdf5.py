@@ -37,8 +37,8 @@ network filesystems). The chunk cache is sized for random access to one-sample c
 is reused only when the same sample is read again, which the OS page cache already serves, so
 fixed-shape stores get no chunk cache (uncompressed samples are read with ``read_direct_chunk``
 straight into the output array, bypassing HDF5's selection machinery and the cache);
-variable-shape stores cache all chunks of heap pointers (16 bytes per sample, up to 64 MiB).
-Pass ``chunk_cache_bytes=`` to choose.
+variable-shape stores cache all chunks of heap pointers (16 bytes per sample, up to 64 MiB;
+``chunk_cache_bytes=`` chooses).
 """
 
 from __future__ import annotations
@@ -59,6 +59,7 @@ from ..errors import (
     StoreExistsError,
     StoreNotFoundError,
     VariableShapeError,
+    WriterKilledError,
 )
 from ..sources.origins import Origins
 from ._common import (
@@ -169,9 +170,9 @@ class Hdf5Writer(WithTargets):
         else:  # reopen the file of an interrupted conversion (resume)
             try:
                 self._file = h5py.File(self.path, "r+", libver=LIBVER)
-            except OSError as exc:
-                raise StoreCorruptError(f"{self.path}: the interrupted conversion's file cannot be reopened "
-                                        f"({exc}); rerun without --resume") from exc
+            except OSError as exc:  # a killed writer leaves HDF5's "already open for write" flags set
+                kind = WriterKilledError if "already open for write" in str(exc) else StoreCorruptError
+                raise kind(f"{self.path}: the interrupted conversion's file cannot be reopened ({exc})") from exc
             self._images = self._existing("images")
             self._shapes = self._existing("shapes") if shape is None else None
 
@@ -273,12 +274,11 @@ class Hdf5Writer(WithTargets):
         writer._count = writer._written = rows
         return writer
 
-    # A full disk: HDF5 (2.0, h5py 3.16) cannot recover from a failed write. Its metadata
-    # cache then fails to flush at close, and the library crashes (SIGSEGV) when it tries
-    # again at exit. So each block is written only when the free space holds it
-    # (ensure_space: the file stays as the last checkpoint left it, and a resume continues
-    # it), and a file whose write failed anyway (the disk filled from elsewhere) is emptied
-    # before it is closed and then removed (see close).
+    # A full disk: HDF5 (2.0, h5py 3.16) cannot recover from a failed write. Its metadata cache
+    # then fails to flush at close, and the library crashes (SIGSEGV) when it tries again at
+    # exit. So each block is written only when the free space holds it (ensure_space: the file
+    # stays as the last checkpoint left it, and a resume continues it), and a file whose write
+    # failed anyway (the disk filled from elsewhere) is emptied, closed and removed (see close).
     @contextlib.contextmanager
     def _writing(self, nbytes: int = 0):
         try:

@@ -38,7 +38,16 @@ def memcpy(typingctx: Any, dst: Any, src: Any, n: Any) -> Any:
 
 
 uintp = numba.uintp
-jit = numba.njit(nogil=True, cache=True, boundscheck=False)
+
+
+def jit(fn: Any) -> Any:
+    """numba's njit, GIL released, no bounds checks, cached on disk where numba finds a writable
+    place for it (beside this file, else ~/.cache); without one (a read-only install and HOME),
+    compiled in each process instead of not at all."""
+    try:
+        return numba.njit(nogil=True, cache=True, boundscheck=False)(fn)
+    except RuntimeError:        # "cannot cache function ...: no locator available"
+        return numba.njit(nogil=True, boundscheck=False)(fn)
 
 
 # Unsigned loop indices: numba checks a signed index for wraparound on every access,

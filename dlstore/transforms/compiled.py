@@ -60,8 +60,12 @@ def _build() -> Any:
         if _kernel is None and _failed is None:
             try:
                 kernel = _define()
-            except Exception as e:  # noqa: BLE001 - absent (ImportError), or a numba/llvmlite/numpy mismatch
-                _failed = f"numba is not importable ({type(e).__name__}: {e}); pip install 'dlstore[fast]'"
+            except ImportError as e:    # numba absent, or its llvmlite/numpy refused
+                _failed = f"numba is not importable ({e}); pip install 'dlstore[fast]'"
+                return None
+            except Exception as e:  # noqa: BLE001 - numba imports but cannot define the kernel here
+                _failed = f"numba could not define the kernel ({type(e).__name__}: {e})"
+                warnings.warn(f"dlstore: {_failed}; using the pure crop+flip", RuntimeWarning, stacklevel=3)
                 return None
             try:    # compile now (or load numba's disk cache) on a tiny batch, so that
                 # a numba that imports but cannot compile here means the pure path, not an error

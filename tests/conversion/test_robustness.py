@@ -482,6 +482,53 @@ def test_conversions_resume_from_their_last_written_block(slow_folder, tmp_path,
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([name, "clean-" + name])  # no staging left
     assert verify(dst).ok
 
+@pytest.mark.slow
+def test_hdf5_resume_while_another_process_holds_the_staged_file_keeps_it(slow_folder, tmp_path):
+    """Only a killed writer's file starts over: a staged file another process has open (HDF5's file
+    lock) is an error naming it, the partial work kept, and --resume continues once it is closed."""
+    dst, progress = tmp_path / "s.h5", tmp_path / ".s.h5.dlstore-tmp.progress.json"
+    staged = tmp_path / ".s.h5.dlstore-tmp"
+    options = dict(static="resize=48,center_crop=40", batch_bytes=30_000)
+    script = textwrap.dedent(f"""
+        import os, time
+        import PIL.Image
+        import dlstore
+        opened = PIL.Image.open
+        def gated(*args, **kwargs):
+            while os.path.exists({str(progress)!r}):
+                time.sleep(0.01)
+            return opened(*args, **kwargs)
+        PIL.Image.open = gated
+        dlstore.convert({str(slow_folder)!r}, {str(dst)!r}, workers=1, progress=False,
+                        static={options['static']!r}, batch_bytes={options['batch_bytes']})
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for(progress, proc)
+    proc.send_signal(signal.SIGINT)
+    proc.communicate(timeout=60)
+    inode = staged.stat().st_ino
+    viewer = subprocess.Popen([sys.executable, "-c", f"import h5py, time; f = h5py.File({str(staged)!r}, 'r'); "
+                               "print('open', flush=True); time.sleep(60)"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert viewer.stdout.readline().strip() == "open"
+        messages = []
+        with pytest.raises(StoreCorruptError, match="cannot be reopened") as info:
+            _convert(slow_folder, dst, resume=True, log=messages.append, **options)
+        assert str(staged) in str(info.value)
+        assert not any("starting over" in m for m in messages), messages
+        assert staged.stat().st_ino == inode and progress.is_file()        # the partial work kept
+    finally:
+        viewer.kill()
+        viewer.wait()
+    done = json.loads(progress.read_text())["source_pos"]
+    messages = []
+    _convert(slow_folder, dst, resume=True, log=messages.append, **options)
+    assert any(f"resuming after {done} of 240" in m for m in messages), messages
+    _convert(slow_folder, tmp_path / "clean.h5", **options)
+    assert dlstore.open_dataset(dst).manifest["checksums"] == dlstore.open_dataset(tmp_path / "clean.h5").manifest[
+        "checksums"]
+
+
 def test_one_damaged_shard_fails_only_its_samples(small_folder, tmp_path):
     dst = tmp_path / "s.shards"
     _convert(small_folder, dst, static="resize=20,center_crop=16", shard_size=16 * 16 * 3 * 4)  # 4, 4, 4

@@ -352,6 +352,35 @@ def test_an_iterator_dropped_before_its_first_batch_stops_its_workers(persistent
     assert not _children()
 
 
+def test_an_unstarted_iterator_collected_as_the_next_pass_starts_leaves_that_pass_alone(stores, monkeypatch):
+    """An iterator never advanced and held in a reference cycle is freed whenever the cycle collector
+    runs: here right after the next pass took the workers (it stopped them under that pass: "handle
+    is closed")."""
+    ds = _random(stores["lmdb"])
+    expected = _epoch(dlstore.loader(ds, 3, shuffle=True, generator=_gen(4), threads=2))
+    dl = _ring(ds, 3, 2, shuffle=True, generator=_gen(4))
+    real_start, calls = dl._start, []
+
+    def start():
+        got = real_start()
+        calls.append(1)
+        if len(calls) == 3:           # the next pass's own _start (the stale's iter(), its iter())
+            gc.collect()
+        return got
+    monkeypatch.setattr(dl, "_start", start)
+    gc.disable()                      # the collector runs exactly there, not at some allocation before
+    try:
+        stale = [iter(dl)]
+        stale.append(stale)           # a cycle: only the collector frees it
+        del stale
+        got = _epoch(dl)
+    finally:
+        gc.enable()
+    assert len(calls) >= 3 and _same(got, expected)
+    dl.close()
+    assert not _children()
+
+
 def test_nothing_outlives_the_loader(stores):
     ds = dlstore.open_dataset(stores["shards"])
     list(_ring(ds, 4, 2))                            # the first pass opens what stays open (the store)

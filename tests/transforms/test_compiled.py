@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -213,3 +214,43 @@ def test_without_numba_the_pure_path_runs(tmp_path):
                           check=False)
     assert done.returncode == 0, done.stderr
     assert "numba is not importable" in done.stdout and "dlstore[fast]" in done.stdout
+
+
+def test_read_only_install_without_a_cache_directory_still_compiles(tmp_path):
+    """numba caches the kernel beside its source, else under ~/.cache; with neither writable (a
+    read-only image and HOME) ``cache=True`` fails at definition: the kernel is then compiled in
+    each process, not switched off (it was: "numba is not importable ... no locator available")."""
+    import shutil
+
+    package = tmp_path / "ro"
+    shutil.copytree(Path(dlstore.__file__).parent, package / "dlstore",
+                    ignore=shutil.ignore_patterns("__pycache__", "*.nbi", "*.nbc"))
+    home = tmp_path / "home"
+    home.mkdir()
+    script = tmp_path / "check.py"
+    script.write_text(textwrap.dedent(f"""
+        import sys, warnings
+        sys.path.insert(0, {str(package)!r})
+        warnings.simplefilter("error")          # no warning either: nothing is wrong
+        import numpy as np
+        import dlstore
+        from dlstore.transforms import compiled
+        assert dlstore.__file__.startswith({str(package)!r}), dlstore.__file__
+        assert compiled.available(), compiled.unavailable_reason()
+        x = np.arange(2 * 3 * 5 * 7, dtype=np.uint8).reshape(2, 3, 5, 7)
+        out = np.empty_like(x)
+        compiled.crop_flip(list(x), out, np.zeros(2, np.int64), np.zeros(2, np.int64), np.array([True, False]),
+                           (0, 0, 0, 0), 0)
+        assert np.array_equal(out[0], x[0, :, :, ::-1]) and np.array_equal(out[1], x[1])
+        print("ok")
+    """))
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("NUMBA_", "DLSTORE_", "XDG_"))}
+    env["HOME"] = str(home)
+    cmd = (f"mount --bind {package} {package} && mount -o remount,bind,ro {package} && "
+           f"mount --bind {home} {home} && mount -o remount,bind,ro {home} && exec {sys.executable} {script}")
+    done = subprocess.run(["unshare", "-m", "sh", "-c", cmd], capture_output=True, text=True, timeout=300,
+                          env=env, check=False)
+    if done.returncode != 0 and ("mount" in done.stderr or "unshare" in done.stderr):
+        pytest.skip(f"cannot make a read-only mount here (needs root): {done.stderr.strip()[-200:]}")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().endswith("ok")
