@@ -4,9 +4,11 @@
 releases and retakes the GIL: on a 2-core VM a second loader thread then gains
 nothing (1.1x, the two threads hand the GIL back and forth every ~10 us), and a
 flipped row goes through numpy's cast loop. This kernel does a whole batch in one
-call with the GIL released: every output row written once (padding bytes, then
-the image part copied or copied reversed, which LLVM vectorises), ~memcpy speed
-whether a sample is flipped or padded.
+call with the GIL released, each sample in one pass: row by row, the padding bytes
+then the image part copied reversed (a loop LLVM vectorises) for a flipped sample;
+one memcpy per channel, padding filled over it, for an unflipped full-width one.
+Measured (224x224, padding 4, cold batches): unflipped samples at ~np.take's speed,
+flipped ones ~1.4x that; the pure loop 2.2x slower through the loader.
 
 The pixels are the pure kernel's (tests check both against torchvision's
 ``pad``/``crop``/``horizontal_flip``). numba is imported on first use, and the
