@@ -15,9 +15,11 @@ module's own folder there (``from fidelity_harness import ...``).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -151,3 +153,36 @@ def run_two_ranks(script: str, store: str | os.PathLike, tmp_path: Path, *, time
                                str(outs[r])]) for r in range(2)]
     assert [p.wait(timeout=timeout) for p in procs] == [0, 0]
     return [json.loads(o.read_text()) for o in outs]
+
+
+# --- gloo process groups in forked ranks (the distributed conversion tests) ---------------------
+
+def free_port() -> int:
+    """A TCP port free on this host now (the group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_main(rank: int, world: int, port: int, out: str, fn: Callable, args: tuple) -> None:
+    """Rank ``rank`` of ``world``: joins the gloo group, runs ``fn(rank, *args)``, writes what it
+    returned (or its error) to ``out/rank{rank}.json``, leaves the group.
+
+    The ranks meet at a barrier before destroying the group: gloo aborts ("terminate called
+    without an active exception") when its peer tears the group down first. A barrier that
+    fails (some tests kill a rank on purpose) is ignored: the result is already written.
+    """
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        result = {"ok": fn(rank, *args)}
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        result = {"error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
+    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    try:
+        dist.barrier()
+    except RuntimeError:
+        pass
+    dist.destroy_process_group()

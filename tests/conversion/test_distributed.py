@@ -7,23 +7,20 @@ dlstore convert``, the command users run.
 
 from __future__ import annotations
 
-import datetime
 import hashlib
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import traceback
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as tmp
+from _helpers import free_port, rank_main
 
 from dlstore import convert, loader, open_dataset, verify
 from dlstore.conversion.distributed import hdf5_parts_path, part_ranges, work_path
@@ -33,29 +30,11 @@ WORLD = 2
 SUFFIX = {"shards": ".shards", "hdf5": ".h5", "lmdb": ".lmdb"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, fn, port: int, out: str, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
-    try:
-        result = {"ok": fn(rank, *args)}
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        result = {"error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-
-
 def run_ranks(fn, *args, tmp_path: Path) -> list[dict]:
     """Run ``fn(rank, *args)`` on WORLD forked processes in one gloo group; each rank's result or error."""
     out = tmp_path / f"results-{fn.__name__}"
     out.mkdir(exist_ok=True)
-    tmp.start_processes(_rank_main, args=(fn, _free_port(), str(out), args), nprocs=WORLD, join=True,
+    tmp.start_processes(rank_main, args=(WORLD, free_port(), str(out), fn, args), nprocs=WORLD, join=True,
                         start_method="fork")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
@@ -168,7 +147,7 @@ def test_torchrun_cli_converts_with_two_ranks(rgb_folder, tmp_path):
     dst = tmp_path / "cli.shards"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
-           str(_free_port()), "-m", "dlstore", "convert", str(rgb_folder), str(dst), "--static", "center_crop=16",
+           str(free_port()), "-m", "dlstore", "convert", str(rgb_folder), str(dst), "--static", "center_crop=16",
            "--workers", "1", "--quiet"]
     proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr

@@ -9,19 +9,17 @@ process (workers=0), so the stop comes after checkpoints, not in a race with the
 
 from __future__ import annotations
 
-import datetime
 import json
 import multiprocessing
 import os
 import signal
-import socket
-import traceback
 from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 import torch
+from _helpers import free_port, rank_main
 
 from dlstore import convert, open_dataset, verify
 from dlstore.conversion.distributed import hdf5_parts_path, work_path
@@ -54,25 +52,6 @@ class Stopping(torch.utils.data.Dataset):
         return self.images[i], i % 3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_main(rank: int, world: int, port: int, out: str, fn, args: tuple) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    import torch.distributed as dist
-
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
-    try:
-        result = {"ok": fn(rank, *args)}
-    except BaseException as exc:  # noqa: BLE001 - reported to the test
-        result = {"error": type(exc).__name__, "message": str(exc), "trace": traceback.format_exc()}
-    Path(out, f"rank{rank}.json").write_text(json.dumps(result))
-    dist.destroy_process_group()
-
-
 def run_ranks(fn, *args, tmp_path: Path, world: int = 2) -> list[dict | None]:
     """Run ``fn(rank, *args)`` on ``world`` forked ranks; what each returned, or None where it was killed.
 
@@ -81,9 +60,9 @@ def run_ranks(fn, *args, tmp_path: Path, world: int = 2) -> list[dict | None]:
     """
     out = tmp_path / f"results-{len(list(tmp_path.glob('results-*')))}"
     out.mkdir()
-    port = _free_port()
+    port = free_port()
     ctx = multiprocessing.get_context("fork")
-    procs = [ctx.Process(target=_rank_main, args=(r, world, port, str(out), fn, args)) for r in range(world)]
+    procs = [ctx.Process(target=rank_main, args=(r, world, port, str(out), fn, args)) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:
