@@ -380,6 +380,12 @@ class StoreDataset(Dataset):
             compiled.crop_flip(self.reader.get_many(idx.tolist()), out.numpy(), tops, lefts, flips, padding, fill)
         return out
 
+    @property
+    def fuses_crop_flip(self) -> bool:
+        """True when get_batch runs a leading RandomCrop / HorizontalFlip inside its copy (the
+        kernel of ``dlstore.transforms.compiled`` where numba imports, else the pure one)."""
+        return self._fused_crop is not None or self._fused_flip is not None
+
     def _new_batch(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialised uint8 tensor for a batch.
 

@@ -265,7 +265,7 @@ def loader(
     else:
         sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
     batches = _EpochBatchSampler(sampler, batch_size, drop_last)
-    if num_workers and (getattr(dataset, "_fused_crop", None) or getattr(dataset, "_fused_flip", None)):
+    if num_workers and getattr(dataset, "fuses_crop_flip", False):
         compiled.available()   # numba's kernel built (or loaded) here, once, before workers fork
     if threads:
         return ThreadLoader(dataset, batches, threads=threads, prefetch=threads * (prefetch_factor or 2),

@@ -371,8 +371,7 @@ def tune(
             f"({in_flight / limit:.0%} of {human_bytes(limit)} available"
             f"{', plus pinned copies' if best.kwargs.get('pin_memory') else ''}); "
             "lower prefetch_factor or num_workers if memory is short")
-    if (getattr(dataset, "_fused_crop", None) or getattr(dataset, "_fused_flip", None)) \
-            and not compiled.available():
+    if getattr(dataset, "fuses_crop_flip", False) and not compiled.available():
         notes.append(f"the random crop/flip ran the pure-numpy kernel ({compiled.unavailable_reason()}); "
                      "the compiled one reads ~2x faster with threads (docs/reading.md)")
     if persist_note:
