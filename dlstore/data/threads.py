@@ -153,9 +153,9 @@ class ThreadLoader:
 def _open_handles(dataset: Any) -> None:
     """Open the reader's handles here, before the threads start.
 
-    Readers open lazily on first use (``ForkSafe._ensure_open``) without a lock:
-    threads racing to open one LMDB store would both call ``lmdb.open``, and
-    py-lmdb refuses the second open in a process.
+    Readers open lazily on first use (``ForkSafe._ensure_open``, under a lock, so
+    threads racing to open are safe); opening here keeps that cost, and any error
+    about the store, out of the first batch's thread.
     """
     reader = getattr(dataset, "reader", None)
     reader = getattr(reader, "raw", reader)             # DecodingReader wraps the format's reader

@@ -75,6 +75,7 @@ from ._common import (
     check_index,
     check_indices,
     check_sample,
+    open_lock,
     read_range_by_batch,
     write_error,
 )
@@ -351,38 +352,40 @@ def _default_readahead(data: Path) -> bool:
 
 
 def _shared_env(path: Path, readahead: bool) -> lmdb.Environment:
-    """This process's read-only Environment for the store at ``path``."""
-    pid = os.getpid()
-    for key in [k for k in list(_ENVS.keys()) if k[0] != pid]:
-        inherited = _ENVS.pop(key, None)
-        if inherited is not None:
-            inherited.close()  # the child's copy only: lock=False, nothing shared is touched
-    st = _data_file(path).stat()
-    key = (pid, st.st_dev, st.st_ino)
-    env = _ENVS.get(key)
-    if env is None:
-        try:
-            env = lmdb.open(str(path), subdir=True, readonly=True, lock=False, readahead=readahead,
-                            max_readers=1, max_spare_txns=1)
-        except lmdb.Error as exc:
-            if "already open" in str(exc):
-                raise StoreBusyError(
-                    f"{path}: this process already has the environment open outside dlstore, and py-lmdb "
-                    "allows one open per process; close that lmdb.Environment first") from exc
-            raise StoreCorruptError(f"{path}: cannot open the LMDB environment ({exc})") from exc
-        # Pages are read through a memory map: one past the end of a truncated file would
-        # kill the process with SIGBUS instead of raising, so check the length first.
-        try:
-            needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-        except lmdb.Error as exc:
-            env.close()
-            raise StoreCorruptError(f"{path / 'data.mdb'}: damaged: LMDB reports {exc}") from exc
-        if st.st_size < needed:
-            env.close()
-            raise StoreCorruptError(f"{path}: data.mdb is {st.st_size} bytes but its pages reach {needed}: "
-                                    "the file is truncated (an interrupted copy?); copy or convert it again")
-        _ENVS[key] = env
-    return env
+    """This process's read-only Environment for the store at ``path`` (under the open lock:
+    two threads opening readers of one store at once would both call ``lmdb.open``)."""
+    with open_lock():
+        pid = os.getpid()
+        for key in [k for k in list(_ENVS.keys()) if k[0] != pid]:
+            inherited = _ENVS.pop(key, None)
+            if inherited is not None:
+                inherited.close()  # the child's copy only: lock=False, nothing shared is touched
+        st = _data_file(path).stat()
+        key = (pid, st.st_dev, st.st_ino)
+        env = _ENVS.get(key)
+        if env is None:
+            try:
+                env = lmdb.open(str(path), subdir=True, readonly=True, lock=False, readahead=readahead,
+                                max_readers=1, max_spare_txns=1)
+            except lmdb.Error as exc:
+                if "already open" in str(exc):
+                    raise StoreBusyError(
+                        f"{path}: this process already has the environment open outside dlstore, and py-lmdb "
+                        "allows one open per process; close that lmdb.Environment first") from exc
+                raise StoreCorruptError(f"{path}: cannot open the LMDB environment ({exc})") from exc
+            # Pages are read through a memory map: one past the end of a truncated file would
+            # kill the process with SIGBUS instead of raising, so check the length first.
+            try:
+                needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
+            except lmdb.Error as exc:
+                env.close()
+                raise StoreCorruptError(f"{path / 'data.mdb'}: damaged: LMDB reports {exc}") from exc
+            if st.st_size < needed:
+                env.close()
+                raise StoreCorruptError(f"{path}: data.mdb is {st.st_size} bytes but its pages reach {needed}: "
+                                        "the file is truncated (an interrupted copy?); copy or convert it again")
+            _ENVS[key] = env
+        return env
 
 
 def _get_required(txn: lmdb.Transaction, key: bytes, path: Path) -> bytes:

@@ -10,6 +10,7 @@ user holds must never change.
 from __future__ import annotations
 
 import threading
+import time
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -101,6 +102,102 @@ def test_dataset_pickles_without_thread_state(stores):
     copy = pickle.loads(pickle.dumps(ds))
     assert copy._pool == [] and not hasattr(copy._local, "scratch")
     assert torch.equal(copy.get_batch([0, 1])[0], ds.get_batch([0, 1])[0])
+
+
+# --- first use from several threads at once -----------------------------------------------------
+
+def _slowed(monkeypatch, owner, name, calls, overlap=None):
+    """Make ``owner.name`` slow (20 ms), count its calls and how many ran at once (``overlap``)."""
+    real = getattr(owner, name)
+    inside = [0]
+    lock = threading.Lock()
+
+    def slow(*args, **kwargs):
+        with lock:
+            calls.append(threading.get_ident())
+            inside[0] += 1
+            if overlap is not None:
+                overlap.append(inside[0])
+        try:
+            time.sleep(0.02)
+            return real(*args, **kwargs)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(owner, name, slow)
+
+
+def _at_once(fn, threads: int = 6) -> list:
+    barrier = threading.Barrier(threads)
+
+    def one(_):
+        barrier.wait()
+        return fn()
+
+    with ThreadPoolExecutor(threads) as pool:
+        return list(pool.map(one, range(threads)))
+
+
+@pytest.mark.parametrize("fmt", FORMATS + ["jpeg"])
+def test_a_reader_first_used_by_several_threads_opens_once(fmt, stores, monkeypatch):
+    # The GPU preload's reader threads did this: each saw the reader unopened, reset its handles
+    # and opened it again, so one read a handle another had just set to None ('NoneType' has no
+    # attribute 'begin' / 'id') or LMDB refused the second open (StoreBusyError, seen in CI).
+    ds = dlstore.open_dataset(stores[fmt])
+    expected = ds.read_batch(range(6))[0]
+    ds = dlstore.open_dataset(stores[fmt])          # a fresh one: nothing opened in this process yet
+    reader = getattr(ds.reader, "raw", ds.reader)
+    calls: list[int] = []
+    _slowed(monkeypatch, type(reader), "_open", calls)
+    got = _at_once(lambda: ds.get_batch(np.arange(6))[0].clone())
+    assert len(calls) == 1
+    assert all(torch.equal(x, expected) for x in got)
+
+
+def test_readers_of_one_lmdb_store_opened_by_several_threads_at_once(stores, monkeypatch):
+    from dlstore.formats import lmdb as lmdb_format
+
+    calls: list[int] = []
+    overlap: list[int] = []
+    _slowed(monkeypatch, lmdb_format.lmdb, "open", calls, overlap)
+    readers = _at_once(lambda: lmdb_format.LmdbReader(stores["lmdb"]))   # no StoreBusyError
+    assert calls and max(overlap) == 1           # one open at a time: each finds the last one's environment
+    first = readers[0].get_batch(np.arange(3))
+    assert all(np.array_equal(r.get_batch(np.arange(3)), first) for r in readers)
+
+
+def test_a_fork_while_a_thread_opens_a_reader_does_not_deadlock_the_child(stores):
+    import multiprocessing
+
+    from dlstore.formats import _common
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _common.open_lock():
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    try:
+        held.wait(10)
+        ctx = multiprocessing.get_context("fork")
+        child = ctx.Process(target=_read_one, args=(str(stores["lmdb"]),))
+        child.start()
+        child.join(60)
+        alive = child.is_alive()
+        if alive:
+            child.kill()
+        assert not alive and child.exitcode == 0     # the lock was copied held; the child has its own
+    finally:
+        release.set()
+        holder.join()
+
+
+def _read_one(path: str) -> None:
+    dlstore.open_dataset(path).get_batch([0, 1])
 
 
 # --- the loader ----------------------------------------------------------------------------------
