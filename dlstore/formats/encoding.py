@@ -47,7 +47,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import ArgumentError, StoreCorruptError, VariableShapeError
-from ._common import batch_out
+from ._common import batch_out, open_lock
 
 ENCODINGS = ("raw", "jpeg", "png")
 _PIL_FORMATS = {"jpeg": "JPEG", "png": "PNG"}
@@ -161,13 +161,19 @@ class DecodingReader:
             return None
         except RuntimeError:
             return None
-        if self._batch_jpeg is None:   # once per reader: up to 4 records against PIL (CMYK ones go to PIL)
+        # Once per reader: up to 4 records against PIL (CMYK ones go to PIL). Read the verdict once,
+        # after this thread's decode: another thread may have just rejected these pixels. Threads
+        # that check at once may disagree (their records differ): a rejection is never overturned.
+        ok = self._batch_jpeg
+        if ok is None:
             pairs = [(image, r) for image, r in zip(images, records) if image.shape[0] in (1, 3)][:4]
             if pairs:
-                self._batch_jpeg = all(np.array_equal(image.numpy(), decode(r)) for image, r in pairs)
-            if self._batch_jpeg is False:
-                return None
-        return images
+                verdict = all(np.array_equal(image.numpy(), decode(r)) for image, r in pairs)
+                with open_lock():
+                    if self._batch_jpeg is not False:
+                        self._batch_jpeg = verdict
+                    ok = self._batch_jpeg
+        return None if ok is False else images
 
     def decode_many(self, indices: list[int], *, device: Any = "cpu") -> list[Any]:
         """Samples ``indices`` as uint8 (C, H, W) tensors on ``device``, decoded there where

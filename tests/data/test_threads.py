@@ -408,6 +408,36 @@ def test_jpeg_batches_keep_to_pil_when_torchvision_differs(stores, monkeypatch):
     assert all(np.array_equal(a, decode(r)) for a, r in zip(got, ds.reader.raw.get_many([0, 1, 2])))
 
 
+def test_jpeg_batches_keep_to_pil_when_threads_check_at_once(stores, monkeypatch):
+    # Two threads decode their first batches together; the second one's decode ends after the
+    # first has compared its pixels with PIL's and rejected torchvision. It must not hand out
+    # the rejected pixels (it did: it read the verdict before its decode and skipped the check).
+    import torchvision.io
+
+    from dlstore.formats.encoding import decode
+
+    real = torchvision.io.decode_jpeg
+    meet, calls, lock = threading.Barrier(2, timeout=10), [], threading.Lock()
+
+    def differing(data, *args, **kwargs):
+        with lock:
+            calls.append(1)
+            n = len(calls)
+        if n <= 2:                      # the first two decodes start together, the second lags
+            meet.wait()
+            if n == 2:
+                time.sleep(0.05)
+        return [x ^ 1 for x in real(data, *args, **kwargs)]
+
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", differing)
+    ds = dlstore.open_dataset(stores["jpeg"])
+    got = torch.cat([x for x, _ in dlstore.loader(ds, 4, threads=2)])
+    raw = ds.reader.raw
+    pil = np.stack([decode(r) for r in raw.get_many(list(range(len(raw))))])
+    assert ds.reader._batch_jpeg is False and len(calls) >= 2
+    assert np.array_equal(got.numpy(), pil)
+
+
 def test_jpeg_batch_with_a_damaged_record_names_it(stores):
     from dlstore.errors import StoreCorruptError
     from dlstore.formats.encoding import DecodingReader
