@@ -61,7 +61,6 @@ import numpy as np
 
 from ..errors import (
     ArgumentError,
-    StoreBusyError,
     StoreCorruptError,
     VariableShapeError,
 )
@@ -75,10 +74,10 @@ from ._common import (
     check_index,
     check_indices,
     check_sample,
-    open_lock,
     read_range_by_batch,
     write_error,
 )
+from ._lmdb_env import acquire, data_file, held, release
 from ._integrity import (
     SUMS_ALGORITHM,
     SUMS_DTYPE,
@@ -322,25 +321,10 @@ class LmdbWriter(WithTargets):
 
 # --- reading -------------------------------------------------------------------------------
 
-# py-lmdb refuses to open one environment twice in a process (LMDB's own rule: its
-# locks belong to the (process, file) pair). Readers of the same store in one process
-# therefore share one Environment, found here by (pid, device, inode) of data.mdb. The
-# values are weak: an environment closes when its last reader goes. Entries of another
-# pid were inherited through a fork and are closed before the child opens its own.
-_ENVS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-
-
 def _env_folder(path: str | os.PathLike) -> Path:
     """The environment folder, also when given its ``data.mdb`` (as format detection allows)."""
     path = Path(path)
     return path.parent if path.name == "data.mdb" and path.is_file() else path
-
-
-def _data_file(path: Path) -> Path:
-    data = path / "data.mdb"
-    if not data.is_file():
-        raise StoreCorruptError(f"{path}: not an LMDB store (no data.mdb)")
-    return data
 
 
 def _default_readahead(data: Path) -> bool:
@@ -349,43 +333,6 @@ def _default_readahead(data: Path) -> bool:
     except (ValueError, OSError):
         return True
     return data.stat().st_size <= ram // 2
-
-
-def _shared_env(path: Path, readahead: bool) -> lmdb.Environment:
-    """This process's read-only Environment for the store at ``path`` (under the open lock:
-    two threads opening readers of one store at once would both call ``lmdb.open``)."""
-    with open_lock():
-        pid = os.getpid()
-        for key in [k for k in list(_ENVS.keys()) if k[0] != pid]:
-            inherited = _ENVS.pop(key, None)
-            if inherited is not None:
-                inherited.close()  # the child's copy only: lock=False, nothing shared is touched
-        st = _data_file(path).stat()
-        key = (pid, st.st_dev, st.st_ino)
-        env = _ENVS.get(key)
-        if env is None:
-            try:
-                env = lmdb.open(str(path), subdir=True, readonly=True, lock=False, readahead=readahead,
-                                max_readers=1, max_spare_txns=1)
-            except lmdb.Error as exc:
-                if "already open" in str(exc):
-                    raise StoreBusyError(
-                        f"{path}: this process already has the environment open outside dlstore, and py-lmdb "
-                        "allows one open per process; close that lmdb.Environment first") from exc
-                raise StoreCorruptError(f"{path}: cannot open the LMDB environment ({exc})") from exc
-            # Pages are read through a memory map: one past the end of a truncated file would
-            # kill the process with SIGBUS instead of raising, so check the length first.
-            try:
-                needed = (env.info()["last_pgno"] + 1) * env.stat()["psize"]
-            except lmdb.Error as exc:
-                env.close()
-                raise StoreCorruptError(f"{path / 'data.mdb'}: damaged: LMDB reports {exc}") from exc
-            if st.st_size < needed:
-                env.close()
-                raise StoreCorruptError(f"{path}: data.mdb is {st.st_size} bytes but its pages reach {needed}: "
-                                        "the file is truncated (an interrupted copy?); copy or convert it again")
-            _ENVS[key] = env
-        return env
 
 
 def _get_required(txn: lmdb.Transaction, key: bytes, path: Path) -> bytes:
@@ -404,9 +351,8 @@ def check_seal(path: str | os.PathLike) -> tuple[Path, str | None]:
 def read_manifest(path: Path) -> dict[str, Any]:
     """The validated manifest of the LMDB store at ``path``."""
     path = _env_folder(path)
-    env = _shared_env(path, readahead=False)
     try:
-        with env.begin() as txn:
+        with held(path) as env, env.begin() as txn:
             text = _get_required(txn, MANIFEST_KEY, path)
     except lmdb.Error as exc:
         raise StoreCorruptError(f"{path / 'data.mdb'}: damaged: LMDB reports {exc}") from exc
@@ -451,7 +397,7 @@ class LmdbReader(SampleChecks, ForkSafe):
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
                  readahead: bool | None = None):
         self.path = _env_folder(path)
-        data = _data_file(self.path)
+        data = data_file(self.path)
         self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see _common
         self._identity = self._pin.identity
         self.readahead = _default_readahead(data) if readahead is None else bool(readahead)
@@ -459,8 +405,7 @@ class LmdbReader(SampleChecks, ForkSafe):
         self._pid: int | None = None
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
         # Metadata lives in the environment: open, read, let go (nothing held open if this process forks next).
-        env = _shared_env(self.path, self.readahead)
-        with env.begin() as txn:
+        with held(self.path, self.readahead) as env, env.begin() as txn:
             if manifest is None:
                 manifest = load_manifest_text(_get_required(txn, MANIFEST_KEY, self.path),
                                               f"{self.path} (key {MANIFEST_KEY.decode()})")
@@ -486,7 +431,6 @@ class LmdbReader(SampleChecks, ForkSafe):
             if self.count and txn.get(sample_key(self.count - 1)) is None:
                 raise StoreCorruptError(f"{self.path}: the manifest declares {self.count} samples but key "
                                         f"{sample_key(self.count - 1).decode()} is missing")
-        del env, txn
 
     def _int_array(self, txn: lmdb.Transaction, key: bytes, shape: tuple[int, ...]) -> np.ndarray:
         raw = _get_required(txn, key, self.path)
@@ -497,7 +441,8 @@ class LmdbReader(SampleChecks, ForkSafe):
         return np.frombuffer(raw, dtype=INT_DTYPE).astype(np.int64).reshape(shape)
 
     def _open(self) -> None:
-        self._env = _shared_env(self.path, self.readahead)
+        key, self._env = acquire(self.path, self.readahead)
+        weakref.finalize(self, release, key)       # the environment closes with its last reader
         check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
 
     @_lmdb_errors_as_damage

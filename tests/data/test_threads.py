@@ -167,6 +167,58 @@ def test_readers_of_one_lmdb_store_opened_by_several_threads_at_once(stores, mon
     assert all(np.array_equal(r.get_batch(np.arange(3)), first) for r in readers)
 
 
+def test_lmdb_readers_opened_and_dropped_in_several_threads(stores):
+    # An environment used to close wherever its last reader died, outside the open lock: its
+    # entry was already gone while it was still open, and a thread opening the same store then
+    # was refused ("already open", StoreBusyError). Four threads churn readers for 3 s.
+    from dlstore.formats.lmdb import LmdbReader
+
+    errors: list[BaseException] = []
+    stop = threading.Event()
+    expected = LmdbReader(stores["lmdb"]).get_batch(np.arange(2))
+
+    def churn():
+        while not stop.is_set():
+            try:
+                reader = LmdbReader(stores["lmdb"])
+                if not np.array_equal(reader.get_batch(np.arange(2)), expected):
+                    raise AssertionError("wrong pixels")
+                del reader
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+                stop.set()
+
+    threads = [threading.Thread(target=churn) for _ in range(4)]
+    for t in threads:
+        t.start()
+    stop.wait(3)
+    stop.set()
+    for t in threads:
+        t.join()
+    assert not errors, errors[0]
+
+
+def test_an_lmdb_environment_lives_as_long_as_its_last_reader(stores):
+    import gc
+
+    from dlstore.formats import _lmdb_env
+    from dlstore.formats.lmdb import LmdbReader
+
+    gc.collect()
+    before = _lmdb_env.open_count()
+    first, second = LmdbReader(stores["lmdb"]), LmdbReader(stores["lmdb"])
+    assert _lmdb_env.open_count() == before          # metadata read, environment let go
+    a = first.get_batch(np.arange(3))
+    assert _lmdb_env.open_count() == before + 1
+    assert np.array_equal(second.get_batch(np.arange(3)), a) and _lmdb_env.open_count() == before + 1
+    del first
+    gc.collect()
+    assert np.array_equal(second.get_batch(np.arange(3)), a) and _lmdb_env.open_count() == before + 1
+    del second
+    gc.collect()
+    assert _lmdb_env.open_count() == before
+
+
 def test_a_fork_while_a_thread_opens_a_reader_does_not_deadlock_the_child(stores):
     import multiprocessing
 
