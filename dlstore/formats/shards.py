@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from array import array
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -38,12 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import (
-    ArgumentError,
-    SampleIndexError,
-    StoreCorruptError,
-    VariableShapeError,
-)
+from ..errors import ArgumentError, SampleIndexError, StoreCorruptError, VariableShapeError
 from ..sources.origins import Origins
 from ._common import (
     ForkSafe,
@@ -61,14 +57,7 @@ from ._common import (
     willneed_default,
     write_synced,
 )
-from ._integrity import (
-    SUMS_ALGORITHM,
-    SUMS_DTYPE,
-    SampleChecks,
-    check_sidecar_seal,
-    record_crc,
-    seal_sidecar,
-)
+from ._integrity import SUMS_ALGORITHM, SUMS_DTYPE, SampleChecks, check_sidecar_seal, record_crc, seal_sidecar
 from ._targets import WithTargets, read_shards
 from .manifest import loads as load_manifest_text
 
@@ -307,7 +296,7 @@ class ShardReader(SampleChecks, ForkSafe):
     """Reads samples of a shards store as numpy views into memory maps."""
 
     format = FORMAT
-    _handles = ("_maps",)
+    _handles = ("_maps", "_map_lock")
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
                  willneed: bool | None = None):
@@ -402,6 +391,7 @@ class ShardReader(SampleChecks, ForkSafe):
         # Each file is mapped the first time a sample in it is read: a worker touches only the
         # files it needs, and one damaged file fails only the samples it holds.
         self._maps = [None] * len(self.files)
+        self._map_lock = threading.Lock()   # threads meeting an unmapped file: one maps (and checks) it
 
     check_files = False  # True (open_dataset(check="open")): each file's sha256 checked when first mapped
 
@@ -422,6 +412,10 @@ class ShardReader(SampleChecks, ForkSafe):
         arr = self._maps[k]
         if arr is not None:
             return arr
+        with self._map_lock:
+            return self._maps[k] if self._maps[k] is not None else self._map_file(k)
+
+    def _map_file(self, k: int) -> np.ndarray:
         f = self.files[k]
         if self.check_files:
             self._check_file(k, f)

@@ -155,6 +155,20 @@ def test_a_reader_first_used_by_several_threads_opens_once(fmt, stores, monkeypa
     assert all(torch.equal(x, expected) for x in got)
 
 
+def test_a_shard_file_is_mapped_and_checked_once_by_racing_threads(stores, monkeypatch):
+    # check="open" hashes each shard file (1 GiB by default) when it is first mapped: threads
+    # that met an unmapped file each mapped and hashed it.
+    from dlstore.formats.shards import ShardReader
+
+    expected = dlstore.open_dataset(stores["shards"]).read_batch(range(24))[0]
+    ds = dlstore.open_dataset(stores["shards"], check="open")
+    calls: list[int] = []
+    _slowed(monkeypatch, ShardReader, "_check_file", calls)
+    got = torch.cat([x for x, _ in dlstore.loader(ds, 4, threads=4)])
+    assert torch.equal(got, expected)
+    assert len(calls) == len(ds.reader.files)
+
+
 def test_readers_of_one_lmdb_store_opened_by_several_threads_at_once(stores, monkeypatch):
     from dlstore.formats import lmdb as lmdb_format
 
