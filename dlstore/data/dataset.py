@@ -182,6 +182,7 @@ class StoreDataset(Dataset):
         self._pool: list[np.ndarray] = []                          # batch buffers, see _new_batch
         self._pool_lock = threading.Lock()
         self._pool_size = _POOL_SIZE   # a ThreadLoader raises it to cover the batches it keeps in flight
+        self._pool_wants: list[int] = []   # what each live pass asked of _keep_buffers
 
     @property
     def origins(self) -> Any:
@@ -211,7 +212,7 @@ class StoreDataset(Dataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         del state["_local"], state["_pool_lock"]   # scratch memory is per process, never pickled
-        state["_pool"] = []
+        state.update(_pool=[], _pool_wants=[], _pool_size=_POOL_SIZE)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -417,6 +418,20 @@ class StoreDataset(Dataset):
             buf = np.empty(nbytes, dtype=np.uint8)
             pool.append(buf)
             return torch.from_numpy(buf.reshape(shape))
+
+    def _keep_buffers(self, count: int) -> Callable[[], None]:
+        """Pool at least ``count`` batch buffers until the returned function is called: a loader
+        pass keeps that many in use at once. Passes that overlap (two loaders of one dataset,
+        in threads or stepped in turn) each keep theirs; the last one's end restores the default."""
+        with self._pool_lock:
+            self._pool_wants.append(count)
+            self._pool_size = max(_POOL_SIZE, *self._pool_wants)
+
+        def release() -> None:
+            with self._pool_lock:
+                self._pool_wants.remove(count)
+                self._pool_size = max([_POOL_SIZE, *self._pool_wants])
+        return release
 
     def __repr__(self) -> str:
         shape = "x".join(map(str, self.shape)) if self.shape else "variable"

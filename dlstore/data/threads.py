@@ -120,9 +120,8 @@ class ThreadLoader:
         # Buffers in use at once: the batches in flight, the one the user holds and the one
         # before it (still bound to the loop variable while next() runs), one for a last,
         # smaller batch; fewer and the dataset would allocate (and page-fault) new ones.
-        pool_size = getattr(self.dataset, "_pool_size", None)
-        if pool_size is not None:
-            self.dataset._pool_size = max(pool_size, self.prefetch + 4)
+        keep = getattr(self.dataset, "_keep_buffers", None)
+        release = keep(self.prefetch + 4) if keep is not None else None
         batches = enumerate(iter(self.batch_sampler))
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-loader")
         pending: deque[Future] = deque()
@@ -142,8 +141,8 @@ class ThreadLoader:
                 yield pending.popleft().result()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
-            if pool_size is not None:     # the dataset's other users keep their own pool size
-                self.dataset._pool_size = pool_size
+            if release is not None:       # the dataset's other passes keep what they asked for
+                release()
 
     def __repr__(self) -> str:
         return (f"ThreadLoader({self.dataset!r}, batches={len(self)}, threads={self.threads}, "

@@ -366,6 +366,26 @@ def test_buffers_are_recycled_when_let_go(stores, monkeypatch):
     assert len(pointers) <= loader.prefetch + 4
 
 
+def test_overlapping_passes_each_keep_their_buffers(stores):
+    # Each pass used to save the pool size, raise it and put the saved value back at its end:
+    # two passes at once (stepped in turn here) undid each other. The first to end shrank the
+    # pool under the other's live pass; the last left it raised for good.
+    ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip(1.0))
+    small = dlstore.loader(ds, 2, threads=1, prefetch_factor=1)
+    large = dlstore.loader(ds, 2, threads=4, prefetch_factor=2)
+    assert large.prefetch > small.prefetch
+    a, b = iter(small), iter(large)
+    next(a)
+    next(b)
+    assert ds._pool_size == large.prefetch + 4
+    for _ in a:                           # the small pass ends while the large one is live
+        pass
+    assert ds._pool_size == large.prefetch + 4
+    for _ in b:
+        pass
+    assert ds._pool_size == dataset_module._POOL_SIZE
+
+
 def test_errors_in_a_thread_reach_the_caller_and_threads_end(stores):
     def boom(images, generator=None):
         raise RuntimeError("boom in a batch transform")
