@@ -2,13 +2,18 @@
 
 py-lmdb refuses to open one environment twice in a process (LMDB's own rule: its
 locks belong to the (process, file) pair), so readers of the same store in one
-process share one Environment, found by (pid, device, inode) of ``data.mdb``.
+process share one Environment, found by (pid, device, inode) of ``data.mdb``
+under the readers' open lock.
 
-Each one is counted: :func:`acquire` and :func:`release` (or :func:`held`) run
-under the readers' open lock, and the last release closes the environment there
-too. Closing where the last reference happened to die (a weak dictionary did this
-before) left a gap: the entry was gone but the environment not yet closed, and a
-thread opening the same store in that gap was refused ("already open").
+The values are weak: an environment closes when its last user lets go of it, in
+whichever thread that happens. Closing it explicitly (when a count of readers
+reached zero) was tried and crashed py-lmdb 1.4.1, the CI floor (a segfault in
+4 threads opening and dropping readers): its close releases the GIL inside
+``mdb_env_close`` while another thread may still be freeing a finished
+transaction of that environment (py-lmdb #180; fixed by #417, March 2026). Left to the garbage collector, the close happens only once no
+transaction refers to the environment. The price is a short gap: the weak entry
+is cleared just before the environment is closed, and a thread opening the same
+store in that gap is refused ("already open"); :func:`_open` waits it out.
 
 Entries of another pid were inherited through a fork; the child closes its copies
 (``lock=False``: nothing shared is touched) before it opens its own.
@@ -16,9 +21,9 @@ Entries of another pid were inherited through a fork; the child closes its copie
 
 from __future__ import annotations
 
-import contextlib
 import os
-from collections.abc import Iterator
+import time
+import weakref
 from pathlib import Path
 
 import lmdb
@@ -26,9 +31,11 @@ import lmdb
 from ..errors import StoreBusyError, StoreCorruptError
 from ._common import open_lock
 
-Key = tuple[int, int, int]
+_ENVS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 
-_ENVS: dict[Key, list] = {}   # key -> [environment, users]
+# How long an "already open" refusal is taken for an environment of ours still closing
+# in another thread (microseconds in practice) before it is reported as someone else's.
+_CLOSING_WAIT_S = 2.0
 
 
 def data_file(path: Path) -> Path:
@@ -38,60 +45,45 @@ def data_file(path: Path) -> Path:
     return data
 
 
-def acquire(path: Path, readahead: bool) -> tuple[Key, lmdb.Environment]:
-    """This process's environment for the store at ``path``, counted until :func:`release`."""
+def shared(path: Path, readahead: bool) -> lmdb.Environment:
+    """This process's environment for the store at ``path``: open while anything refers to it."""
     with open_lock():
         pid = os.getpid()
-        for key in [k for k in _ENVS if k[0] != pid]:
-            inherited, _ = _ENVS.pop(key)
-            inherited.close()
+        for key in [k for k in list(_ENVS.keys()) if k[0] != pid]:
+            inherited = _ENVS.pop(key, None)
+            if inherited is not None:
+                inherited.close()
         st = data_file(path).stat()
         key = (pid, st.st_dev, st.st_ino)
-        entry = _ENVS.get(key)
-        if entry is None:
-            entry = _ENVS[key] = [_open(path, st.st_size, readahead), 0]
-        entry[1] += 1
-        return key, entry[0]
-
-
-def release(key: Key) -> None:
-    """One user of ``key``'s environment is done; the last one closes it. A key this process
-    does not hold (a reader's, inherited through a fork) is ignored."""
-    with open_lock():
-        entry = _ENVS.get(key)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] <= 0:
-            del _ENVS[key]
-            entry[0].close()
-
-
-@contextlib.contextmanager
-def held(path: Path, readahead: bool = False) -> Iterator[lmdb.Environment]:
-    """The environment for one short use (metadata), released after."""
-    key, env = acquire(path, readahead)
-    try:
-        yield env
-    finally:
-        release(key)
+        env = _ENVS.get(key)
+        if env is None:
+            env = _open(path, st.st_size, readahead)
+            _ENVS[key] = env
+        return env
 
 
 def open_count() -> int:
     """How many environments this process holds open (for tests)."""
-    return sum(1 for k in _ENVS if k[0] == os.getpid())
+    return sum(1 for k in list(_ENVS.keys()) if k[0] == os.getpid())
 
 
 def _open(path: Path, size: int, readahead: bool) -> lmdb.Environment:
-    try:
-        env = lmdb.open(str(path), subdir=True, readonly=True, lock=False, readahead=readahead,
-                        max_readers=1, max_spare_txns=1)
-    except lmdb.Error as exc:
-        if "already open" in str(exc):
-            raise StoreBusyError(
-                f"{path}: this process already has the environment open outside dlstore, and py-lmdb "
-                "allows one open per process; close that lmdb.Environment first") from exc
-        raise StoreCorruptError(f"{path}: cannot open the LMDB environment ({exc})") from exc
+    deadline = time.monotonic() + _CLOSING_WAIT_S
+    while True:
+        try:
+            env = lmdb.open(str(path), subdir=True, readonly=True, lock=False, readahead=readahead,
+                            max_readers=1, max_spare_txns=1)
+            break
+        except lmdb.Error as exc:
+            busy = "already open" in str(exc)
+            if busy and time.monotonic() < deadline:
+                time.sleep(0.001)    # our last environment of this store is closing: it needs the GIL
+                continue
+            if busy:
+                raise StoreBusyError(
+                    f"{path}: this process already has the environment open outside dlstore, and py-lmdb "
+                    "allows one open per process; close that lmdb.Environment first") from exc
+            raise StoreCorruptError(f"{path}: cannot open the LMDB environment ({exc})") from exc
     # Pages are read through a memory map: one past the end of a truncated file would
     # kill the process with SIGBUS instead of raising, so check the length first.
     try:

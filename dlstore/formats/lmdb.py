@@ -50,7 +50,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import os
-import weakref
 import zlib
 from array import array
 from pathlib import Path
@@ -77,7 +76,7 @@ from ._common import (
     read_range_by_batch,
     write_error,
 )
-from ._lmdb_env import acquire, data_file, held, release
+from ._lmdb_env import data_file, shared
 from ._integrity import (
     SUMS_ALGORITHM,
     SUMS_DTYPE,
@@ -352,7 +351,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
     """The validated manifest of the LMDB store at ``path``."""
     path = _env_folder(path)
     try:
-        with held(path) as env, env.begin() as txn:
+        with shared(path, readahead=False).begin() as txn:
             text = _get_required(txn, MANIFEST_KEY, path)
     except lmdb.Error as exc:
         raise StoreCorruptError(f"{path / 'data.mdb'}: damaged: LMDB reports {exc}") from exc
@@ -405,7 +404,8 @@ class LmdbReader(SampleChecks, ForkSafe):
         self._pid: int | None = None
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
         # Metadata lives in the environment: open, read, let go (nothing held open if this process forks next).
-        with held(self.path, self.readahead) as env, env.begin() as txn:
+        env = shared(self.path, self.readahead)
+        with env.begin() as txn:
             if manifest is None:
                 manifest = load_manifest_text(_get_required(txn, MANIFEST_KEY, self.path),
                                               f"{self.path} (key {MANIFEST_KEY.decode()})")
@@ -431,6 +431,7 @@ class LmdbReader(SampleChecks, ForkSafe):
             if self.count and txn.get(sample_key(self.count - 1)) is None:
                 raise StoreCorruptError(f"{self.path}: the manifest declares {self.count} samples but key "
                                         f"{sample_key(self.count - 1).decode()} is missing")
+        del env, txn
 
     def _int_array(self, txn: lmdb.Transaction, key: bytes, shape: tuple[int, ...]) -> np.ndarray:
         raw = _get_required(txn, key, self.path)
@@ -441,8 +442,7 @@ class LmdbReader(SampleChecks, ForkSafe):
         return np.frombuffer(raw, dtype=INT_DTYPE).astype(np.int64).reshape(shape)
 
     def _open(self) -> None:
-        key, self._env = acquire(self.path, self.readahead)
-        weakref.finalize(self, release, key)       # the environment closes with its last reader
+        self._env = shared(self.path, self.readahead)
         check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
 
     @_lmdb_errors_as_damage
