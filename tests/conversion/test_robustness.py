@@ -182,10 +182,28 @@ def slow_folder(tmp_path_factory):
                              size=(240, 320))
 
 
-def _start_convert(src, dst, *extra, **popen):
-    cmd = [sys.executable, "-m", "dlstore.cli", "convert", str(src), str(dst), "--static",
-           "resize=48,center_crop=40", "--shard-size", "40000", "--quiet", *extra]
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen)
+def _start_convert(src, dst, *extra, hold=False, **popen):
+    """``dlstore convert`` of ``src`` to the shards store ``dst`` in a subprocess. ``hold``: its writer
+    stops at the first sample after the first checkpoint (progress.json) until a file ``gate`` appears
+    next to ``dst``, so a signal sent once progress.json exists arrives mid-run however fast or loaded
+    the machine is, not in a race with the end of the conversion."""
+    args = ["convert", str(src), str(dst), "--static", "resize=48,center_crop=40", "--shard-size", "40000",
+            "--quiet", *extra]
+    progress, gate = dst.parent / f".{dst.name}.dlstore-tmp" / "progress.json", dst.parent / "gate"
+    script = textwrap.dedent(f"""
+        import os, time
+        from dlstore.formats.shards import ShardWriter
+        add = ShardWriter.add
+        def held(*a, **k):
+            while {hold!r} and os.path.exists({str(progress)!r}) and not os.path.exists({str(gate)!r}):
+                time.sleep(0.01)
+            return add(*a, **k)
+        ShardWriter.add = held
+        from dlstore.cli import main
+        main({args!r}, prog_name="dlstore")
+    """)
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **popen)
 
 
 def _wait_for(path: Path, proc, timeout=60.0):
@@ -202,7 +220,7 @@ def _wait_for(path: Path, proc, timeout=60.0):
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_signal_stops_cleanly_and_resume_gives_the_same_store(slow_folder, tmp_path, sig):
     dst = tmp_path / "s.shards"
-    proc = _start_convert(slow_folder, dst, "--workers", "2")
+    proc = _start_convert(slow_folder, dst, "--workers", "2", hold=True)
     _wait_for(tmp_path / ".s.shards.dlstore-tmp" / "progress.json", proc)
     proc.send_signal(sig)
     out, err = proc.communicate(timeout=60)
@@ -227,11 +245,12 @@ def test_signal_stops_cleanly_and_resume_gives_the_same_store(slow_folder, tmp_p
 @pytest.mark.slow
 def test_killed_worker_stops_the_conversion(slow_folder, tmp_path):
     dst = tmp_path / "s.shards"
-    proc = _start_convert(slow_folder, dst, "--workers", "2")
+    proc = _start_convert(slow_folder, dst, "--workers", "2", hold=True)
     _wait_for(tmp_path / ".s.shards.dlstore-tmp" / "progress.json", proc)
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     assert children, "no worker processes found"
     os.kill(int(children[0]), signal.SIGKILL)
+    (tmp_path / "gate").touch()     # the writer goes on, and meets the dead worker
     out, err = proc.communicate(timeout=60)
     assert proc.returncode == 2
     assert "worker process died" in err
@@ -270,7 +289,7 @@ def test_second_conversion_to_the_same_destination_refuses(tmp_path):
 @pytest.mark.slow
 def test_resume_with_other_settings_is_refused(slow_folder, tmp_path):
     dst = tmp_path / "s.shards"
-    proc = _start_convert(slow_folder, dst, "--workers", "1")
+    proc = _start_convert(slow_folder, dst, "--workers", "1", hold=True)
     _wait_for(tmp_path / ".s.shards.dlstore-tmp" / "progress.json", proc)
     proc.send_signal(signal.SIGINT)
     proc.communicate(timeout=60)

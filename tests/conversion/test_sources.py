@@ -315,30 +315,17 @@ def _convert_in_memory(rank: int, dst_dir: str, listing: str, distributed: bool)
 
 def test_distributed_conversion_of_in_memory_sources_and_lists_equals_single_process(tmp_path):
     import json
-    import socket
 
-    import torch.distributed as dist
     import torch.multiprocessing as tmp
+    from _helpers import free_port, rank_main   # ranks meet at a barrier before leaving the group
 
-    def rank_main(rank, port, out):
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        dist.init_process_group("gloo", rank=rank, world_size=2)
-        try:
-            result = {"ok": _convert_in_memory(rank, str(tmp_path / "dist"), str(listing), True)}
-        except BaseException as exc:  # noqa: BLE001 - reported to the test
-            result = {"error": f"{type(exc).__name__}: {exc}"}
-        finally:
-            dist.destroy_process_group()
-        (tmp_path / f"rank{rank}.json").write_text(json.dumps(result))
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     rels = _write_images(tmp_path / "imgs", 7)
     listing = tmp_path / "imgs" / "l.csv"
     listing.write_text("".join(f"{rel},{k % 2}\n" for k, rel in enumerate(rels)) + "a/gone.png,1\n")
     (tmp_path / "dist").mkdir()
-    tmp.start_processes(rank_main, args=(port, None), nprocs=2, join=True, start_method="fork")
+    tmp.start_processes(rank_main, nprocs=2, join=True, start_method="fork",
+                        args=(2, free_port(), str(tmp_path), _convert_in_memory,
+                              (str(tmp_path / "dist"), str(listing), True)))
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     assert all("ok" in r for r in results), results
     (tmp_path / "single").mkdir()

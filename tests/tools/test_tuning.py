@@ -147,8 +147,8 @@ def test_tune_store_returns_usable_kwargs_not_slower_than_workers0(small_store):
     # and only those.
     base = result.rate(result.baseline.kwargs)
     assert base > 0 and result.speedup == pytest.approx(result.rate(result.best.kwargs) / base)
-    for t in result.trials:
-        slower = t.num_workers > 0 and t.batches_per_s < base * 0.95
+    for t in result.trials:   # at the median of the setting's trials (finalists are measured again)
+        slower = t.num_workers > 0 and result.rate(t.kwargs) < base * (1 - NOISE)
         assert ("slower than workers=0" in t.note) == slower
     # The decision, on tune's own measurements (no fresh timing that outside load could skew; the
     # speed itself is benchmarks/tune.py's claim): the baseline is a finalist, re-measured in the
@@ -249,9 +249,10 @@ def test_tune_measures_threads_against_processes(small_store):
     assert sorted({t.kwargs["threads"] for t in threaded}) == [1, 2]
     # two threads overlap two sleeps: clearly faster than the in-process baseline
     assert result.rate(threaded[-1].kwargs) > 1.3 * result.rate(result.baseline.kwargs), result.table()
-    # the winner overlaps batches too, by threads or by processes, and its call says which loader
+    # the winner overlaps batches too, by threads or by processes, and its call says which loader:
+    # dlstore's for threads and for the shared-memory ring (which wins on a loaded machine)
     assert result.get("threads", 0) >= 2 or result["num_workers"] >= 2, result.table()
-    if result.get("threads"):
+    if result.get("threads") or result.get("shm_ring"):
         assert result.call().startswith("dlstore.loader(dataset, ")
         batches = list(dlstore.loader(ds, **result))
     else:
@@ -275,7 +276,8 @@ def test_tune_measures_the_shared_memory_ring_for_stores(small_store):
     from dlstore.data.shm_ring import ShmRingLoader
 
     ds = dlstore.open_dataset(small_store / "small.shards")
-    result = tune(ds, 8, budget=2.0, max_workers=1)
+    # the ring's trials come last in the sweep: a budget that a slow runner cannot spend before them
+    result = tune(ds, 8, budget=6.0, max_workers=1)
     ring = [t for t in result.trials if t.stage == "ring"]
     assert ring and all(t.kwargs["shm_ring"] and t.num_workers >= 1 for t in ring), result.table()
     assert "ring" in result.table()
