@@ -129,14 +129,46 @@ def test_batches_decode_with_torchvision_to_pils_pixels(folder, reference, tmp_p
     idx = list(range(len(ds)))[::-1]
     got = ds.reader.get_many(idx)
     assert ds.reader._batch_jpeg is True          # torchvision was used: it matched PIL
-    pil = [ds.reader.get(i) for i in idx]         # one record: PIL
+    pil = [_pil_chw(r.tobytes()) for r in ds.reader.raw.get_many(idx)]
     assert all(np.array_equal(g, p) for g, p in zip(got, pil))
+    assert all(np.array_equal(ds.reader.get(i), p) for i, p in zip(idx, pil))   # one record at a time
     batch, _ = ds.get_batch(idx)
     assert torch.equal(batch, torch.from_numpy(np.stack(pil)))
     if encoding == "png":                          # lossless: the static transform's exact pixels
         assert all(torch.equal(batch[k], reference[i][0]) for k, i in enumerate(idx))
     on_cpu = ds.reader.decode_many(idx, device="cpu")
     assert all(t.device.type == "cpu" and np.array_equal(t.numpy(), p) for t, p in zip(on_cpu, pil))
+
+
+@pytest.mark.parametrize("encoding", ["jpeg", "png"])
+def test_single_records_decode_with_torchvision_once_four_matched_pil(folder, tmp_path, encoding, monkeypatch):
+    # dataset[i] (and DataLoader workers) read one record at a time: torchvision decodes it too,
+    # once the reader has compared 4 records with PIL, one call after another.
+    import torchvision.io
+
+    ds = _store(folder, tmp_path, "s.lmdb", encoding=encoding)
+    name = "decode_jpeg" if encoding == "jpeg" else "decode_png"
+    real, calls = getattr(torchvision.io, name), []
+    monkeypatch.setattr(torchvision.io, name, lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    pil = [_pil_chw(r.tobytes()) for r in ds.reader.raw.get_many(range(len(ds)))]
+    for i in range(len(ds)):
+        assert ds.reader._batch_jpeg is (None if i < 4 else True), i
+        sample = ds.reader.get(i)
+        assert sample.flags.c_contiguous and np.array_equal(sample, pil[i]), i
+    assert len(calls) == len(ds)                   # every record went through torchvision
+    x, y = ds[3]
+    assert torch.equal(x, torch.from_numpy(pil[3])) and y == ds.targets[3]
+
+
+def test_single_records_keep_to_pil_when_torchvision_differs(folder, tmp_path, monkeypatch):
+    import torchvision.io
+
+    ds = _store(folder, tmp_path, "p.lmdb", encoding="jpeg")
+    real = torchvision.io.decode_jpeg
+    monkeypatch.setattr(torchvision.io, "decode_jpeg", lambda data, *a, **k: [x ^ 1 for x in real(data, *a, **k)])
+    pil = [_pil_chw(r.tobytes()) for r in ds.reader.raw.get_many(range(6))]
+    assert all(np.array_equal(ds.reader.get(i), pil[i]) for i in range(6))
+    assert ds.reader._batch_jpeg is False          # rejected on the first record
 
 
 class _Records:
@@ -167,9 +199,11 @@ def test_grayscale_and_cmyk_jpegs_in_one_batch_decode_as_pil(folder):
                _record(images[2].convert("CMYK"), "JPEG", quality=85), _record(images[0], "JPEG", quality=70)]
     reader = DecodingReader(_Records(records, "jpeg"))
     got = reader.get_many([0, 1, 2, 3])
-    assert reader._batch_jpeg is True
+    assert reader._batch_jpeg is None       # 3 records compared with PIL (CMYK goes to PIL): 1 to go
     assert [g.shape[0] for g in got] == [3, 1, 4, 3]
     assert all(np.array_equal(g, decode(r)) for g, r in zip(got, records))   # CMYK: PIL's convention
+    assert np.array_equal(reader.get(2), decode(records[2])) and reader._batch_jpeg is None
+    assert np.array_equal(reader.get(3), decode(records[3])) and reader._batch_jpeg is True
 
 
 @pytest.mark.parametrize("encoding", ["jpeg", "png"])
