@@ -324,7 +324,8 @@ class StoreDataset(Dataset):
         if self.shape is not None and not self.per_sample_ops:
             images = self._gather(idx, generator)
         else:
-            samples = [torch.from_numpy(a) for a in self.reader.get_many(idx.tolist())]
+            read = getattr(self.reader, "get_many_views", self.reader.get_many)   # encoded: no copy
+            samples = [torch.from_numpy(a) for a in read(idx.tolist())]
             for op in self.per_sample_ops:
                 samples = [op(x) for x in samples]
             images = _stack(samples, self.path)

@@ -138,13 +138,21 @@ class DecodingReader:
         if self._batch_jpeg is not False:   # torchvision, once checked against PIL (1.3-1.5x faster)
             decoded = self._decode_batch([record])
             if decoded is not None and decoded[0].shape[0] in (1, 3):
-                sample = np.ascontiguousarray(decoded[0].numpy())
+                # (C, H, W) over (H, W, C) memory, as torchvision's pil_to_tensor gives it: no copy,
+                # and a resize reads it faster than a contiguous CHW copy (0.31 vs 0.43 ms, RRC 224)
+                sample = decoded[0].numpy()
                 self._check_shape(sample.shape, i)
                 return sample
         return self._decoded(record, i)
 
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
         return [np.ascontiguousarray(sample) for sample in self._samples(indices)]
+
+    def get_many_views(self, indices: list[int]) -> list[np.ndarray]:
+        """Like :meth:`get_many`, without the copy to contiguous (C, H, W): torchvision's samples
+        stay (C, H, W) views of (H, W, C) memory, the layout of its ``pil_to_tensor``. For
+        per-sample transforms, which read any layout (a resize reads this one faster)."""
+        return self._samples(indices)
 
     def _samples(self, indices: list[int]) -> list[np.ndarray]:
         """Samples ``indices`` decoded; torchvision's are (C, H, W) views of (H, W, C) memory."""
