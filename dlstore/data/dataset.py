@@ -288,7 +288,8 @@ class StoreDataset(Dataset):
                           else list(labels_t))
             return list(zip(batch.unbind(0), labels_out))
         idx = self._indices(indices).tolist()
-        images = [torch.from_numpy(a) for a in self.reader.get_many(idx)]
+        read = getattr(self.reader, "get_many_views", self.reader.get_many)   # encoded: no copy (see get_batch)
+        images = [torch.from_numpy(a) for a in read(idx)]
         labels = self._labels[idx].tolist() if self._labels.ndim == 1 else list(torch.from_numpy(self._labels[idx]))
         if self.transform is None and self.target_transform is None:
             return list(zip(images, labels))

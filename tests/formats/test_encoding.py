@@ -198,6 +198,10 @@ def test_per_sample_transforms_on_an_encoded_store_equal_torchvision_on_pil(vars
     one = [ds[i][0] for i in idx]                           # dataset[i]: the single-record decode
     torch.manual_seed(8)
     assert all(torch.equal(a, transform(p)) for a, p in zip(one, pil))
+    torch.manual_seed(9)
+    items = ds.__getitems__(idx)                            # what a plain torch DataLoader calls
+    torch.manual_seed(9)
+    assert all(torch.equal(x, transform(p)) for (x, _), p in zip(items, pil))
 
 
 class _Records:
