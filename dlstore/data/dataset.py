@@ -288,8 +288,7 @@ class StoreDataset(Dataset):
                           else list(labels_t))
             return list(zip(batch.unbind(0), labels_out))
         idx = self._indices(indices).tolist()
-        read = getattr(self.reader, "get_many_views", self.reader.get_many)   # encoded: no copy (see get_batch)
-        images = [torch.from_numpy(a) for a in read(idx)]
+        images = self._per_sample_inputs(idx)
         labels = self._labels[idx].tolist() if self._labels.ndim == 1 else list(torch.from_numpy(self._labels[idx]))
         if self.transform is None and self.target_transform is None:
             return list(zip(images, labels))
@@ -325,8 +324,7 @@ class StoreDataset(Dataset):
         if self.shape is not None and not self.per_sample_ops:
             images = self._gather(idx, generator)
         else:
-            read = getattr(self.reader, "get_many_views", self.reader.get_many)   # encoded: no copy
-            samples = [torch.from_numpy(a) for a in read(idx.tolist())]
+            samples = self._per_sample_inputs(idx.tolist())
             for op in self.per_sample_ops:
                 samples = [op(x) for x in samples]
             images = _stack(samples, self.path)
@@ -421,13 +419,20 @@ class StoreDataset(Dataset):
             pool.append(buf)
             return torch.from_numpy(buf.reshape(shape))
 
+    def _per_sample_inputs(self, idx: list[int]) -> list[torch.Tensor]:
+        """Samples ``idx`` as tensors for per-sample transforms. An encoded store's come as
+        torchvision decodes them, (C, H, W) views of (H, W, C) memory, without a copy to
+        contiguous (which cost as much as the resize of RandomResizedCrop)."""
+        read = getattr(self.reader, "get_many_views", self.reader.get_many)
+        return [torch.from_numpy(a) for a in read(idx)]
+
     def _keep_buffers(self, count: int) -> Callable[[], None]:
         """Pool at least ``count`` batch buffers until the returned function is called: a loader
         pass keeps that many in use at once. Passes that overlap (two loaders of one dataset,
         in threads or stepped in turn) each keep theirs; the last one's end restores the default."""
         with self._pool_lock:
             self._pool_wants.append(count)
-            self._pool_size = max(_POOL_SIZE, *self._pool_wants)
+            self._pool_size = max([_POOL_SIZE, *self._pool_wants])
 
         def release() -> None:
             with self._pool_lock:

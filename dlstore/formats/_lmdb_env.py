@@ -10,8 +10,9 @@ whichever thread that happens. Closing it explicitly (when a count of readers
 reached zero) was tried and crashed py-lmdb 1.4.1, the CI floor (a segfault in
 4 threads opening and dropping readers): its close releases the GIL inside
 ``mdb_env_close`` while another thread may still be freeing a finished
-transaction of that environment (py-lmdb #180; fixed by #417, March 2026). Left to the garbage collector, the close happens only once no
-transaction refers to the environment. The price is a short gap: the weak entry
+transaction of that environment (py-lmdb #180; fixed by #417, March 2026).
+Left to the garbage collector, the close happens only once no transaction
+refers to the environment. The price is a short gap: the weak entry
 is cleared just before the environment is closed, and a thread opening the same
 store in that gap is refused ("already open"); :func:`_open` waits it out.
 

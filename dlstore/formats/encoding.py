@@ -34,8 +34,9 @@ Pixels, torchvision against PIL, measured on the machine of ``benchmarks/loader.
 
 Other libjpeg-turbo builds may round differently (the IDCT and upsampling are not
 specified bit-exactly), so each reader checks once, on the first 4 records it
-decodes, that torchvision's pixels equal PIL's, and keeps to PIL if they do not. A batch in which a record does not decode falls back to PIL record by
-record, whose error names the store and the sample.
+decodes, that torchvision's pixels equal PIL's, and keeps to PIL if they do not.
+A batch in which a record does not decode falls back to PIL record by record,
+whose error names the store and the sample.
 """
 
 from __future__ import annotations
@@ -117,7 +118,7 @@ class DecodingReader:
         self.shape = tuple(shape) if shape is not None else None
         self._where = str(getattr(reader, "path", "store"))
         self._encoding = self.manifest["sample"]["encoding"]
-        # batches through torchvision.io: None until checked against PIL on a first batch
+        # records through torchvision.io: None until its first _CHECKED records matched PIL's
         self._batch_jpeg: bool | None = None if self._encoding in _PIL_FORMATS else False
         self._checked = 0   # records compared with PIL so far (the verdict takes _CHECKED)
 
@@ -134,16 +135,10 @@ class DecodingReader:
             raise StoreCorruptError(f"{self._where} sample {i}: decodes to {tuple(shape)}, manifest says {self.shape}")
 
     def get(self, i: int) -> np.ndarray:
-        record = self.raw.get(i)
-        if self._batch_jpeg is not False:   # torchvision, once checked against PIL (1.3-1.5x faster)
-            decoded = self._decode_batch([record])
-            if decoded is not None and decoded[0].shape[0] in (1, 3):
-                # (C, H, W) over (H, W, C) memory, as torchvision's pil_to_tensor gives it: no copy,
-                # and a resize reads it faster than a contiguous CHW copy (0.31 vs 0.43 ms, RRC 224)
-                sample = decoded[0].numpy()
-                self._check_shape(sample.shape, i)
-                return sample
-        return self._decoded(record, i)
+        # one record as a batch of one: torchvision once checked against PIL (1.3-1.5x faster),
+        # as a (C, H, W) view of (H, W, C) memory, the layout of torchvision's pil_to_tensor (no
+        # copy; a resize reads it faster than contiguous CHW: 0.31 vs 0.43 ms, RRC 224)
+        return self._samples([i])[0]
 
     def get_many(self, indices: list[int]) -> list[np.ndarray]:
         return [np.ascontiguousarray(sample) for sample in self._samples(indices)]
@@ -157,7 +152,7 @@ class DecodingReader:
     def _samples(self, indices: list[int]) -> list[np.ndarray]:
         """Samples ``indices`` decoded; torchvision's are (C, H, W) views of (H, W, C) memory."""
         records = self.raw.get_many(indices)  # one transaction / one sorted read per batch
-        if len(records) > 1 and self._batch_jpeg is not False:
+        if records and self._batch_jpeg is not False:
             decoded = self._decode_batch(records)
             if decoded is not None:
                 samples = []
