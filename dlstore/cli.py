@@ -208,7 +208,7 @@ def info(store, as_json):
         click.echo(f"  {name}: {entry.get('reason')}")
 
 
-@main.command()
+@main.command(context_settings={"ignore_unknown_options": True})   # INDEX may be negative: -1
 @click.argument("store", type=click.Path(exists=True))
 @click.argument("index", type=int)
 @click.option("--out", type=click.Path(dir_okay=False), default=None,
@@ -225,6 +225,7 @@ def show(store, index, out):
         sample = ds.read(index)
     except (DlstoreError, ValueError, OSError, IndexError) as exc:
         _fail(exc)
+    index %= len(ds)   # in range (read checked it); a negative index counts from the end
     label = ds.targets[index]
     if isinstance(label, np.ndarray):   # a target vector
         label = label.tolist()

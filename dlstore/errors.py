@@ -61,6 +61,12 @@ class StoreExistsError(DlstoreError, FileExistsError):
     """The destination of a conversion exists and ``overwrite`` was not given."""
 
 
+class NotAStoreError(StoreExistsError):
+    """``overwrite`` was given, but the destination holds something dlstore did not write (a
+    folder, a file, a link): nothing is replaced. Also raised when the destination is the
+    source, lies inside it or contains it."""
+
+
 class StoreBusyError(DlstoreError, RuntimeError):
     """The store is in use: another conversion to the same destination is running, or an LMDB
     environment is already open for writing in this process."""

@@ -88,6 +88,11 @@ def test_info_json_and_show_with_provenance(src, tmp_path):
     assert (np.asarray(Image.open(tmp_path / "s.png")) == stored).all()
     bad = runner.invoke(main, ["show", str(dst), "99"])
     assert bad.exit_code != 0 and "99" in bad.output
+    last = runner.invoke(main, ["show", str(dst), "-1", "--out", str(tmp_path / "last.png")])   # as the range says
+    assert last.exit_code == 0, last.output
+    assert "sample    7 of 8" in last.output and f"source    {src / 'class_01' / 'img_0003.jpg'}" in last.output
+    stored = dlstore.open_dataset(dst).read(7).permute(1, 2, 0).numpy()
+    assert (np.asarray(Image.open(tmp_path / "last.png")) == stored).all()
 
 
 def test_convert_a_csv_list_with_root(src, tmp_path):

@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, ConversionInterrupted, StoreExistsError
+from ..formats.destination import publish
 from ..formats._common import (
-    _fsync_dir,
-    publish,
+    fsync_dir,
     remove_path,
     save_npy_synced,
     staging_path,
@@ -152,7 +152,7 @@ def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], d
     for name, values in merged.arrays().items():
         checksums[files[name]] = save_npy_synced(staged / files[name], values)
     layout_out["provenance"] = {"kind": merged.kind, "files": files}
-    _fsync_dir(staged)
+    fsync_dir(staged)
     return layout_out, checksums
 
 

@@ -83,9 +83,9 @@ from ..errors import (
     SourceError,
     StoreCorruptError,
 )
+from ..formats.destination import check_destination
 from ..formats._common import (
     DestinationLock,
-    check_destination,
     remove_path,
     staging_path,
     write_synced,
@@ -177,6 +177,7 @@ class _Status:
     error: str | None = None  # "ExcType: message" of a failure
     aborted: bool = False  # stopped because another rank failed
     count: int = 0
+    resumed: int = 0  # samples of ``count`` written before a --resume
     skipped: list[dict[str, Any]] | None = None
     labels_seen: list[int] | None = None  # [largest label, any -1]: names the classes of an unnamed source
     bad_input: bool = False  # failed on the source (DecodeError, SourceError): nothing worth resuming
@@ -309,9 +310,9 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
         status = _Status(rank)
         own: BaseException | None = None
         try:
-            status.count, status.skipped = _convert_part(job, part_path, first, total, work, rank, world,
-                                                         progress, dst.name, _feed, _finish, resume=resumed,
-                                                         log=log)
+            status.count, status.skipped, status.resumed = _convert_part(
+                job, part_path, first, total, work, rank, world, progress, dst.name, _feed, _finish,
+                resume=resumed, log=log)
             status.labels_seen = list(job.labels_seen)
         except BaseException as exc:  # noqa: BLE001 - reported to all ranks, then re-raised below
             own = exc
@@ -349,7 +350,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
                     path=dst, store_format=fmt, count=count, classes=full_job.classes(), shape=job.shape,
                     static=job.spec,
                     nbytes=size, seconds=time.perf_counter() - start, workers=job.workers, skipped=skipped,
-                    empty_classes=part.empty_classes)
+                    empty_classes=part.empty_classes, resumed=sum(s.resumed for s in statuses))
             except Exception as exc:  # noqa: BLE001 - reported to every rank
                 error = exc
         verdict = ex.broadcast(("error", _describe(error)) if error is not None else ("ok", result))
@@ -378,12 +379,13 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
 
 def _convert_part(job: Any, part_path: Path, first: int, total: int, work: Path, rank: int, world: int,
                   progress: bool, name: str, feed: Any, finish: Any, *, resume: bool = False,
-                  log: Any = lambda message: None) -> tuple[int, list[dict[str, str]]]:
+                  log: Any = lambda message: None) -> tuple[int, list[dict[str, str]], int]:
     """Convert ``job.source`` (this rank's range) into the part store ``part_path``.
 
     The rank's checkpoint ``work/rank-RRRRR.json`` is saved at every unit of the writer (as a
     single-process conversion saves progress.json) and at the end (``done``): ``resume``
-    continues from it, or returns the finished part's counts at once.
+    continues from it, or returns the finished part's counts at once. Returns the part's sample
+    count, its skipped items, and how many of its samples an interrupted run had written.
     """
     from tqdm.auto import tqdm
 
@@ -398,8 +400,8 @@ def _convert_part(job: Any, part_path: Path, first: int, total: int, work: Path,
     state = _read_state(state_path, fingerprint, rank) if resume else None
     if state is not None and "done" in state:
         job.labels_seen[:] = state["labels_seen"]
-        return state["done"], state["skipped"]
-    module, writer, pos, skipped = job.module, None, 0, []
+        return state["done"], state["skipped"], state["done"]
+    module, writer, pos, skipped, resumed = job.module, None, 0, [], 0
     if state is not None and hasattr(module.Writer, "resume"):
         try:
             writer = module.Writer.resume(part_path, state["writer"], shape=job.record_shape, **job.options)
@@ -407,6 +409,7 @@ def _convert_part(job: Any, part_path: Path, first: int, total: int, work: Path,
             log(f"rank {rank}: its part cannot be resumed ({exc}); converting it again")
         else:
             pos, skipped = state["source_pos"], list(state["skipped"])
+            resumed = pos - len(skipped)
             job.labels_seen[:] = state["labels_seen"]
             if job.targets is not None:
                 job.targets.restore(rows_path, int(state["target_rows"]))
@@ -438,7 +441,7 @@ def _convert_part(job: Any, part_path: Path, first: int, total: int, work: Path,
         writer.close()
     _write_json(state_path, {"job": fingerprint, "done": count, "skipped": skipped, "labels_seen": job.labels_seen})
     check()
-    return count, skipped
+    return count, skipped, resumed
 
 
 def _mark_failed(work: Path, rank: int) -> None:

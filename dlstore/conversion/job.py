@@ -39,10 +39,13 @@ class ConvertResult:
     skipped: list[dict[str, str]] = field(default_factory=list)
     empty_classes: list[str] = field(default_factory=list)
     targets: tuple[int, str] | None = None   # (K, dtype) of a store of target vectors
+    resumed: int = 0   # samples an interrupted run had written before ``resume`` continued it
 
     @property
     def rate(self) -> float:
-        return self.count / self.seconds if self.seconds > 0 else float("inf")
+        """Samples per second converted by this run (those of the interrupted run not counted)."""
+        done = self.count - self.resumed
+        return done / self.seconds if self.seconds > 0 else float("inf")
 
     def __str__(self) -> str:
         shape = "x".join(map(str, self.shape)) if self.shape else "variable"
@@ -53,7 +56,8 @@ class ConvertResult:
                else " (unlabelled, label -1)"),
             f"  shape    {shape} uint8, static: {describe(self.static)}",
             f"  size     {human_bytes(self.nbytes)} ({self.nbytes / max(self.count, 1):,.0f} B/sample)",
-            f"  time     {self.seconds:.1f} s, {self.rate:,.0f} images/s with {self.workers} worker(s)",
+            f"  time     {self.seconds:.1f} s, {self.rate:,.0f} images/s with {self.workers} worker(s)"
+            + (f" (resumed: {self.resumed} samples were written before)" if self.resumed else ""),
         ]
         if self.empty_classes:
             lines.append(f"  empty    {len(self.empty_classes)} class folder(s) without images: "

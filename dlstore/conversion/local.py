@@ -25,10 +25,9 @@ from tqdm.auto import tqdm
 from .. import formats
 from .._system import usable_cpus
 from ..errors import ArgumentError, ArgumentTypeError, DecodeError, SourceError, WriterKilledError
+from ..formats.destination import check_apart, check_destination, publish
 from ..formats._common import (
     DestinationLock,
-    check_destination,
-    publish,
     remove_path,
     staging_path,
     write_error,
@@ -209,6 +208,10 @@ def convert(
     codec = (encoding, int(quality))
     if root is not None and not isinstance(root, (str, os.PathLike)):
         raise ArgumentTypeError(f"root must be a path (str or os.PathLike), got {type(root).__name__}")
+    if isinstance(src, (str, os.PathLike)):   # (a dataset or arrays have no path to protect)
+        check_apart(dst, Path(src), scanned=Path(src).is_dir())
+        if root is not None:
+            check_apart(dst, Path(root), scanned=False)
 
     def open_src() -> Any:
         return open_source(src, root=root, image_key=image_key, label_key=label_key)
@@ -246,7 +249,7 @@ def convert(
         if checkpoint is None:
             remove_staging(staged)  # left by a conversion that crashed, or not resumable
         try:
-            count, skipped = _run(job, staged, checkpoint, progress, dst.name, log)
+            count, skipped, resumed = _run(job, staged, checkpoint, progress, dst.name, log)
             replaced = dst.exists()
             publish(staged, dst, overwrite)
             if replaced and module.FORMAT == "hdf5":   # a distributed store replaced by this one: its parts
@@ -270,7 +273,7 @@ def convert(
         path=dst, store_format=fmt, count=count, classes=job.classes(), shape=job.shape, static=spec,
         nbytes=disk_usage(dst), seconds=seconds, workers=workers, skipped=skipped,
         empty_classes=source.empty_classes,
-        targets=None if job.targets is None else (job.targets.length, job.targets.dtype.name),
+        targets=None if job.targets is None else (job.targets.length, job.targets.dtype.name), resumed=resumed,
     )
 
 
@@ -334,8 +337,9 @@ def _resume_writer(job: _Job, staged: Path, checkpoint: dict[str, Any], log: Cal
 
 
 def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: bool,
-         name: str, log: Callable[[str], None]) -> tuple[int, list[dict[str, str]]]:
-    """Decode, write and finish into ``staged``; return (sample count, skipped files)."""
+         name: str, log: Callable[[str], None]) -> tuple[int, list[dict[str, str]], int]:
+    """Decode, write and finish into ``staged``; return (sample count, skipped files, samples of
+    them an interrupted run had written)."""
     source, module = job.source, job.module
     writer = None if checkpoint is None else _resume_writer(job, staged, checkpoint, log)
     if writer is None:
@@ -343,6 +347,7 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
         start, skipped = 0, []
     else:
         start, skipped = checkpoint["source_pos"], list(checkpoint["skipped"])
+    resumed = start - len(skipped)
     resumable = hasattr(writer, "checkpoint")
     try:
         with tqdm(total=len(source), initial=start, unit="img", desc=f"convert {name}",
@@ -358,4 +363,4 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
             targets_path(staged).unlink(missing_ok=True)
     finally:
         writer.close()
-    return count, skipped
+    return count, skipped, resumed

@@ -34,7 +34,6 @@ from ..errors import (
     SampleIndexError,
     StoreBusyError,
     StoreCorruptError,
-    StoreExistsError,
     StoreNotFoundError,
     StoreWriteError,
 )
@@ -210,31 +209,7 @@ def check_sample(where: Path, sample: np.ndarray, shape: tuple[int, ...] | None)
                             "every sample of a fixed-shape store has its shape")
 
 
-def check_destination(dst: Path, overwrite: bool) -> None:
-    if dst.exists() and not overwrite:
-        raise StoreExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
-
-
-def publish(staged: Path, dst: Path, overwrite: bool) -> None:
-    """Move a complete staged store to ``dst``, replacing an old store if allowed.
-
-    The old store is renamed aside first and deleted after the new one is in
-    place: a reader that already has the old files open keeps reading them
-    (their inodes live on), and a new reader sees either the old store or the new
-    one, never a mix.
-    """
-    old = dst.with_name(f".{dst.name}.dlstore-old")
-    if dst.exists() or dst.is_symlink():
-        if not overwrite:
-            raise StoreExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
-        remove_path(old)
-        os.replace(dst, old)
-    os.replace(staged, dst)
-    _fsync_dir(dst.parent)
-    remove_path(old)
-
-
-def _fsync_dir(folder: Path) -> None:
+def fsync_dir(folder: Path) -> None:
     fd = os.open(folder, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -277,7 +277,7 @@ def test_ranks_stop_converting_when_another_rank_has_failed(tmp_path):
                module=formats.get_format("shards"), decode={}, workers=0, on_error="fail", options={})
     work = tmp_path / "work"
     work.mkdir()
-    count, _ = _convert_part(job, work / "part-00000.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
+    count, _, _ = _convert_part(job, work / "part-00000.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
     assert count == 300  # no marker: the whole range
     _mark_failed(work, 1)
     with pytest.raises(DistributedError, match="rank 1 failed; rank 0 stopped"):

@@ -1,0 +1,165 @@
+"""What a conversion may replace at its destination, and the replacing itself.
+
+``publish`` moves a complete staged store into place. With ``overwrite`` it
+replaces only a store dlstore wrote (``not_a_store``).
+
+A conversion with ``overwrite=True`` renames the old store aside and deletes it,
+so it must never take a user's folder, file or source images for a store. A
+store is recognised by what only dlstore puts there, and a store folder must
+hold nothing else (a file someone saved into it is theirs)::
+
+    shards   a folder of shards entries only, with manifest.json carrying the
+             "dlstore_manifest" field, or manifest.json.sha256 (the manifest damaged)
+    lmdb     a folder of data.mdb (+ its seal data.mdb.sha256, lock.mdb) only, whose environment has the key
+             __dlstore__
+    hdf5     a file that starts with the dlstore seal (whole or damaged), or an
+             HDF5 file whose root has the attribute "dlstore" (an unsealed store)
+
+Anything else, symbolic links included (replacing one would leave its target
+in place and the link gone), gets a description that the error shows.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+from ..errors import DlstoreError, NotAStoreError, StoreExistsError
+from ._common import fsync_dir, remove_path
+from ._integrity import SEAL_MAGIC
+
+# Every name a shards store folder holds (see shards.py's layout table).
+_SHARDS_ENTRY = re.compile(
+    r"manifest\.json(\.sha256)?|labels\.npy|targets\.npy|index\.npy|crc32\.npy"
+    r"|shard-\d{5,}\.npy|data-\d{5,}\.bin|provenance-[a-z]+\.npy")
+_LMDB_ENTRY = re.compile(r"data\.mdb(\.sha256)?|lock\.mdb")
+_HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+_SHOWN = 4   # foreign entries named in a message
+
+
+def check_destination(dst: Path, overwrite: bool) -> None:
+    """StoreExistsError if something is at ``dst`` and it may not be replaced: ``overwrite`` is
+    False, or what is there is not a dlstore store (NotAStoreError, which says what it is)."""
+    if not (dst.exists() or dst.is_symlink()):
+        return
+    if not overwrite:
+        raise StoreExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
+    found = not_a_store(dst)
+    if found is not None:
+        raise NotAStoreError(f"{dst}: --overwrite (overwrite=True) replaces only a dlstore store, and this is "
+                             f"{found}; nothing was changed")
+
+
+def publish(staged: Path, dst: Path, overwrite: bool) -> None:
+    """Move a complete staged store to ``dst``, replacing an old store if allowed.
+
+    The old store is renamed aside first and deleted after the new one is in
+    place: a reader that already has the old files open keeps reading them
+    (their inodes live on), and a new reader sees either the old store or the new
+    one, never a mix.
+    """
+    old = dst.with_name(f".{dst.name}.dlstore-old")
+    if dst.exists() or dst.is_symlink():
+        check_destination(dst, overwrite)   # again: something else may have been put there meanwhile
+        remove_path(old)
+        os.replace(dst, old)
+    os.replace(staged, dst)
+    fsync_dir(dst.parent)
+    remove_path(old)
+
+
+def check_apart(dst: Path, src: Path, *, scanned: bool) -> None:
+    """NotAStoreError if ``dst`` is the source ``src`` or contains it, or, for a folder that is
+    scanned for images (``scanned``), lies inside it: the store would join the images (as a
+    class folder) of the next conversion of that folder."""
+    where, source = Path(os.path.realpath(dst)), Path(os.path.realpath(src))
+    if where == source:
+        problem = "is the source itself"
+    elif where in source.parents:
+        problem = f"contains the source {src}"
+    elif scanned and source in where.parents:
+        problem = (f"lies inside the source folder {src}: the store would be scanned as images of the "
+                   "next conversion of that folder")
+    else:
+        return
+    raise NotAStoreError(f"{dst}: the destination {problem}; write the store outside the source "
+                         "(e.g. next to it); nothing was changed")
+
+
+def not_a_store(path: Path) -> str | None:
+    """None where ``path`` holds a dlstore store (of any format), else what is there instead."""
+    path = Path(path)
+    if path.is_symlink():
+        return f"a symbolic link (to {os.readlink(path)}); give the real path, or remove the link yourself"
+    if path.is_dir():
+        return _folder(path)
+    if path.is_file():
+        return _file(path)
+    return "something that is neither a file nor a folder" if path.exists() else None
+
+
+def _folder(path: Path) -> str | None:
+    names = sorted(os.listdir(path))
+    if not names:
+        return "an empty folder (not one dlstore wrote); remove it yourself (rmdir) or choose another destination"
+    if "manifest.json" in names or "manifest.json.sha256" in names:
+        kind, entry, marked = "shards", _SHARDS_ENTRY, _shards_marked(path, names)
+    elif "data.mdb" in names:
+        kind, entry, marked = "lmdb", _LMDB_ENTRY, _lmdb_marked(path)
+    else:
+        return f"a folder that is not a dlstore store (it holds {_listing(names)})"
+    foreign = [n for n in names if not entry.fullmatch(n)]
+    if foreign:
+        return (f"a {kind} store folder that also holds entries dlstore did not write ({_listing(foreign)}); "
+                "move them out first")
+    if marked is not True:
+        return marked or f"a folder of {kind}-like files without a dlstore manifest"
+    return None
+
+
+def _shards_marked(path: Path, names: list[str]) -> bool | str:
+    if "manifest.json.sha256" in names:
+        return True   # only dlstore writes it: the store is ours even if manifest.json is damaged
+    try:
+        manifest = json.loads((path / "manifest.json").read_bytes())
+    except (OSError, ValueError):
+        return "a folder whose manifest.json is not a readable dlstore manifest"
+    return isinstance(manifest, dict) and "dlstore_manifest" in manifest
+
+
+def _lmdb_marked(path: Path) -> bool | str:
+    import lmdb
+
+    from ._lmdb_env import shared
+    from .lmdb import MANIFEST_KEY
+    try:   # this process's environment if a reader has one open (py-lmdb allows one open per process)
+        with shared(path, readahead=False).begin() as txn:
+            return txn.get(MANIFEST_KEY) is not None or "an LMDB database without a dlstore manifest"
+    except (lmdb.Error, DlstoreError) as exc:
+        return f"an LMDB environment dlstore cannot read ({exc})"
+
+
+def _file(path: Path) -> str | None:
+    with open(path, "rb") as f:
+        head = f.read(len(SEAL_MAGIC))
+    if head == SEAL_MAGIC:
+        return None
+    if head[:8] != _HDF5_SIGNATURE:
+        size = path.stat().st_size
+        return f"a file that is not a dlstore store ({size:,} bytes)"
+    import h5py
+    problem = "an HDF5 file without a dlstore manifest"
+    for locking in (None, False):   # HDF5 refuses flags other than those of a handle this process holds
+        try:
+            with h5py.File(path, "r", locking=locking) as f:
+                return None if "dlstore" in f.attrs else problem
+        except OSError as exc:
+            problem = f"an HDF5 file dlstore cannot read ({exc})"
+    return problem
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_SHOWN])
+    return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
