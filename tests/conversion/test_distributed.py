@@ -142,6 +142,20 @@ def test_rank_zero_failure_before_the_split_reaches_every_rank(rgb_folder, tmp_p
     assert results[1]["error"] == "DistributedError" and "already exists" in results[1]["message"]
 
 
+@pytest.mark.parametrize("fmt", list(SUFFIX))
+def test_distributed_overwrite_of_a_folder_that_is_not_a_store_is_refused_on_every_rank(rgb_folder, tmp_path, fmt):
+    dst = tmp_path / f"mine{SUFFIX[fmt]}"
+    dst.mkdir()
+    (dst / "notes.txt").write_text("precious")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    results = run_ranks(_convert_one, str(rgb_folder), str(dst), {"overwrite": True, "store_format": fmt},
+                        tmp_path=tmp_path)
+    assert results[0]["error"] == "NotAStoreError" and "notes.txt" in results[0]["message"]
+    assert results[1]["error"] == "DistributedError" and "notes.txt" in results[1]["message"]
+    assert (dst / "notes.txt").read_text() == "precious" and os.listdir(dst) == ["notes.txt"]
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("results-")) == before
+
+
 @pytest.mark.slow
 def test_torchrun_cli_converts_with_two_ranks(rgb_folder, tmp_path):
     dst = tmp_path / "cli.shards"
