@@ -6,53 +6,89 @@ profile) live in ``dlstore.tools``, batch transforms in ``dlstore.transforms``.
 Layers, imported one way only::
 
     cli -> tools, conversion, data -> formats -> transforms, sources -> errors, _system
+
+The exceptions are imported here; the rest on first use (``dlstore.convert``
+imports torch then), so that ``import dlstore`` and ``dlstore --help`` cost
+no torch import.
 """
 
-from .conversion import ConvertResult, convert
-from .data import (
-    GPUDataset,
-    HDF5Dataset,
-    LMDBDataset,
-    ShardsDataset,
-    StoreDataset,
-    loader,
-    open_dataset,
-)
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
+    ArgumentError,
+    ArgumentTypeError,
     ConversionInterrupted,
     DecodeError,
     DeviceMemoryError,
+    DiskFullError,
     DistributedError,
     DlstoreError,
+    MeasurementError,
     NotAStoreError,
+    SampleIndexError,
     SharedMemoryError,
     SourceError,
     StaticMismatchError,
     StoreBusyError,
     StoreCorruptError,
     StoreExistsError,
+    StoreNotFoundError,
+    StoreWriteError,
+    SystemProbeError,
     TransformSpecError,
     UnknownFormatError,
+    UsageError,
     VariableShapeError,
     WorkerError,
+    WriterKilledError,
+    WrongFormatError,
 )
-from .tools.verification import VerifyReport, verify
-from .transforms import HybridTransform, split_transforms
+
+if TYPE_CHECKING:
+    from .conversion import ConvertResult, convert
+    from .data import GPUDataset, HDF5Dataset, LMDBDataset, ShardsDataset, StoreDataset, loader, open_dataset
+    from .tools.verification import VerifyReport, verify
+    from .transforms import HybridTransform, split_transforms
 
 __version__ = "0.1.0"
 
+# public name -> the module it comes from (imported when the name is first used)
+_LAZY = {
+    "ConvertResult": "dlstore.conversion",
+    "convert": "dlstore.conversion",
+    "GPUDataset": "dlstore.data",
+    "HDF5Dataset": "dlstore.data",
+    "LMDBDataset": "dlstore.data",
+    "ShardsDataset": "dlstore.data",
+    "StoreDataset": "dlstore.data",
+    "loader": "dlstore.data",
+    "open_dataset": "dlstore.data",
+    "VerifyReport": "dlstore.tools.verification",
+    "verify": "dlstore.tools.verification",
+    "HybridTransform": "dlstore.transforms",
+    "split_transforms": "dlstore.transforms",
+}
+
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "ConversionInterrupted",
     "ConvertResult",
     "DecodeError",
     "DeviceMemoryError",
+    "DiskFullError",
     "DistributedError",
     "DlstoreError",
     "GPUDataset",
     "HDF5Dataset",
     "HybridTransform",
     "LMDBDataset",
+    "MeasurementError",
     "NotAStoreError",
+    "SampleIndexError",
     "ShardsDataset",
     "SharedMemoryError",
     "SourceError",
@@ -61,14 +97,38 @@ __all__ = [
     "StoreCorruptError",
     "StoreDataset",
     "StoreExistsError",
+    "StoreNotFoundError",
+    "StoreWriteError",
+    "SystemProbeError",
     "TransformSpecError",
     "UnknownFormatError",
+    "UsageError",
     "VariableShapeError",
     "VerifyReport",
     "WorkerError",
+    "WriterKilledError",
+    "WrongFormatError",
     "convert",
     "loader",
     "open_dataset",
     "split_transforms",
     "verify",
 ]
+
+
+# subpackages reachable as attributes (``dlstore.tools.tune``) after a plain ``import dlstore``
+_SUBPACKAGES = ("conversion", "data", "formats", "sources", "tools", "transforms")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _SUBPACKAGES:
+        return importlib.import_module(f"{__name__}.{name}")
+    if name not in _LAZY:
+        raise AttributeError(f"module 'dlstore' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value   # found directly from now on
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBPACKAGES))

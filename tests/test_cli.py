@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -105,3 +106,20 @@ def test_convert_a_csv_list_with_root(src, tmp_path):
     assert "samples  2 in 2 classes" in result.output
     shown = runner.invoke(main, ["show", str(tmp_path / "l.shards"), "0"])
     assert "source    " + str(src / "class_01" / "img_0002.jpg") in shown.output
+
+
+def test_help_imports_no_torch():
+    """``dlstore --help`` and every subcommand's answer at once: no torch, numpy or image library."""
+    script = textwrap.dedent("""
+        import sys
+        from dlstore.cli import main
+        for command in [[], *[[name] for name in main.commands]]:
+            try:
+                main([*command, "--help"])
+            except SystemExit as stop:
+                assert stop.code == 0, command
+        print(sorted(m for m in ("torch", "torchvision", "numpy", "PIL", "h5py", "lmdb") if m in sys.modules))
+        print(len(main.commands))
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
+    assert out.splitlines()[-2:] == ["[]", "8"]
