@@ -49,7 +49,15 @@ from .errors import (
 
 if TYPE_CHECKING:
     from .conversion import ConvertResult, convert
-    from .data import GPUDataset, HDF5Dataset, LMDBDataset, ShardsDataset, StoreDataset, loader, open_dataset
+    from .data import (
+        GPUDataset,
+        HDF5Dataset,
+        LMDBDataset,
+        ShardsDataset,
+        StoreDataset,
+        loader,
+        open_dataset,
+    )
     from .tools.verification import VerifyReport, verify
     from .transforms import HybridTransform, split_transforms
 

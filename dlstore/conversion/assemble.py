@@ -18,16 +18,13 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, ConversionInterrupted, StoreExistsError
-from ..formats.destination import publish
 from ..formats._common import (
-    fsync_dir,
-    remove_path,
     save_npy_synced,
-    staging_path,
     write_synced,
 )
 from ..formats._integrity import SUMS_ALGORITHM, SUMS_DTYPE, seal_sidecar
 from ..formats.manifest import dumps
+from .destination import fsync_dir, publish, remove_path, staging_path
 from .job import manifest_for
 
 _PART_FILE = re.compile(r"part-\d{5}\.h5")

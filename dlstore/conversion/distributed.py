@@ -83,19 +83,14 @@ from ..errors import (
     SourceError,
     StoreCorruptError,
 )
-from ..formats.destination import check_destination
-from ..formats._common import (
-    DestinationLock,
-    remove_path,
-    staging_path,
-    write_synced,
-)
+from ..formats._common import write_synced
 from .assemble import (
     assemble,
     check_parts_folder,
     hdf5_parts_path,
     remove_with_siblings,
 )
+from .destination import DestinationLock, check_destination, remove_path, staging_path
 from .job import ConvertResult, _feed, _finish, disk_usage
 
 _PLAN = "plan.json"  # the ranks and the job's fingerprint: what a --resume must match

@@ -24,20 +24,28 @@ from tqdm.auto import tqdm
 
 from .. import formats
 from .._system import usable_cpus
-from ..errors import ArgumentError, ArgumentTypeError, DecodeError, SourceError, WriterKilledError
-from ..formats.destination import check_apart, check_destination, publish
-from ..formats._common import (
-    DestinationLock,
-    remove_path,
-    staging_path,
-    write_error,
+from ..errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    DecodeError,
+    SourceError,
+    WriterKilledError,
 )
+from ..formats._common import write_error
 from ..formats._targets import PARTIAL_SUFFIX
 from ..formats.encoding import ENCODINGS
 from ..sources import open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS
 from ..transforms.static import output_shape, parse_static
 from .assemble import remove_old_parts
+from .destination import (
+    DestinationLock,
+    check_apart,
+    check_destination,
+    publish,
+    remove_path,
+    staging_path,
+)
 from .distributed import active_group, convert_distributed
 from .job import ON_ERROR, ConvertResult, _feed, _finish, _Job, disk_usage
 from .pool import apply_static_any, usable_workers

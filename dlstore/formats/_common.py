@@ -1,12 +1,8 @@
-"""What every format's Writer and Reader share: staging, publishing, locking, pid checks.
+"""What every format's Writer and Reader share: full-disk errors, index checks, store pins,
+fork-safe handles, synced writes.
 
-A Writer writes into a staging path next to the destination
-(``.NAME.dlstore-tmp``) and renames it into place only when complete, so a
-store that exists under its real name is a store that is whole. A lock file
-(``.NAME.dlstore-lock``, ``flock``) makes a second conversion to the same
-destination refuse instead of interleaving.
-
-A conversion that may resume keeps per-sample integers (labels, shapes, the
+Where a Writer's staging path lies and how it is published is the conversion's
+business (``conversion/destination.py``). A conversion that may resume keeps per-sample integers (labels, shapes, the
 shards index) in memory and appends them to ``.partial`` files beside the
 staging store at each checkpoint (``PartialRows``).
 """
@@ -15,10 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import fcntl
 import hashlib
 import os
-import shutil
 import threading
 import weakref
 from array import array
@@ -32,69 +26,10 @@ from ..errors import (
     DiskFullError,
     DlstoreError,
     SampleIndexError,
-    StoreBusyError,
     StoreCorruptError,
     StoreNotFoundError,
     StoreWriteError,
 )
-
-
-def staging_path(dst: Path) -> Path:
-    return dst.with_name(f".{dst.name}.dlstore-tmp")
-
-
-def lock_path(dst: Path) -> Path:
-    return dst.with_name(f".{dst.name}.dlstore-lock")
-
-
-def remove_path(path: Path) -> None:
-    """Remove a file or folder tree if present."""
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
-
-
-class DestinationLock:
-    """Exclusive, non-blocking lock on a destination; released on close or process death."""
-
-    def __init__(self, dst: Path):
-        self.path = lock_path(dst)
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise StoreBusyError(
-                    f"{self.path.with_name(self.path.name[1:-len('.dlstore-lock')])}: another conversion "
-                    f"to this destination is running (lock {self.path}); wait for it or stop it"
-                ) from None
-            # The holder before us unlinks the lock file when it releases it. If that happened
-            # between our open and our flock, we hold a lock on a file nobody else can find, and
-            # a third converter would create a new one and lock it too. So the lock counts only
-            # if the path still names the inode we locked; otherwise try again with the new file.
-            held = os.fstat(fd)
-            try:
-                named = os.stat(self.path)
-            except FileNotFoundError:
-                named = None
-            if named is not None and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
-                self._fd = fd
-                return
-            os.close(fd)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            try:
-                self.path.unlink(missing_ok=True)  # while still locked: see acquire
-            finally:
-                os.close(self._fd)
-                self._fd = None
 
 
 # --- full disks ------------------------------------------------------------------------
@@ -207,14 +142,6 @@ def check_sample(where: Path, sample: np.ndarray, shape: tuple[int, ...] | None)
     if shape is not None and tuple(sample.shape) != shape:
         raise ArgumentError(f"{where}: sample shape {tuple(sample.shape)} != store shape {shape}; "
                             "every sample of a fixed-shape store has its shape")
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 # --- a store replaced under an open reader ----------------------------------------------

@@ -18,7 +18,7 @@ from click.testing import CliRunner
 import dlstore
 from dlstore.cli import main
 from dlstore.errors import NotAStoreError, StoreExistsError
-from dlstore.formats.destination import not_a_store
+from dlstore.formats.ownership import not_a_store
 from dlstore.sources.demo import make_image_folder
 
 FORMATS = ["shards", "lmdb", "hdf5"]

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from dlstore.errors import StoreBusyError
-from dlstore.formats._common import DestinationLock
+from dlstore.conversion.destination import DestinationLock
 
 ROUNDS = 300
 

@@ -1,7 +1,4 @@
-"""What a conversion may replace at its destination, and the replacing itself.
-
-``publish`` moves a complete staged store into place. With ``overwrite`` it
-replaces only a store dlstore wrote (``not_a_store``).
+"""Is what stands at a path a store dlstore wrote? ``overwrite`` replaces only that.
 
 A conversion with ``overwrite=True`` renames the old store aside and deletes it,
 so it must never take a user's folder, file or source images for a store. A
@@ -26,8 +23,7 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import DlstoreError, NotAStoreError, StoreExistsError
-from ._common import fsync_dir, remove_path
+from ..errors import DlstoreError
 from ._integrity import SEAL_MAGIC
 
 # Every name a shards store folder holds (see shards.py's layout table).
@@ -37,55 +33,6 @@ _SHARDS_ENTRY = re.compile(
 _LMDB_ENTRY = re.compile(r"data\.mdb(\.sha256)?|lock\.mdb")
 _HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 _SHOWN = 4   # foreign entries named in a message
-
-
-def check_destination(dst: Path, overwrite: bool) -> None:
-    """StoreExistsError if something is at ``dst`` and it may not be replaced: ``overwrite`` is
-    False, or what is there is not a dlstore store (NotAStoreError, which says what it is)."""
-    if not (dst.exists() or dst.is_symlink()):
-        return
-    if not overwrite:
-        raise StoreExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
-    found = not_a_store(dst)
-    if found is not None:
-        raise NotAStoreError(f"{dst}: --overwrite (overwrite=True) replaces only a dlstore store, and this is "
-                             f"{found}; nothing was changed")
-
-
-def publish(staged: Path, dst: Path, overwrite: bool) -> None:
-    """Move a complete staged store to ``dst``, replacing an old store if allowed.
-
-    The old store is renamed aside first and deleted after the new one is in
-    place: a reader that already has the old files open keeps reading them
-    (their inodes live on), and a new reader sees either the old store or the new
-    one, never a mix.
-    """
-    old = dst.with_name(f".{dst.name}.dlstore-old")
-    if dst.exists() or dst.is_symlink():
-        check_destination(dst, overwrite)   # again: something else may have been put there meanwhile
-        remove_path(old)
-        os.replace(dst, old)
-    os.replace(staged, dst)
-    fsync_dir(dst.parent)
-    remove_path(old)
-
-
-def check_apart(dst: Path, src: Path, *, scanned: bool) -> None:
-    """NotAStoreError if ``dst`` is the source ``src`` or contains it, or, for a folder that is
-    scanned for images (``scanned``), lies inside it: the store would join the images (as a
-    class folder) of the next conversion of that folder."""
-    where, source = Path(os.path.realpath(dst)), Path(os.path.realpath(src))
-    if where == source:
-        problem = "is the source itself"
-    elif where in source.parents:
-        problem = f"contains the source {src}"
-    elif scanned and source in where.parents:
-        problem = (f"lies inside the source folder {src}: the store would be scanned as images of the "
-                   "next conversion of that folder")
-    else:
-        return
-    raise NotAStoreError(f"{dst}: the destination {problem}; write the store outside the source "
-                         "(e.g. next to it); nothing was changed")
 
 
 def not_a_store(path: Path) -> str | None:
