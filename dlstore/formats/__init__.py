@@ -2,7 +2,8 @@
 
 Each format module provides ``FORMAT``, ``FORMAT_VERSION``, ``SUFFIXES``,
 ``Writer`` (fills a staging path), ``Reader`` (fetches sample i as a uint8 CHW
-array) and ``read_manifest(path)``. Modules are imported on first use, so
+array; a ``reader.StoreReader``, which does the index checks, batch output and
+sums for every format) and ``read_manifest(path)``. Modules are imported on first use, so
 ``import dlstore`` does not pay for h5py or lmdb.
 """
 

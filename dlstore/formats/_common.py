@@ -390,16 +390,6 @@ class PartialRows:
         self.path.unlink(missing_ok=True)
 
 
-def read_range_by_batch(reader: Any, start: int, stop: int, out: Any = None, *, threads: int = 1) -> Any:
-    """``read_range`` of a reader with no faster sequential path: samples ``[start, stop)`` of a
-    fixed-shape store into one (k, C, H, W) array through its ``get_batch`` (``threads`` unused)."""
-
-    if not 0 <= start <= stop <= len(reader):
-        raise SampleIndexError(f"{reader.path}: range [{start}, {stop}) out of range for a store of "
-                               f"{len(reader)} samples")
-    return reader.get_batch(np.arange(start, stop, dtype=np.int64), out=out)
-
-
 def next_prime(n: int) -> int:
     n = max(2, n)
     while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):

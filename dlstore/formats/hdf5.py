@@ -58,32 +58,25 @@ from ..errors import (
     StoreCorruptError,
     StoreExistsError,
     StoreNotFoundError,
-    VariableShapeError,
     WriterKilledError,
 )
 from ..sources.origins import Origins
 from ._common import (
     SPACE_MARGIN,
-    ForkSafe,
     PartialRows,
     StorePin,
-    batch_out,
     check_identity,
-    check_index,
-    check_indices,
     check_sample,
     ensure_space,
     free_bytes,
     library_errors_as_damage,
     next_prime,
-    read_range_by_batch,
     write_error,
 )
 from ._integrity import (
     SEAL_BLOCK,
     SUMS_ALGORITHM,
     SUMS_DTYPE,
-    SampleChecks,
     check_virtual_sources,
     hold_virtual_sources,
     record_crc,
@@ -93,6 +86,7 @@ from ._integrity import (
 from ._targets import HASHED, WithTargets, digest, read_hdf5
 from .manifest import loads as load_manifest_text
 from .manifest import validate
+from .reader import StoreReader
 
 FORMAT = "hdf5"
 FORMAT_VERSION = 1
@@ -429,7 +423,7 @@ def read_manifest(path: Path) -> dict[str, Any]:
         return _manifest_from(f, path)
 
 
-class Hdf5Reader(SampleChecks, ForkSafe):
+class Hdf5Reader(StoreReader):
     """Reads samples of an HDF5 store into fresh uint8 arrays.
 
     Args:
@@ -516,9 +510,6 @@ class Hdf5Reader(SampleChecks, ForkSafe):
                 hold_virtual_sources(self.path, self._images, self.manifest["layout"])
         check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
 
-    def __len__(self) -> int:
-        return self.count
-
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
         with _open_file(self.path) as f, library_errors_as_damage(self.path):   # (a replaced store's sums: no mix)
             return self._dataset(f, str(spec.get("dataset")))[()]
@@ -546,8 +537,6 @@ class Hdf5Reader(SampleChecks, ForkSafe):
                 out[...] = self._images[i]
         except (OSError, KeyError, RuntimeError) as exc:
             raise StoreCorruptError(f"{self.path}: cannot read sample {i} ({exc})") from exc
-        if self.sums is not None:   # the array handed out is what is checked
-            self.sums.check(i, out)
 
     def _read_variable(self, i: int) -> np.ndarray:
         c, h, w = (int(v) for v in self.shapes[i])
@@ -555,45 +544,30 @@ class Hdf5Reader(SampleChecks, ForkSafe):
             flat = self._images[i]
         except (OSError, KeyError, RuntimeError) as exc:
             raise StoreCorruptError(f"{self.path}: cannot read sample {i} ({exc})") from exc
-        if self.sums is not None:
-            self.sums.check(i, flat)
         if flat.size != c * h * w:
+            if self.sums is not None:   # (get checks the sums of what it returns) damage is named as such
+                self.sums.check(i, flat)
             raise StoreCorruptError(f"{self.path}: sample {i} holds {flat.size} bytes, /shapes says {c}x{h}x{w}")
         return flat.reshape(c, h, w)
 
-    def _read_new(self, i: int) -> np.ndarray:
+    def _read(self, i: int) -> np.ndarray:
+        """Sample ``i`` as a fresh, writable array."""
+        if self.shape is None:
+            return self._read_variable(i)
         out = np.empty(self.shape, dtype=np.uint8)
         self._read_fixed(i, out)
         return out
 
-    def get(self, i: int) -> np.ndarray:
-        """Sample ``i`` (0 <= i < len) as a fresh, writable uint8 (C, H, W) array."""
-        i = check_index(self.path, i, self.count)
-        self._ensure_open()
-        return self._read_variable(i) if self.shape is None else self._read_new(i)
-
-    def get_many(self, indices: list[int]) -> list[np.ndarray]:
-        """Samples ``indices`` in that order, read in file order, each its own array."""
-        indices = check_indices(self.path, indices, self.count).tolist()
-        self._ensure_open()
+    def _read_many(self, indices: list[int]) -> list[np.ndarray]:
         out: list[np.ndarray | None] = [None] * len(indices)
-        for k in sorted(range(len(indices)), key=indices.__getitem__):
-            out[k] = self._read_variable(indices[k]) if self.shape is None else self._read_new(indices[k])
+        for k in sorted(range(len(indices)), key=indices.__getitem__):   # in file order
+            out[k] = self._read(indices[k])
         return out
 
-    def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Samples ``indices`` of a fixed-shape store as one (B, C, H, W) array, read in file order."""
-        if self.shape is None:
-            raise VariableShapeError(f"{self.path}: get_batch needs a fixed-shape store (read samples "
-                                     "with get/get_many, or convert with a size-fixing static op)")
-        self._ensure_open()
-        indices = check_indices(self.path, indices, self.count)
-        out = batch_out(out, len(indices), self.shape)
-        for k in np.argsort(indices, kind="stable").tolist():
+    def _read_batch(self, indices: np.ndarray, out: np.ndarray) -> None:
+        for k in np.argsort(indices, kind="stable").tolist():   # in file order
             self._read_fixed(int(indices[k]), out[k])
-        return out
 
-    read_range = read_range_by_batch
 
 
 Writer = Hdf5Writer

@@ -61,32 +61,26 @@ import numpy as np
 from ..errors import (
     ArgumentError,
     StoreCorruptError,
-    VariableShapeError,
 )
 from ..sources.origins import Origins
 from ._common import (
-    ForkSafe,
     PartialRows,
     StorePin,
-    batch_out,
     check_identity,
-    check_index,
-    check_indices,
     check_sample,
-    read_range_by_batch,
     write_error,
 )
 from ._lmdb_env import data_file, shared
 from ._integrity import (
     SUMS_ALGORITHM,
     SUMS_DTYPE,
-    SampleChecks,
     check_sidecar_seal,
     seal_sidecar,
 )
 from ._targets import HASHED, LMDB_KEY, WithTargets, digest, npy_bytes, read_lmdb
 from .manifest import loads as load_manifest_text
 from .manifest import validate
+from .reader import StoreReader
 
 FORMAT = "lmdb"
 FORMAT_VERSION = 1
@@ -377,7 +371,7 @@ _DAMAGE = tuple(getattr(lmdb, name) for name in (
     "IncompatibleError", "BadChecksumError", "PanicError", "NotFoundError") if hasattr(lmdb, name))
 
 
-class LmdbReader(SampleChecks, ForkSafe):
+class LmdbReader(StoreReader):
     """Reads samples of an LMDB store; each read copies the value out of the map once.
 
     Args:
@@ -458,9 +452,6 @@ class LmdbReader(SampleChecks, ForkSafe):
     def _sample_file(self, i: int) -> Path:
         return self.path / "data.mdb"
 
-    def __len__(self) -> int:
-        return self.count
-
     def origins(self) -> Origins | None:
         """Where each sample came from; None for a store converted before provenance was kept."""
         spec = self.manifest["layout"].get("provenance")
@@ -488,57 +479,32 @@ class LmdbReader(SampleChecks, ForkSafe):
         return value
 
     @_lmdb_errors_as_damage
-    def get(self, i: int) -> np.ndarray:
-        """Sample ``i`` (0 <= i < len) as a fresh, writable uint8 (C, H, W) array."""
-        i = check_index(self.path, i, self.count)
-        self._ensure_open()
-        shape = self._shape_of(i)
+    def _read(self, i: int) -> np.ndarray:
+        """Sample ``i`` as a fresh, writable array."""
         with self._env.begin(buffers=True) as txn:
-            # The memoryview points into the map and is valid only inside the transaction.
-            value = self._value(txn, i, shape[0] * shape[1] * shape[2])
-            sample = np.frombuffer(value, dtype=np.uint8).reshape(shape).copy()
-        if self.sums is not None:   # the copy handed out is what is checked
-            self.sums.check(i, sample)
-        return sample
+            return self._copy(txn, i)
 
     @_lmdb_errors_as_damage
-    def get_many(self, indices: list[int]) -> list[np.ndarray]:
-        """Samples ``indices``, in that order, read in one transaction.
-
-        Each sample is its own array (not a view of one batch block), so a sample
-        kept by the caller pins only its own memory.
-        """
-        indices = check_indices(self.path, indices, self.count).tolist()
-        self._ensure_open()
-        out = []
+    def _read_many(self, indices: list[int]) -> list[np.ndarray]:
+        # One transaction; each sample its own array (not a view of one block), so a sample
+        # kept by the caller pins only its own memory.
         with self._env.begin(buffers=True) as txn:
-            for i in indices:
-                shape = self._shape_of(int(i))
-                value = self._value(txn, int(i), shape[0] * shape[1] * shape[2])
-                out.append(np.frombuffer(value, dtype=np.uint8).reshape(shape).copy())
-        if self.sums is not None:
-            self.sums.check_many(indices, out)
-        return out
+            return [self._copy(txn, i) for i in indices]
 
     @_lmdb_errors_as_damage
-    def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Samples ``indices`` of a fixed-shape store as one (B, C, H, W) array (one transaction)."""
-        if self.shape is None:
-            raise VariableShapeError(f"{self.path}: get_batch needs a fixed-shape store (read samples "
-                                     "with get/get_many, or convert with a size-fixing static op)")
-        self._ensure_open()
-        indices = check_indices(self.path, indices, self.count)
-        out = batch_out(out, len(indices), self.shape)
+    def _read_batch(self, indices: np.ndarray, out: np.ndarray) -> None:
         flat = out.reshape(len(indices), -1)
         nbytes = flat.shape[1]
         with self._env.begin(buffers=True) as txn:
             for k, i in enumerate(indices.tolist()):
                 flat[k] = np.frombuffer(self._value(txn, i, nbytes), dtype=np.uint8)
-        if self.sums is not None:
-            self.sums.check_many(indices.tolist(), out)
-        return out
 
-    read_range = read_range_by_batch
+    def _copy(self, txn: lmdb.Transaction, i: int) -> np.ndarray:
+        shape = self._shape_of(i)
+        # The memoryview points into the map and is valid only inside the transaction.
+        value = self._value(txn, i, shape[0] * shape[1] * shape[2])
+        return np.frombuffer(value, dtype=np.uint8).reshape(shape).copy()
+
 
 
 Writer = LmdbWriter

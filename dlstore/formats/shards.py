@@ -39,16 +39,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentError, SampleIndexError, StoreCorruptError, VariableShapeError
+from ..errors import ArgumentError, StoreCorruptError, VariableShapeError
 from ..sources.origins import Origins
 from ._common import (
-    ForkSafe,
     PartialRows,
     StorePin,
     advise_willneed,
     batch_out,
     check_identity,
-    check_index,
     check_indices,
     check_sample,
     safe_member,
@@ -57,9 +55,10 @@ from ._common import (
     willneed_default,
     write_synced,
 )
-from ._integrity import SUMS_ALGORITHM, SUMS_DTYPE, SampleChecks, check_sidecar_seal, record_crc, seal_sidecar
+from ._integrity import SUMS_ALGORITHM, SUMS_DTYPE, check_sidecar_seal, record_crc, seal_sidecar
 from ._targets import WithTargets, read_shards
 from .manifest import loads as load_manifest_text
+from .reader import StoreReader
 
 FORMAT = "shards"
 FORMAT_VERSION = 1
@@ -292,7 +291,7 @@ def _load_npy(path: Path, mmap: bool) -> np.ndarray:
         raise StoreCorruptError(f"{path}: unreadable .npy file ({type(exc).__name__}: {exc})") from exc
 
 
-class ShardReader(SampleChecks, ForkSafe):
+class ShardReader(StoreReader):
     """Reads samples of a shards store as numpy views into memory maps."""
 
     format = FORMAT
@@ -434,9 +433,6 @@ class ShardReader(SampleChecks, ForkSafe):
         self._maps[k] = arr
         return arr
 
-    def __len__(self) -> int:
-        return self.count
-
     def origins(self) -> Origins | None:
         """Where each sample came from; None for a store converted before provenance was kept."""
         spec = self.manifest["layout"].get("provenance")
@@ -446,16 +442,8 @@ class ShardReader(SampleChecks, ForkSafe):
         arrays = {name: _load_npy(safe_member(self.path, file), mmap=False) for name, file in files.items()}
         return Origins.from_arrays(spec.get("kind"), arrays, str(self.path), count=self.count)
 
-    def get(self, i: int) -> np.ndarray:
-        """Sample ``i`` as a uint8 (C, H, W) view into the memory map (no copy)."""
-        self._ensure_open()
-        i = check_index(self.path, i, self.count)
-        sample = self._view(i)
-        if self.sums is not None:
-            self.sums.check(i, sample)
-        return sample
-
-    def _view(self, i: int) -> np.ndarray:
+    def _read(self, i: int) -> np.ndarray:
+        """Sample ``i`` as a view into the memory map (no copy: the caller's collate does the one copy)."""
         if self.kind == "fixed":
             if self._uniform:
                 return self._map(i // self.per_shard)[i % self.per_shard]
@@ -464,24 +452,7 @@ class ShardReader(SampleChecks, ForkSafe):
         file_no, offset, c, h, w = (int(v) for v in self.index[i])
         return self._map(file_no)[offset:offset + c * h * w].reshape(c, h, w)
 
-    def get_many(self, indices: list[int]) -> list[np.ndarray]:
-        """Samples ``indices`` as views (no copy); the caller's collate does the one copy."""
-        if self.sums is None:
-            return [self.get(i) for i in indices]
-        self._ensure_open()
-        indices = check_indices(self.path, indices, self.count).tolist()
-        samples = [self._view(i) for i in indices]
-        self.sums.check_many(indices, samples)
-        return samples
-
-    def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-        """Samples ``indices`` of a fixed-shape store gathered into one (B, C, H, W) array."""
-        self._ensure_open()
-        if self.kind != "fixed":
-            raise VariableShapeError(f"{self.path}: get_batch needs a fixed-shape store (read samples "
-                                     "with get/get_many, or convert with a size-fixing static op)")
-        indices = check_indices(self.path, indices, self.count)
-        out = batch_out(out, len(indices), self.shape)
+    def _read_batch(self, indices: np.ndarray, out: np.ndarray) -> None:
         shard_no, local = self._locate(indices)
         # sorted(set(...)), not np.unique: the latter imports a numpy submodule on its first
         # call (~50 ms), paid by every fresh DataLoader worker on its first batch
@@ -497,9 +468,6 @@ class ShardReader(SampleChecks, ForkSafe):
             # gather per file would copy every sample twice)
             for k, (s, j) in enumerate(zip(shard_no.tolist(), local.tolist())):
                 out[k] = self._map(s)[j]
-        if self.sums is not None:   # the copy handed out is what is checked
-            self.sums.check_many(indices.tolist(), out)
-        return out
 
     def sample_addresses(self, indices: np.ndarray) -> tuple[np.ndarray, list[np.ndarray]] | None:
         """(uintp address of each C-contiguous sample, the maps holding them: keep those until
@@ -539,9 +507,7 @@ class ShardReader(SampleChecks, ForkSafe):
         """
         if self.kind != "fixed":
             raise VariableShapeError(f"{self.path}: read_range needs a fixed-shape store")
-        if not 0 <= start <= stop <= self.count:
-            raise SampleIndexError(f"{self.path}: range [{start}, {stop}) out of range for a store of "
-                                   f"{self.count} samples")
+        self._check_range(start, stop)
         self._ensure_open()
         out = batch_out(out, stop - start, self.shape)  # checks that out is C-contiguous
         sample_bytes = int(np.prod(self.shape))

@@ -1,0 +1,92 @@
+"""StoreReader, the base class of every format's Reader: the public reads, done one way.
+
+A format's reader supplies only its native reads of already-checked indices,
+with its handles open; the base class does the rest::
+
+    get(i)                       check i -> open -> _read(i)                 -> sums check
+    get_many(indices)            check   -> open -> _read_many(indices)      -> sums check
+    get_batch(indices, out=None) fixed shape? -> check -> open -> out array -> _read_batch -> sums check
+    read_range(start, stop)      [start, stop) through get_batch (a format with a faster
+                                 sequential path overrides it)
+
+Readers only fetch stored samples (uint8 CHW arrays); decoding and transforms
+live elsewhere. Indices are positions 0..count-1 (see ``_common.check_index``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..errors import SampleIndexError, VariableShapeError
+from ._common import ForkSafe, batch_out, check_index, check_indices
+from ._integrity import SampleChecks
+
+
+class StoreReader(SampleChecks, ForkSafe):
+    """A store's samples by index. Subclasses set ``path``, ``count``, ``shape`` (None: variable)
+    and ``manifest``, and implement ``_read`` (and ``_read_many`` / ``_read_batch`` where the
+    format reads several samples faster than one by one)."""
+
+    path: Path
+    count: int
+    shape: tuple[int, int, int] | None
+
+    def __len__(self) -> int:
+        return self.count
+
+    def get(self, i: int) -> np.ndarray:
+        """Sample ``i`` (0 <= i < len) as a uint8 (C, H, W) array."""
+        i = check_index(self.path, i, self.count)
+        self._ensure_open()
+        sample = self._read(i)
+        if self.sums is not None:   # what is handed out is what is checked
+            self.sums.check(i, sample)
+        return sample
+
+    def get_many(self, indices: Any) -> list[np.ndarray]:
+        """Samples ``indices``, in that order, each its own (C, H, W) array."""
+        indices = check_indices(self.path, indices, self.count).tolist()
+        self._ensure_open()
+        samples = self._read_many(indices)
+        if self.sums is not None:
+            self.sums.check_many(indices, samples)
+        return samples
+
+    def get_batch(self, indices: Any, out: np.ndarray | None = None) -> np.ndarray:
+        """Samples ``indices`` of a fixed-shape store as one (B, C, H, W) array (into ``out`` if given)."""
+        if self.shape is None:
+            raise VariableShapeError(f"{self.path}: get_batch needs a fixed-shape store (read samples "
+                                     "with get/get_many, or convert with a size-fixing static op)")
+        indices = check_indices(self.path, indices, self.count)
+        self._ensure_open()
+        out = batch_out(out, len(indices), self.shape)
+        self._read_batch(indices, out)
+        if self.sums is not None:
+            self.sums.check_many(indices.tolist(), out)
+        return out
+
+    def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
+        """Samples ``[start, stop)`` of a fixed-shape store as one (k, C, H, W) array (``threads``:
+        used by formats with a sequential path of their own)."""
+        self._check_range(start, stop)
+        return self.get_batch(np.arange(start, stop, dtype=np.int64), out=out)
+
+    def _check_range(self, start: int, stop: int) -> None:
+        if not 0 <= start <= stop <= self.count:
+            raise SampleIndexError(f"{self.path}: range [{start}, {stop}) out of range for a store of "
+                                   f"{self.count} samples")
+
+    # --- what a format supplies (indices checked, handles open) ------------------------------
+
+    def _read(self, i: int) -> np.ndarray:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def _read_many(self, indices: list[int]) -> list[np.ndarray]:
+        return [self._read(i) for i in indices]
+
+    def _read_batch(self, indices: np.ndarray, out: np.ndarray) -> None:
+        for k, i in enumerate(indices.tolist()):
+            out[k] = self._read(i)
