@@ -290,13 +290,14 @@ def strip_static_prefix(transform: Any, stored: Any, *, where: Any = "the store"
     if not matched:
         return None
     if len(matched) < len(stored):
-        instead = f"then {differing!r}" if differing is not None else "and nothing else"
+        missing = describe(stored[len(matched):])
+        instead = f"then has {differing!r} where" if differing is not None else "then ends where"
         raise StaticMismatchError(
-            f"{where}: the store was converted with static transforms {describe(stored)!r}, and the transform "
-            f"begins with {describe(matched)!r} of them, {instead}, not {describe(stored[len(matched):])!r}. "
-            f"Run as given it would apply {describe(matched)!r} a second time to the stored samples; skipping "
-            f"it would not give the pipeline's pixels either. Pass only the ops that follow the static ones, or a "
-            f"pipeline that begins with all of {describe(stored)!r}; for other static ops convert again with "
+            f"{where}: the store was converted with static transforms {describe(stored)!r}; the transform "
+            f"begins with only {describe(matched)!r} of them, {instead} the store has {missing!r}. Run as given "
+            f"it would apply {describe(matched)!r} a second time to the stored samples; skipping that would not "
+            f"give the pipeline's pixels either (the stored samples also went through {missing!r}). Pass only "
+            f"the dynamic part of the pipeline (the ops after its static ones), or convert again with "
             f"static=dlstore.split_transforms(pipeline) and open with that hybrid; to run the transform as given "
             f"on the stored samples, pass dlstore.HybridTransform({describe(stored)!r}, transform).")
     while taken < len(ops) and type(ops[taken]).__name__ in _TO_TENSOR_NAMES:

@@ -180,6 +180,8 @@ def test_gpu_loader_equals_imagefolder_and_refuses_a_partial_prefix(stores, fold
     assert labels.tolist() == [reference[i][1] for i in held]
     with pytest.raises(StaticMismatchError):
         gpu.loader(4, transform=v2.Compose([v2.Resize(40), v2.RandomCrop(32)]))
+    with pytest.raises(StaticMismatchError):   # a hybrid is checked on a rank's share too
+        gpu.loader(4, transform=dlstore.HybridTransform("resize=64,center_crop=32", v2.RandomHorizontalFlip()))
 
 
 @settings(max_examples=12, deadline=None)
