@@ -272,11 +272,11 @@ def strip_static_prefix(transform: Any, stored: Any, *, where: Any = "the store"
     for k, t in enumerate(ops):
         if len(matched) == len(stored):
             break
-        if not (type(t).__module__.startswith("torchvision.") or isinstance(t, ResizeMax)):
-            differing = t
-            break
         if type(t).__name__ in _TO_TENSOR_NAMES:
             continue
+        if not (type(t).__module__.startswith("torchvision.") or isinstance(t, ResizeMax)):
+            differing = t     # _from_torchvision reads names: another library's "Resize" is not one
+            break
         try:
             spec = _from_torchvision(t)
         except TransformSpecError:
