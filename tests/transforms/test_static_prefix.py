@@ -132,6 +132,17 @@ def test_pipeline_with_only_part_of_the_static_ops_is_refused_and_can_opt_in(sto
         assert torch.equal(ds[i][0], want)
 
 
+def test_a_static_op_of_the_store_under_other_settings_is_refused(stores):
+    """timm's eval Resize is bicubic: on a bilinear store it would resize the stored 32x32 crop again."""
+    bicubic = v2.Compose([v2.Resize(40, interpolation=v2.InterpolationMode.BICUBIC), v2.CenterCrop(32)])
+    with pytest.raises(StaticMismatchError) as err:
+        dlstore.open_dataset(stores["hdf5"], transform=bicubic)
+    assert "'interpolation': 'bicubic'" in str(err.value) and "'interpolation': 'bilinear'" in str(err.value)
+    no_antialias = v2.Compose([v2.Resize(40, antialias=False), v2.CenterCrop(32)])
+    with pytest.raises(StaticMismatchError):
+        dlstore.open_dataset(stores["hdf5"], transform=no_antialias)
+
+
 def test_repr_shows_what_was_taken_as_applied_and_what_runs(stores):
     pipeline = v2.Compose([v2.ToImage(), v2.Resize(40), v2.CenterCrop(32), v2.RandomHorizontalFlip(p=1.0)])
     ds = dlstore.open_dataset(stores["lmdb"], transform=pipeline)
