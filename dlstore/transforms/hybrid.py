@@ -259,8 +259,10 @@ def strip_static_prefix(transform: Any, stored: Any, *, where: Any = "the store"
 
     Raises:
         StaticMismatchError: ``transform`` begins with some of the store's static ops but not
-            all of them: run as given it would apply those a second time, and without them
-            it would not give the pipeline's pixels either.
+            all of them (run as given it would apply those a second time, and without them
+            it would not give the pipeline's pixels either), or with one of them under other
+            settings (``Resize(256, bicubic)`` on a ``"resize=256"`` store: same size, other
+            interpolation or antialias).
     """
     stored = parse_static(stored)
     if not stored or isinstance(transform, HybridTransform):
@@ -269,6 +271,7 @@ def strip_static_prefix(transform: Any, stored: Any, *, where: Any = "the store"
     matched: StaticSpec = []
     taken = 0
     differing: Any = None       # the op where the pipeline leaves the store's spec, if any
+    other_settings = False      # ... by doing what the store's op did, with other settings
     for k, t in enumerate(ops):
         if len(matched) == len(stored):
             break
@@ -282,24 +285,17 @@ def strip_static_prefix(transform: Any, stored: Any, *, where: Any = "the store"
         except TransformSpecError:
             differing = t
             break
-        if spec != stored[len(matched):len(matched) + len(spec)]:
+        expected = stored[len(matched):len(matched) + len(spec)]
+        if spec != expected:
             differing = t
+            other_settings = bool(spec) and _same_geometry(spec[0], expected[0])
             break
         matched += spec
         taken = k + 1
+    if other_settings or 0 < len(matched) < len(stored):
+        raise _partial_prefix(where, stored, matched, differing, other_settings)
     if not matched:
         return None
-    if len(matched) < len(stored):
-        missing = describe(stored[len(matched):])
-        instead = f"then has {differing!r} where" if differing is not None else "then ends where"
-        raise StaticMismatchError(
-            f"{where}: the store was converted with static transforms {describe(stored)!r}; the transform "
-            f"begins with only {describe(matched)!r} of them, {instead} the store has {missing!r}. Run as given "
-            f"it would apply {describe(matched)!r} a second time to the stored samples; skipping that would not "
-            f"give the pipeline's pixels either (the stored samples also went through {missing!r}). Pass only "
-            f"the dynamic part of the pipeline (the ops after its static ones), or convert again with "
-            f"static=dlstore.split_transforms(pipeline) and open with that hybrid; to run the transform as given "
-            f"on the stored samples, pass dlstore.HybridTransform({describe(stored)!r}, transform).")
     while taken < len(ops) and type(ops[taken]).__name__ in _TO_TENSOR_NAMES:
         taken += 1                # a trailing PILToTensor of the static part is a no-op too
     skipped, rest = ops[:taken], []
@@ -320,6 +316,39 @@ def strip_static_prefix(transform: Any, stored: Any, *, where: Any = "the store"
             t = v2.ToDtype(torch.float32, scale=True)
         rest.append(t)
     return HybridTransform(stored, rest, notes=notes), skipped
+
+
+# The fields of a static op that say where pixels go; an op equal in these does what the
+# other did (interpolation and antialias only change how the new pixels are computed).
+_GEOMETRY = {"resize": ("size", "max_size"), "resize_max": ("size",), "pad": ("padding",)}
+
+
+def _same_geometry(op: dict[str, Any], other: dict[str, Any]) -> bool:
+    keys = _GEOMETRY.get(op["op"])
+    return keys is not None and op["op"] == other["op"] and all(op[k] == other[k] for k in keys)
+
+
+def _partial_prefix(where: Any, stored: StaticSpec, matched: StaticSpec, differing: Any,
+                    other_settings: bool) -> StaticMismatchError:
+    """The error of a pipeline that begins with only part of the store's static ops, or with one of
+    them under other settings: run as given it repeats them, skipped it does not give its pixels."""
+    fix = (f"Pass only the dynamic part of the pipeline (the ops after its static ones), or convert again "
+           f"with static=dlstore.split_transforms(pipeline) and open with that hybrid; to run the transform as "
+           f"given on the stored samples, pass dlstore.HybridTransform({describe(stored)!r}, transform).")
+    head = f"{where}: the store was converted with static transforms {describe(stored)!r}; "
+    if other_settings:
+        theirs = stored[len(matched)]
+        return StaticMismatchError(
+            f"{head}the transform's {differing!r} does what the store's {describe([theirs])!r} already did, with "
+            f"other settings (store: {theirs}, transform: {parse_static(differing)[0]}). Run as given it would "
+            f"do it a second time to the stored samples. {fix}")
+    missing = describe(stored[len(matched):])
+    instead = f"then has {differing!r} where" if differing is not None else "then ends where"
+    return StaticMismatchError(
+        f"{head}the transform begins with only {describe(matched)!r} of them, {instead} the store has "
+        f"{missing!r}. Run as given it would apply {describe(matched)!r} a second time to the stored samples; "
+        f"skipping that would not give the pipeline's pixels either (the stored samples also went through "
+        f"{missing!r}). {fix}")
 
 
 def _batch_equivalent(t: Any) -> BatchTransform | None:
