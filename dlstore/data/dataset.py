@@ -70,6 +70,8 @@ class StoreDataset(Dataset):
             then gives a (K,) tensor as the target, ``get_batch`` a (B, K) tensor).
         manifest: the store's manifest (dict).
         shape: (C, H, W) of every sample, or None for a variable-shape store.
+        already_applied: the leading ops of a whole pipeline given as ``transform`` that the
+            store's static spec stands for, so they do not run (empty when none).
 
     Samples of fixed-shape shards stores are zero-copy views of a private
     copy-on-write memory map: nothing is read until the tensor is used, and an
@@ -81,7 +83,8 @@ class StoreDataset(Dataset):
     torchvision pipeline that begins with the store's static ops does not run them
     again (``strip_static_prefix``): ``already_applied`` lists the ops skipped,
     ``hybrid`` the plan (the store's static part, the rest as its dynamic part) and
-    ``repr`` both; one that begins with only some of them raises StaticMismatchError. Through
+    ``repr`` both; one that begins with only some of them, or with one under other
+    settings (a bicubic Resize on a bilinear store), raises StaticMismatchError. Through
     ``get_batch`` (what ``dlstore.loader`` calls) the trailing ops of the dynamic
     part that have a batch equivalent run once per batch (``batch_ops``); the
     rest run per sample (``per_sample_ops``). ``batch_transform`` runs after them.
@@ -529,7 +532,8 @@ def open_dataset(
         StoreCorruptError: the manifest is missing, damaged, too new, or disagrees with the data.
         UsageError: ``check="sample"`` on a store without per-sample sums.
         StaticMismatchError: ``transform`` is a hybrid whose static part differs from the store's,
-            or a pipeline that begins with some of the store's static ops but not all.
+            or a pipeline that begins with some of the store's static ops but not all, or
+            with one of them under other settings.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentTypeError(f"open_dataset takes the path of a store (str or os.PathLike), got "

@@ -353,8 +353,9 @@ class GPULoader:
         TransformSpecError: an op cannot run faithfully on this dataset (a
             per-sample torchvision op on converted data, a second Normalize).
         StaticMismatchError: a hybrid's static part differs from the store's, or a
-            pipeline begins with some of the store's static ops but not all (one that
-            begins with all of them runs without them: ``already_applied`` lists them).
+            pipeline begins with some of the store's static ops but not all, or with one
+            under other settings (one that begins with all of them runs without them:
+            ``already_applied`` lists them).
     """
 
     def __init__(
