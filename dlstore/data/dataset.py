@@ -46,7 +46,7 @@ from ..transforms.functional import (
     crop_flip_loop,
     crop_flip_windows,
 )
-from ..transforms.hybrid import HybridTransform, _flatten, batch_plan
+from ..transforms.hybrid import HybridTransform, _flatten, batch_plan, strip_static_prefix
 from ..transforms.static import describe, parse_static
 
 # Batch buffers of at least this size are recycled in the main process (see _new_batch).
@@ -70,6 +70,8 @@ class StoreDataset(Dataset):
             then gives a (K,) tensor as the target, ``get_batch`` a (B, K) tensor).
         manifest: the store's manifest (dict).
         shape: (C, H, W) of every sample, or None for a variable-shape store.
+        already_applied: the leading ops of a whole pipeline given as ``transform`` that the
+            store's static spec stands for, so they do not run (empty when none).
 
     Samples of fixed-shape shards stores are zero-copy views of a private
     copy-on-write memory map: nothing is read until the tensor is used, and an
@@ -77,7 +79,12 @@ class StoreDataset(Dataset):
     a transform that works in place should ``clone()`` first).
 
     ``transform`` may be a :class:`HybridTransform`: the store's static spec must
-    then equal the hybrid's static part, and only its dynamic part runs. Through
+    then equal the hybrid's static part, and only its dynamic part runs. A whole
+    torchvision pipeline that begins with the store's static ops does not run them
+    again (``strip_static_prefix``): ``already_applied`` lists the ops skipped,
+    ``hybrid`` the plan (the store's static part, the rest as its dynamic part) and
+    ``repr`` both; one that begins with only some of them, or with one under other
+    settings (a bicubic Resize on a bilinear store), raises StaticMismatchError. Through
     ``get_batch`` (what ``dlstore.loader`` calls) the trailing ops of the dynamic
     part that have a batch equivalent run once per batch (``batch_ops``); the
     rest run per sample (``per_sample_ops``). ``batch_transform`` runs after them.
@@ -150,6 +157,11 @@ class StoreDataset(Dataset):
         shape = sample["shape"] if sample["encoding"] == "raw" else sample.get("decoded_shape")
         self.shape: tuple[int, int, int] | None = tuple(shape) if shape is not None else None
         self.hybrid: HybridTransform | None = None
+        # The leading ops of a whole pipeline that the store already applied: not run again.
+        self.already_applied: list[Any] = []
+        planned = strip_static_prefix(transform, self.manifest.get("static") or [], where=self.path)
+        if planned is not None:
+            transform, self.already_applied = planned
         if isinstance(transform, HybridTransform):
             _check_static(self.path, self.manifest, transform)
             self.hybrid = transform
@@ -442,8 +454,13 @@ class StoreDataset(Dataset):
 
     def __repr__(self) -> str:
         shape = "x".join(map(str, self.shape)) if self.shape else "variable"
-        return (f"{type(self).__name__}({str(self.path)!r}, format={self.format}, samples={len(self)}, "
-                f"classes={len(self.classes)}, shape={shape})")
+        text = (f"{type(self).__name__}({str(self.path)!r}, format={self.format}, samples={len(self)}, "
+                f"classes={len(self.classes)}, shape={shape}")
+        if self.already_applied and self.hybrid is not None:
+            runs = ", ".join(map(repr, self.hybrid.dynamic_ops)) or "nothing"
+            text += (f"; static (in store): {describe(self.hybrid.static_spec)}, so not run again: "
+                     f"{', '.join(type(t).__name__ for t in self.already_applied)}; runs: [{runs}]")
+        return text + ")"
 
 
 class ShardsDataset(StoreDataset):
@@ -487,6 +504,8 @@ def open_dataset(
         transform: dynamic transform applied to each uint8 CHW tensor at read time,
             or a :class:`HybridTransform` (its static part must match the store's;
             its dynamic part runs, per batch where possible through ``dlstore.loader``).
+            A whole torchvision pipeline whose leading ops are the store's static ops
+            runs without them (they made the stored samples; see ``strip_static_prefix``).
         target_transform: applied to each int label.
         batch_transform: ``t(images, generator=None)`` run once per (B, C, H, W)
             batch by ``get_batch`` / ``dlstore.loader``, after ``transform``.
@@ -512,7 +531,9 @@ def open_dataset(
         UnknownFormatError: ``path`` is not a store.
         StoreCorruptError: the manifest is missing, damaged, too new, or disagrees with the data.
         UsageError: ``check="sample"`` on a store without per-sample sums.
-        StaticMismatchError: ``transform`` is a hybrid whose static part differs from the store's.
+        StaticMismatchError: ``transform`` is a hybrid whose static part differs from the store's,
+            or a pipeline that begins with some of the store's static ops but not all, or
+            with one of them under other settings.
     """
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentTypeError(f"open_dataset takes the path of a store (str or os.PathLike), got "

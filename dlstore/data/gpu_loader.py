@@ -48,7 +48,7 @@ from ..transforms.batch import (
     BatchRandomResizedCrop,
     BatchTransform,
 )
-from ..transforms.hybrid import HybridTransform, _flatten, batch_steps
+from ..transforms.hybrid import HybridTransform, _flatten, batch_steps, strip_static_prefix
 from .gpu_fused import FusedGather, unpadded_crop
 from .partition import epoch_order, per_rank
 
@@ -252,15 +252,29 @@ def _served_fill(op: BatchTransform, ds: GPUDataset) -> BatchTransform:
     return mapped
 
 
+def _against_store(transform: Any, ds: GPUDataset) -> tuple[Any, list[Any]]:
+    """``transform`` checked against the static spec of ``ds``'s store, as ``open_dataset`` checks it:
+    (what runs, the leading ops of a whole pipeline that the store already applied)."""
+    manifest = getattr(ds.source, "manifest", None)   # None: a dataset that is not a store
+    if manifest is None:
+        return transform, []
+    where = getattr(ds.source, "path", None) or "the GPUDataset's store"
+    skipped: list[Any] = []
+    planned = strip_static_prefix(transform, manifest.get("static") or [], where=where)
+    if planned is not None:
+        transform, skipped = planned
+    if isinstance(transform, HybridTransform):
+        from .dataset import _check_static
+
+        _check_static(where, manifest, transform)
+    return transform, skipped
+
+
 def _plan(transform: Any, ds: GPUDataset) -> list[tuple[Callable[..., torch.Tensor], bool]]:
     """The steps a gathered group goes through: (callable, whether it takes ``generator=``).
 
     Includes the dataset's conversion (uint8 -> its dtype, normalised) at its place.
     """
-    if isinstance(transform, HybridTransform) and hasattr(ds.source, "manifest"):
-        from .dataset import _check_static
-
-        _check_static(getattr(ds.source, "path", "the GPUDataset's store"), ds.source.manifest, transform)
     steps = _steps(transform)
     converts = ds.dtype != torch.uint8
     converted = converts and ds.mode == "preload"  # the data are held converted
@@ -337,8 +351,11 @@ class GPULoader:
 
     Raises:
         TransformSpecError: an op cannot run faithfully on this dataset (a
-            per-sample torchvision op on converted data, a second Normalize), or
-            a hybrid's static part differs from the store's.
+            per-sample torchvision op on converted data, a second Normalize).
+        StaticMismatchError: a hybrid's static part differs from the store's, or a
+            pipeline begins with some of the store's static ops but not all, or with one
+            under other settings (one that begins with all of them runs without them:
+            ``already_applied`` lists them).
     """
 
     def __init__(
@@ -364,7 +381,9 @@ class GPULoader:
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.transform = transform
-        plan = _plan(transform, dataset)
+        # a whole pipeline's leading ops that made the stored samples do not run again
+        runs, self.already_applied = _against_store(transform, dataset)
+        plan = _plan(runs, dataset)
         self._plan = plan
         self.channels_last = channels_last
         # The resident tensor the unfused path gathers from: the padded copy when the first

@@ -114,6 +114,7 @@ class SubsetSource:
         self.shape = source.shape
         self.classes = list(getattr(source, "classes", []))
         self.path = getattr(source, "path", None)
+        self.manifest = getattr(source, "manifest", None)   # the loader checks transforms against its static spec
         labels = getattr(source, "_labels", None)
         if labels is None:
             labels = np.asarray(source.targets)

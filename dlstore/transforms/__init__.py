@@ -8,7 +8,9 @@
 * ``compiled``: the same crop/flip as one GIL-free numba call (the ``fast`` extra), used
   by the readers when numba imports;
 * ``hybrid``: ``split_transforms`` cuts a torchvision pipeline into static and
-  dynamic parts; ``batch_plan`` maps the dynamic ops to batch transforms.
+  dynamic parts; ``strip_static_prefix`` plans a whole pipeline given at read time
+  (the store's static ops are not run again); ``batch_plan`` maps the dynamic ops
+  to batch transforms.
 """
 
 from .batch import (
@@ -20,7 +22,7 @@ from .batch import (
     BatchRandomResizedCrop,
     BatchTransform,
 )
-from .hybrid import HybridTransform, batch_plan, split_transforms
+from .hybrid import HybridTransform, batch_plan, split_transforms, strip_static_prefix
 from .static import (
     StaticSpec,
     apply_static,
@@ -46,5 +48,6 @@ __all__ = [
     "output_shape",
     "parse_static",
     "split_transforms",
+    "strip_static_prefix",
     "to_torchvision",
 ]

@@ -8,7 +8,7 @@ from typing import Any
 
 from PIL import Image
 
-from ..errors import ArgumentTypeError, TransformSpecError
+from ..errors import ArgumentTypeError, StaticMismatchError, TransformSpecError
 from .batch import (
     BatchNormalize,
     BatchRandomCrop,
@@ -19,6 +19,7 @@ from .batch import (
 from .static import (
     _FLOAT_NAMES,
     _TO_TENSOR_NAMES,
+    ResizeMax,
     StaticSpec,
     _from_torchvision,
     apply_static,
@@ -226,6 +227,128 @@ def split_transforms(pipeline: Any) -> HybridTransform:
                      "at its decoded size (a size-fixing op such as CenterCrop makes a smaller, faster store)")
     host, device = split_stages(dynamic)
     return HybridTransform(spec, host, device, notes=notes)
+
+
+def strip_static_prefix(transform: Any, stored: Any, *, where: Any = "the store"
+                        ) -> tuple[HybridTransform, list[Any]] | None:
+    """The read-time plan of a torchvision pipeline given whole to a store converted with ``stored``.
+
+    A store holds the output of its static ops, so a pipeline that begins with them
+    (``v2.Compose([v2.Resize(256), v2.CenterCrop(224), ..., v2.PILToTensor()])`` on a store
+    converted with ``"resize=256,center_crop=224"``) must not run them again: those leading
+    ops (and PILToTensor / ToImage among them, no-ops on a stored tensor) are taken as
+    already applied and the rest runs, so each sample equals ``ImageFolder(folder,
+    transform=pipeline)``'s. The rest may start with further static ops (a store of
+    ``"resize=256"`` read with ``Resize(256), CenterCrop(224)`` runs the crop); a v1
+    ``ToTensor`` in it becomes ``v2.ToDtype(torch.float32, scale=True)``, as in
+    ``split_transforms``. A pipeline whose first static op differs from the store's first
+    (a validation ``Resize(256), CenterCrop(224)`` on a ``"resize_max=512"`` store), or that
+    has no leading static op, runs as given.
+
+    Args:
+        transform: a torchvision transform or Compose (v1 or v2), or a list of them; any
+            other callable runs as given. A HybridTransform is not planned here: the dataset
+            checks its static part against the store's.
+        stored: the store's static spec (``manifest["static"]``), in any form ``parse_static`` takes.
+        where: the store, named in the error.
+
+    Returns:
+        None when ``transform`` runs as given; else ``(hybrid, skipped)``: a HybridTransform
+        whose static part is ``stored`` and whose dynamic part is what runs (its ``notes``
+        say what was skipped), and the ops of ``transform`` taken as already applied.
+
+    Raises:
+        StaticMismatchError: ``transform`` begins with some of the store's static ops but not
+            all of them (run as given it would apply those a second time, and without them
+            it would not give the pipeline's pixels either), or with one of them under other
+            settings (``Resize(256, bicubic)`` on a ``"resize=256"`` store: same size, other
+            interpolation or antialias).
+    """
+    stored = parse_static(stored)
+    if not stored or isinstance(transform, HybridTransform):
+        return None
+    ops = _flatten(transform)
+    matched: StaticSpec = []
+    taken = 0
+    differing: Any = None       # the op where the pipeline leaves the store's spec, if any
+    other_settings = False      # ... by doing what the store's op did, with other settings
+    for k, t in enumerate(ops):
+        if len(matched) == len(stored):
+            break
+        if type(t).__name__ in _TO_TENSOR_NAMES:
+            continue
+        if not (type(t).__module__.startswith("torchvision.") or isinstance(t, ResizeMax)):
+            differing = t     # _from_torchvision reads names: another library's "Resize" is not one
+            break
+        try:
+            spec = _from_torchvision(t)
+        except TransformSpecError:
+            differing = t
+            break
+        expected = stored[len(matched):len(matched) + len(spec)]
+        if spec != expected:
+            differing = t
+            other_settings = bool(spec) and _same_geometry(spec[0], expected[0])
+            break
+        matched += spec
+        taken = k + 1
+    if other_settings or 0 < len(matched) < len(stored):
+        raise _partial_prefix(where, stored, matched, differing, other_settings)
+    if not matched:
+        return None
+    while taken < len(ops) and type(ops[taken]).__name__ in _TO_TENSOR_NAMES:
+        taken += 1                # a trailing PILToTensor of the static part is a no-op too
+    skipped, rest = ops[:taken], []
+    notes = [f"{type(t).__name__}: dropped (stores hold uint8 CHW tensors already)"
+             if type(t).__name__ in _TO_TENSOR_NAMES else
+             f"{type(t).__name__}: not run again (the store holds the output of its static transforms "
+             f"{describe(stored)})" for t in skipped]
+    for t in ops[taken:]:
+        name = type(t).__name__
+        if name in _TO_TENSOR_NAMES:
+            notes.append(f"{name}: dropped (stores hold uint8 CHW tensors already)")
+            continue
+        if _is_to_tensor(t):
+            import torch
+            from torchvision.transforms import v2
+
+            notes.append(f"{name}: replaced by v2.ToDtype(torch.float32, scale=True) (input is a uint8 tensor)")
+            t = v2.ToDtype(torch.float32, scale=True)
+        rest.append(t)
+    return HybridTransform(stored, rest, notes=notes), skipped
+
+
+# The fields of a static op that say where pixels go; an op equal in these does what the
+# other did (interpolation and antialias only change how the new pixels are computed).
+_GEOMETRY = {"resize": ("size", "max_size"), "resize_max": ("size",), "pad": ("padding",)}
+
+
+def _same_geometry(op: dict[str, Any], other: dict[str, Any]) -> bool:
+    keys = _GEOMETRY.get(op["op"])
+    return keys is not None and op["op"] == other["op"] and all(op[k] == other[k] for k in keys)
+
+
+def _partial_prefix(where: Any, stored: StaticSpec, matched: StaticSpec, differing: Any,
+                    other_settings: bool) -> StaticMismatchError:
+    """The error of a pipeline that begins with only part of the store's static ops, or with one of
+    them under other settings: run as given it repeats them, skipped it does not give its pixels."""
+    fix = (f"Pass only the dynamic part of the pipeline (the ops after its static ones), or convert again "
+           f"with static=dlstore.split_transforms(pipeline) and open with that hybrid; to run the transform as "
+           f"given on the stored samples, pass dlstore.HybridTransform({describe(stored)!r}, transform).")
+    head = f"{where}: the store was converted with static transforms {describe(stored)!r}; "
+    if other_settings:
+        theirs = stored[len(matched)]
+        return StaticMismatchError(
+            f"{head}the transform's {differing!r} does what the store's {describe([theirs])!r} already did, with "
+            f"other settings (store: {theirs}, transform: {parse_static(differing)[0]}). Run as given it would "
+            f"do it a second time to the stored samples. {fix}")
+    missing = describe(stored[len(matched):])
+    instead = f"then has {differing!r} where" if differing is not None else "then ends where"
+    return StaticMismatchError(
+        f"{head}the transform begins with only {describe(matched)!r} of them, {instead} the store has "
+        f"{missing!r}. Run as given it would apply {describe(matched)!r} a second time to the stored samples; "
+        f"skipping that would not give the pipeline's pixels either (the stored samples also went through "
+        f"{missing!r}). {fix}")
 
 
 def _batch_equivalent(t: Any) -> BatchTransform | None:
