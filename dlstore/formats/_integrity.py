@@ -37,6 +37,7 @@ import numpy as np
 
 from ..errors import StoreCorruptError, UsageError
 from ._common import sha256_file, write_synced
+from ._hdf5_open import open_readonly
 
 SUMS_ALGORITHM = "crc32"
 SUMS_DTYPE = np.dtype("<u4")
@@ -305,11 +306,9 @@ def hold_virtual_sources(path: Path, images: Any, layout: dict[str, Any]) -> Non
 
 def _part_checksums(path: Path, virtual: dict[str, Any], part: dict[str, Any]) -> Any:
     """The checksums a part's own manifest records (``checksums.files``), opening it by name."""
-    import h5py  # (the one format that has parts)
-
     file = path.parent / str(virtual.get("folder")) / str(part["file"])
     try:
-        with h5py.File(file, "r", locking=False) as f:
+        with open_readonly(file) as f:   # (with the flags HDF5 holds it under as the main file's source)
             text = f.attrs.get("dlstore")
         return json.loads(text)["checksums"]["files"]
     except (OSError, KeyError, TypeError, ValueError) as exc:
