@@ -34,11 +34,11 @@ little-endian shapes, ``targets`` = sha256 of the little-endian target vectors.
 Reading: the file opens read-only, lazily, once per process, with the file locking of a plain
 ``h5py.File(path, "r")``, which can then share the file with an open dataset (``_hdf5_open``
 says how, and what happens where locks are not supported). The chunk cache is sized for
-random access to one-sample chunks: a chunk is reused only when the same sample is read again, which the OS page cache already serves, so
-fixed-shape stores get no chunk cache (uncompressed samples are read with ``read_direct_chunk``
-straight into the output array, bypassing HDF5's selection machinery and the cache);
-variable-shape stores cache all chunks of heap pointers (16 bytes per sample, up to 64 MiB;
-``chunk_cache_bytes=`` chooses).
+random access to one-sample chunks: a chunk is reused only when the same sample is read
+again, which the OS page cache already serves, so fixed-shape stores get no chunk cache
+(uncompressed samples are read with ``read_direct_chunk`` straight into the output array,
+bypassing HDF5's selection machinery and the cache); variable-shape stores cache all chunks
+of heap pointers (16 bytes per sample, up to 64 MiB; ``chunk_cache_bytes=`` chooses).
 """
 
 from __future__ import annotations

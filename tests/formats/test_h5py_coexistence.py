@@ -120,7 +120,8 @@ def _without_locks(store, tmp_path, flock_errno: int, **env: str) -> list[str]:
     shim = tmp_path / "flock_fails.so"
     (tmp_path / "flock_fails.c").write_text(_FAILING_FLOCK)
     subprocess.run([compiler, "-shared", "-fPIC", "-o", str(shim), str(tmp_path / "flock_fails.c")], check=True)
-    run = subprocess.run([sys.executable, "-c", _CHILD, str(store)], capture_output=True, text=True, timeout=300,
+    run = subprocess.run([sys.executable, "-c", _CHILD, str(store)], check=False, capture_output=True, text=True,
+                         timeout=300,
                          env={**os.environ, "LD_PRELOAD": str(shim), "FLOCK_ERRNO": str(flock_errno),
                               **env})
     assert run.returncode == 0, run.stderr

@@ -9,7 +9,13 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dlstore._system import COLD_RESIDENT_MAX, disk_info, evict, resident_fraction, store_files
+from dlstore._system import (
+    COLD_RESIDENT_MAX,
+    disk_info,
+    evict,
+    resident_fraction,
+    store_files,
+)
 from dlstore.cli import main
 from dlstore.conversion.job import disk_usage
 from dlstore.tools.bench import BenchReport, Variant, parse_variants, run_bench
