@@ -159,7 +159,7 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
     import h5py
 
     from ..formats._targets import digest, read_hdf5
-    from ..formats.hdf5 import LIBVER, VLEN_CHUNK
+    from ..formats.hdf5 import LIBVER, VLEN_CHUNK, open_readonly
     from ..sources.origins import Origins
 
     origins = []
@@ -172,7 +172,7 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
     part_checksums = []
     n = 0
     for part, expected in zip(parts, counts):
-        with h5py.File(part, "r", locking=False) as f:
+        with open_readonly(part) as f:
             m = json.loads(f.attrs["dlstore"])
             part_checksums.append(m["checksums"]["files"])
             layout = m["layout"]

@@ -37,6 +37,7 @@ import numpy as np
 
 from ..errors import StoreCorruptError, UsageError
 from ._common import sha256_file, write_synced
+from ._hdf5_open import open_readonly
 
 SUMS_ALGORITHM = "crc32"
 SUMS_DTYPE = np.dtype("<u4")
@@ -112,7 +113,9 @@ class SampleSums:
             what = f"samples {listed} ({len(bad)} of the {total} read) fail their CRC32 check"
         file = self.where() if self.where is not None else None
         raise StoreCorruptError(f"{file(i) if file is not None else 'store'}: {what}: the stored data changed since conversion; "
-                                "dlstore verify lists every damaged sample; convert again or restore a copy")
+                                "dlstore verify --deep on the store lists every damaged sample (an LMDB or HDF5 data "
+                                "file that differs from its seal is reported whole, not read); convert again or "
+                                "restore a copy")
 
 
 # --- whole-file seals (LMDB, HDF5) -------------------------------------------------------
@@ -305,11 +308,9 @@ def hold_virtual_sources(path: Path, images: Any, layout: dict[str, Any]) -> Non
 
 def _part_checksums(path: Path, virtual: dict[str, Any], part: dict[str, Any]) -> Any:
     """The checksums a part's own manifest records (``checksums.files``), opening it by name."""
-    import h5py  # (the one format that has parts)
-
     file = path.parent / str(virtual.get("folder")) / str(part["file"])
     try:
-        with h5py.File(file, "r", locking=False) as f:
+        with open_readonly(file) as f:   # (with the flags HDF5 holds it under as the main file's source)
             text = f.attrs.get("dlstore")
         return json.loads(text)["checksums"]["files"]
     except (OSError, KeyError, TypeError, ValueError) as exc:

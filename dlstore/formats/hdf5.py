@@ -31,14 +31,14 @@ concatenated in sample order (the same digest an LMDB store of the same source r
 ``labels`` = sha256 of the int64 little-endian labels, ``shapes`` = sha256 of the int64
 little-endian shapes, ``targets`` = sha256 of the little-endian target vectors.
 
-Reading: the file opens read-only, lazily, once per process, without HDF5 file locking (a
-published store is never modified in place, it is replaced by rename; and locks fail on some
-network filesystems). The chunk cache is sized for random access to one-sample chunks: a chunk
-is reused only when the same sample is read again, which the OS page cache already serves, so
-fixed-shape stores get no chunk cache (uncompressed samples are read with ``read_direct_chunk``
-straight into the output array, bypassing HDF5's selection machinery and the cache);
-variable-shape stores cache all chunks of heap pointers (16 bytes per sample, up to 64 MiB;
-``chunk_cache_bytes=`` chooses).
+Reading: the file opens read-only, lazily, once per process, with the file locking of a plain
+``h5py.File(path, "r")``, which can then share the file with an open dataset (``_hdf5_open``
+says how, and what happens where locks are not supported). The chunk cache is sized for
+random access to one-sample chunks: a chunk is reused only when the same sample is read
+again, which the OS page cache already serves, so fixed-shape stores get no chunk cache
+(uncompressed samples are read with ``read_direct_chunk`` straight into the output array,
+bypassing HDF5's selection machinery and the cache); variable-shape stores cache all chunks
+of heap pointers (16 bytes per sample, up to 64 MiB; ``chunk_cache_bytes=`` chooses).
 """
 
 from __future__ import annotations
@@ -73,6 +73,7 @@ from ._common import (
     next_prime,
     write_error,
 )
+from ._hdf5_open import open_readonly
 from ._integrity import (
     SEAL_BLOCK,
     SUMS_ALGORITHM,
@@ -397,7 +398,7 @@ class Hdf5Writer(WithTargets):
 
 def _open_file(path: Path, **cache: Any) -> h5py.File:
     try:
-        return h5py.File(path, "r", locking=False, **cache)
+        return open_readonly(path, **cache)
     except FileNotFoundError:
         raise StoreNotFoundError(f"{path}: no such store") from None
     except OSError as exc:

@@ -7,6 +7,7 @@ dlstore convert``, the command users run.
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import os
@@ -329,6 +330,25 @@ def test_open_hdf5_reader_keeps_reading_its_parts_after_they_are_removed(rgb_fol
     shutil.rmtree(tmp_path / "s.h5.parts")
     got = torch.stack([ds.read(i) for i in range(24)])
     assert torch.equal(got, expected)
+
+
+def test_plain_h5py_reads_a_distributed_hdf5_store_beside_an_open_dataset(rgb_folder, tmp_path):
+    """HDF5 opens a virtual dataset's parts with the main file's locking flags, and dlstore opens
+    each part again by name to check it: every one of those opens must match a user's h5py handles."""
+    results = run_ranks(_convert_one, str(rgb_folder), str(tmp_path / "s.h5"), {"static": "center_crop=16"},
+                        tmp_path=tmp_path)
+    assert all("ok" in r for r in results), results
+    ds = open_dataset(tmp_path / "s.h5")
+    expected = ds.read_batch(range(24))[0].numpy()     # every part held open from here
+    with h5py.File(tmp_path / "s.h5", "r") as f:
+        np.testing.assert_array_equal(f["images"][()], expected)
+    del ds   # (locking=False cannot open beside it: docs/robustness.md)
+    gc.collect()
+    for locking in (None, False):                      # h5py first, then a dataset
+        with h5py.File(tmp_path / "s.h5", "r", locking=locking) as f:
+            images = f["images"][()]                   # h5py holds the parts too
+            np.testing.assert_array_equal(open_dataset(tmp_path / "s.h5").read_batch(range(24))[0].numpy(), images)
+    assert verify(tmp_path / "s.h5").ok
 
 
 def test_single_process_overwrite_of_a_distributed_hdf5_store_removes_its_parts(rgb_folder, tmp_path):

@@ -140,6 +140,35 @@ def test_one_flipped_byte_fails_only_its_sample(pristine, tmp_path, name):
         assert not bool((unchecked == dlstore.open_dataset(pristine / name).read(3)).all())
 
 
+@pytest.mark.parametrize("name", ["fixed.shards", "var.shards", "fixed.lmdb", "fixed.h5"])
+def test_the_crc_error_names_the_verify_command_that_lists_the_damaged_samples(pristine, tmp_path, name):
+    from click.testing import CliRunner
+
+    from dlstore.cli import main
+
+    work = tmp_path / name
+    (shutil.copytree if (pristine / name).is_dir() else shutil.copy2)(pristine / name, work)
+    damage(work, _records(work), [2, 7], 0.5, 0x10)
+    with pytest.raises(StoreCorruptError, match="sample 7 ") as caught:
+        dlstore.open_dataset(work, check="sample").read(7)
+    assert "dlstore verify --deep on the store lists every damaged sample" in str(caught.value)
+
+    def listed(*options: str) -> set[int]:
+        result = CliRunner().invoke(main, ["verify", str(work), *options])
+        assert result.exit_code == 1, result.output
+        return {int(i) for i in re.findall(r"PROBLEM  sample (\d+): .*CRC32", result.output)}
+
+    if name.endswith(".shards"):   # without --deep only the changed data file is named
+        assert listed("--deep") == {2, 7} and listed() == set()
+        return
+    # LMDB, HDF5: the data file no longer matches its seal: reported whole, no sample read
+    assert listed("--deep") == set() and listed() == set()
+    assert "differs from its seal" in CliRunner().invoke(main, ["verify", "--deep", str(work)]).output
+    if name.endswith(".lmdb"):   # a store without a seal is read: every damaged sample listed
+        (work / "data.mdb.sha256").unlink()
+        assert listed("--deep") == {2, 7}
+
+
 @pytest.mark.parametrize("name", ["fixed.shards", "var.lmdb", "fixed.h5"])
 def test_the_check_survives_pickling_into_a_worker(pristine, tmp_path, name):
     """DataLoader workers under spawn get the dataset pickled: the check and its messages go along."""
