@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 from ..errors import DlstoreError
+from ._hdf5_open import open_readonly
 from ._integrity import SEAL_MAGIC
 
 # Every name a shards store folder holds (see shards.py's layout table).
@@ -96,15 +97,11 @@ def _file(path: Path) -> str | None:
     if head[:8] != _HDF5_SIGNATURE:
         size = path.stat().st_size
         return f"a file that is not a dlstore store ({size:,} bytes)"
-    import h5py
-    problem = "an HDF5 file without a dlstore manifest"
-    for locking in (None, False):   # HDF5 refuses flags other than those of a handle this process holds
-        try:
-            with h5py.File(path, "r", locking=locking) as f:
-                return None if "dlstore" in f.attrs else problem
-        except OSError as exc:
-            problem = f"an HDF5 file dlstore cannot read ({exc})"
-    return problem
+    try:
+        with open_readonly(path) as f:
+            return None if "dlstore" in f.attrs else "an HDF5 file without a dlstore manifest"
+    except (OSError, DlstoreError) as exc:
+        return f"an HDF5 file dlstore cannot read ({exc})"
 
 
 def _listing(names: list[str]) -> str:
