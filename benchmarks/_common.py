@@ -14,7 +14,7 @@ from types import ModuleType
 
 import torch
 
-from dlstore._system import machine_info  # noqa: F401 - re-exported: one copy, shared with `dlstore bench`
+from dlstore.tools.bench.probes import machine_info  # noqa: F401 - re-exported: one copy, shared with `dlstore bench`
 
 GPU_CHECK = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
 

@@ -29,7 +29,7 @@ import numpy as np
 from _common import machine_info, uptime, write_json
 
 import dlstore
-from dlstore._system import resident_fraction
+from dlstore.tools.bench.probes import resident_fraction
 
 
 def evict(store: Path) -> float:

@@ -8,12 +8,14 @@ the ones a user calls.
 from .._system import (
     CpuInfo,
     cpu_info,
-    disk_info,
-    evict,
-    resident_fraction,
     usable_cpus,
 )
 from .bench import BenchReport, run_bench
+from .bench.probes import (
+    disk_info,
+    evict,
+    resident_fraction,
+)
 from .profiling import LoaderReport, TimedDataset, profile_loader, synthetic_step
 from .tuning import TuneResult, loader_kwargs, measure_throughput, tune
 from .verification import VerifyReport, verify

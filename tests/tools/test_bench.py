@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from dlstore._system import (
+from dlstore.cli import main
+from dlstore.conversion.job import disk_usage
+from dlstore.tools.bench import BenchReport, Variant, parse_variants, run_bench
+from dlstore.tools.bench.options import WARM_RESIDENT_MIN
+from dlstore.tools.bench.probes import (
     COLD_RESIDENT_MAX,
     disk_info,
     evict,
     resident_fraction,
     store_files,
 )
-from dlstore.cli import main
-from dlstore.conversion.job import disk_usage
-from dlstore.tools.bench import BenchReport, Variant, parse_variants, run_bench
-from dlstore.tools.bench.options import WARM_RESIDENT_MIN
 from dlstore.tools.bench.run import _read_once
 
 STATIC = "resize=32,center_crop=32"

@@ -45,20 +45,6 @@ from typing import Any
 
 import numpy as np
 
-from ..._system import (
-    _IO_BLOCK,
-    COLD_RESIDENT_MAX,
-    DEFAULT_DISK_TEST_BYTES,
-    _load_average,
-    _stats,
-    can_drop_caches,
-    disk_bandwidth,
-    disk_info,
-    evict,
-    machine_info,
-    resident_fraction,
-    store_files,
-)
 from ...errors import ArgumentError, MeasurementError
 from .options import (
     _SUFFIX,
@@ -72,6 +58,20 @@ from .options import (
     _parse_workers,
     default_formats,
     parse_variants,
+)
+from .probes import (
+    _IO_BLOCK,
+    COLD_RESIDENT_MAX,
+    DEFAULT_DISK_TEST_BYTES,
+    _load_average,
+    _stats,
+    can_drop_caches,
+    disk_bandwidth,
+    disk_info,
+    evict,
+    machine_info,
+    resident_fraction,
+    store_files,
 )
 from .report import BenchReport, _recommend
 
