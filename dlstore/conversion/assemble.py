@@ -159,7 +159,8 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
     import h5py
 
     from ..formats._targets import digest, read_hdf5
-    from ..formats.hdf5 import LIBVER, VLEN_CHUNK, open_readonly
+    from ..formats._hdf5_open import open_readonly
+    from ..formats.hdf5 import LIBVER, VLEN_CHUNK
     from ..sources.origins import Origins
 
     origins = []

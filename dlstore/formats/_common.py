@@ -37,7 +37,7 @@ from ..errors import (
 # writes, h5py), or an LMDB commit failing with EIO (LMDB reports a short write, which is
 # what ENOSPC looks like to pwrite, as EIO). `write_error` turns each into one DlstoreError
 # that says "disk full" and names the path; `ensure_space` lets a writer whose library
-# cannot survive a failed write (HDF5: see hdf5.py) refuse before writing.
+# cannot survive a failed write (HDF5: see hdf5/writer.py) refuse before writing.
 
 SPACE_MARGIN = 64 << 10  # bytes kept free for a library's metadata after a data write (HDF5: one block's index entries)
 

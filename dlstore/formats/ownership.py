@@ -27,7 +27,7 @@ from ..errors import DlstoreError
 from ._hdf5_open import open_readonly
 from ._integrity import SEAL_MAGIC
 
-# Every name a shards store folder holds (see shards.py's layout table).
+# Every name a shards store folder holds (see shards/layout.py).
 _SHARDS_ENTRY = re.compile(
     r"manifest\.json(\.sha256)?|labels\.npy|targets\.npy|index\.npy|crc32\.npy"
     r"|shard-\d{5,}\.npy|data-\d{5,}\.bin|provenance-[a-z]+\.npy")

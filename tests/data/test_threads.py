@@ -170,12 +170,14 @@ def test_a_shard_file_is_mapped_and_checked_once_by_racing_threads(stores, monke
 
 
 def test_readers_of_one_lmdb_store_opened_by_several_threads_at_once(stores, monkeypatch):
-    from dlstore.formats import lmdb as lmdb_format
+    import lmdb
+
+    from dlstore.formats.lmdb import LmdbReader
 
     calls: list[int] = []
     overlap: list[int] = []
-    _slowed(monkeypatch, lmdb_format.lmdb, "open", calls, overlap)
-    readers = _at_once(lambda: lmdb_format.LmdbReader(stores["lmdb"]))   # no StoreBusyError
+    _slowed(monkeypatch, lmdb, "open", calls, overlap)
+    readers = _at_once(lambda: LmdbReader(stores["lmdb"]))   # no StoreBusyError
     assert calls and max(overlap) == 1           # one open at a time: each finds the last one's environment
     first = readers[0].get_batch(np.arange(3))
     assert all(np.array_equal(r.get_batch(np.arange(3)), first) for r in readers)

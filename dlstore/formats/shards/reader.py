@@ -1,267 +1,37 @@
-"""Memory-mapped tensor shards: a folder of ``.npy`` files readable with plain numpy.
-
-On-disk layout of ``NAME.shards/`` (format version 1)::
-
-    manifest.json          the store manifest (see dlstore.manifest)
-    manifest.json.sha256   its sha256 (sha256sum format): every other file's digest is in the manifest
-    labels.npy             int64 (N,)                      label of sample i; -1 if unlabelled
-    targets.npy            int64 or float32 (N, K)         target vector of sample i (stores of target
-                                                           vectors only; their labels are -1, see _targets)
-    # fixed-shape store (the static spec fixes (C, H, W)):
-    shard-00000.npy        uint8 (k, C, H, W)              samples [0, k)
-    shard-00001.npy        uint8 (k, C, H, W)              samples [k, 2k) ... last one shorter
-    # variable-shape store:
-    data-00000.bin         raw uint8 bytes, samples back to back, each C*H*W in CHW order
-    index.npy              int64 (N, 5): file number, byte offset, C, H, W of sample i
-    crc32.npy              uint32 (N,): CRC32 of sample i's bytes (see _integrity, check="sample")
-
-Why this layout:
-  * ``.npy`` with a plain uint8 dtype: ``numpy.load(f, mmap_mode="r")`` maps it
-    with no copy and no pickle; sample i is a view into the page cache.
-  * ``k = shard_size // sample_bytes`` samples per shard (default ~1 GiB), so a
-    shard is a unit of checksum, of copy and of resume.
-  * the ``.npy`` header is reserved at a fixed 128 bytes so the last shard's
-    sample count can be written once it is known, without moving the data; the
-    data thus starts 64-byte aligned.
-  * variable shapes go to flat ``.bin`` files plus an int64 index: no per-sample
-    file, no pickle, one ``memmap`` per file.
-"""
+"""The shards Reader and its manifest (layout: ``layout.py``)."""
 
 from __future__ import annotations
 
-import hashlib
 import os
 import threading
-from array import array
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentError, StoreCorruptError, VariableShapeError
-from ..sources.origins import Origins
-from ._common import (
-    PartialRows,
+from ...errors import ArgumentError, StoreCorruptError, VariableShapeError
+from ...sources.origins import Origins
+from .._common import (
     StorePin,
     advise_willneed,
     batch_out,
     check_identity,
     check_indices,
-    check_sample,
     safe_member,
-    save_npy_synced,
     sha256_file,
     willneed_default,
-    write_synced,
 )
-from ._integrity import SUMS_ALGORITHM, SUMS_DTYPE, check_sidecar_seal, record_crc, seal_sidecar
-from ._targets import WithTargets, read_shards
-from .manifest import loads as load_manifest_text
-from .reader import StoreReader
-
-FORMAT = "shards"
-FORMAT_VERSION = 1
-MANIFEST_NAME = "manifest.json"
-HEADER_BYTES = 128
-DEFAULT_SHARD_SIZE = 1 << 30
-
-
-def _npy_header(count: int, shape: tuple[int, ...]) -> bytes:
-    """A version 1.0 ``.npy`` header for uint8 ``(count, *shape)``, padded to HEADER_BYTES."""
-    full = (count, *shape)
-    text = "{'descr': '|u1', 'fortran_order': False, 'shape': (%s), }" % (
-        ", ".join(str(d) for d in full) + ("," if len(full) == 1 else "")
-    )
-    prefix = b"\x93NUMPY\x01\x00"
-    body_len = HEADER_BYTES - len(prefix) - 2
-    if len(text) + 1 > body_len:
-        raise ArgumentError(f"sample shape {shape} too long for a {HEADER_BYTES}-byte npy header; "
-                            "resize samples to a smaller (C, H, W)")
-    body = text.ljust(body_len - 1).encode("latin1") + b"\n"
-    return prefix + body_len.to_bytes(2, "little") + body
-
-
-class _HashingFile:
-    """A file opened for writing that hashes what goes through it."""
-
-    def __init__(self, path: Path):
-        self.path = path
-        self.f = open(path, "wb")  # noqa: SIM115 - closed by close(), after the last write
-        self.hash = hashlib.sha256()
-        self.size = 0
-
-    def write(self, data: bytes | memoryview) -> None:
-        self.f.write(data)
-        self.hash.update(data)
-        self.size += len(data)
-
-    def close(self) -> str:
-        self.f.flush()
-        os.fsync(self.f.fileno())
-        self.f.close()
-        return self.hash.hexdigest()
-
-
-
-class ShardWriter(WithTargets):
-    """Writes samples in order into a staging folder; see the module doc for the layout.
-
-    Used by ``dlstore.convert``, which owns staging and publishing; a writer only
-    fills the folder it is given. A data file is a unit of resumption: ``add``
-    returns True when it completed one, and ``checkpoint()`` then describes the
-    writer's state so that ``ShardWriter.resume`` can continue from it.
-    """
-
-    format = FORMAT
-    format_version = FORMAT_VERSION
-    _PARTIAL_LABELS = "labels.partial"  # int64 rows of completed files, appended at checkpoints
-    _PARTIAL_INDEX = "index.partial"    # (variable shapes) 5 int64 per sample, as in index.npy
-    _PARTIAL_SUMS = "crc32.partial"     # CRC32 of each sample (as int64), as in crc32.npy
-
-    def __init__(self, folder: Path, *, shape: tuple[int, int, int] | None,
-                 shard_size: int = DEFAULT_SHARD_SIZE, compression: str | None = "none",
-                 _create: bool = True, **_: Any):
-        if compression not in (None, "none"):
-            raise ArgumentError(f"compression={compression!r}: shards stores are memory-mapped raw arrays; "
-                                "compression applies to hdf5 stores only (or use encoding='jpeg'/'png')")
-        self.folder = Path(folder)
-        if _create:
-            self.folder.mkdir(parents=True, exist_ok=False)
-        elif not self.folder.is_dir():  # _create=False: reopen (resume)
-            raise StoreCorruptError(f"{self.folder}: nothing to resume (no such folder); rerun without --resume")
-        self.shape = shape
-        self.shard_size = int(shard_size)
-        # int64 arrays, not lists of Python objects: 8 (labels) + 40 (index) bytes per sample
-        self.labels = array("q")
-        self.sums = array("q")   # CRC32 of each sample's bytes
-        self.checksums: dict[str, str] = {}
-        self._file: _HashingFile | None = None
-        self._files: list[dict[str, Any]] = []
-        self._index = array("q")  # file number, byte offset, C, H, W of each sample, flat
-        self._partial_labels = PartialRows(self.folder / self._PARTIAL_LABELS, 1)
-        self._partial_index = PartialRows(self.folder / self._PARTIAL_INDEX, 5)
-        self._partial_sums = PartialRows(self.folder / self._PARTIAL_SUMS, 1)
-        if shape is not None:
-            self.sample_bytes = int(np.prod(shape))
-            self.per_shard = max(1, self.shard_size // self.sample_bytes)
-
-    def _open_next(self) -> None:
-        n = len(self._files)
-        if self.shape is not None:
-            name = f"shard-{n:05d}.npy"
-            self._file = _HashingFile(self.folder / name)
-            self._file.write(_npy_header(self.per_shard, self.shape))
-        else:
-            name = f"data-{n:05d}.bin"
-            self._file = _HashingFile(self.folder / name)
-        self._files.append({"file": name, "count": 0})
-
-    def _close_file(self) -> None:
-        if self._file is not None:
-            self.checksums[self._files[-1]["file"]] = self._file.close()
-            self._file = None
-
-    def add(self, sample: np.ndarray, label: int) -> bool:
-        """Append one uint8 CHW sample and its label; True if this completed a data file."""
-        check_sample(self.folder, sample, self.shape)   # a float array would be written as its raw bytes
-        if self._file is None:
-            self._open_next()
-        if self.shape is None:
-            c, h, w = sample.shape
-            self._index.extend((len(self._files) - 1, self._file.size, c, h, w))
-        sample = np.ascontiguousarray(sample)
-        self._file.write(memoryview(sample).cast("B"))
-        self.sums.append(record_crc(sample))
-        self._files[-1]["count"] += 1
-        self.labels.append(int(label))
-        full = (self._files[-1]["count"] == self.per_shard if self.shape is not None
-                else self._file.size >= self.shard_size)
-        if full:
-            self._close_file()
-        return full
-
-    def checkpoint(self) -> dict[str, Any]:
-        """Persist labels/index of completed files; return the state ``resume`` needs.
-
-        Only called right after ``add`` returned True, so no data file is open.
-        """
-        rows = len(self.labels)
-        self._partial_labels.append(self.labels, rows)
-        self._partial_sums.append(self.sums, rows)
-        if self.shape is None:
-            self._partial_index.append(self._index, rows)
-        return {"files": [dict(f) for f in self._files], "checksums": dict(self.checksums), "rows": rows}
-
-    @classmethod
-    def resume(cls, folder: Path, state: dict[str, Any], *, shape: tuple[int, int, int] | None,
-               **options: Any) -> ShardWriter:
-        """Reopen a staging folder at a checkpoint, dropping everything written after it."""
-        writer = cls(folder, shape=shape, _create=False, **options)
-        rows = int(state["rows"])
-        writer._files.extend(dict(f) for f in state["files"])
-        writer.checksums.update(state["checksums"])
-        keep = {f["file"] for f in writer._files} | {cls._PARTIAL_LABELS, cls._PARTIAL_INDEX, cls._PARTIAL_SUMS}
-        for path in writer.folder.iterdir():
-            if path.name not in keep and not path.name.startswith("progress.json"):   # (and its .targets)
-                path.unlink()
-        writer.labels.extend(writer._partial_labels.restore(rows))
-        writer.sums.extend(writer._partial_sums.restore(rows))
-        if shape is None:
-            writer._index.extend(writer._partial_index.restore(rows))
-        return writer
-
-    def finish(self) -> dict[str, Any]:
-        """Complete the data files; return the manifest's ``layout`` (checksums in ``self.checksums``)."""
-        self._close_file()
-        layout: dict[str, Any] = {"labels": "labels.npy"}
-        if self.shape is not None:
-            last = self._files[-1] if self._files else None
-            if last is not None and last["count"] != self.per_shard:
-                path = self.folder / last["file"]
-                with open(path, "r+b") as f:
-                    f.write(_npy_header(last["count"], self.shape))
-                    f.flush()
-                    os.fsync(f.fileno())
-                self.checksums[last["file"]] = sha256_file(path)
-            layout.update(kind="fixed", per_shard=self.per_shard, shards=self._files)
-        else:
-            index = np.frombuffer(self._index, dtype=np.int64).reshape(-1, 5)
-            self._save("index.npy", index)
-            layout.update(kind="variable", files=self._files, index="index.npy")
-        self._save("labels.npy", np.frombuffer(self.labels, dtype=np.int64))
-        self._save("crc32.npy", np.asarray(self.sums, dtype=SUMS_DTYPE))
-        layout["sample_sums"] = {"algorithm": SUMS_ALGORITHM, "file": "crc32.npy"}
-        if self.targets is not None:
-            self._save("targets.npy", self.targets)
-            layout["targets"] = "targets.npy"
-        origins = getattr(self, "origins", None)
-        if origins is not None:  # provenance-{indices | offsets, blob}.npy
-            files = {name: f"provenance-{name}.npy" for name in origins.arrays()}
-            for name, values in origins.arrays().items():
-                self._save(files[name], values)
-            layout["provenance"] = {"kind": origins.kind, "files": files}
-        self._partial_labels.remove()
-        self._partial_index.remove()
-        self._partial_sums.remove()
-        return layout
-
-    def _save(self, name: str, array: np.ndarray) -> None:
-        self.checksums[name] = save_npy_synced(self.folder / name, array)
-
-    def set_provenance(self, origins: Origins) -> None:
-        """Where each sample came from (``sources.origins``), written by ``finish``."""
-        self.origins = origins
-
-    def write_manifest(self, text: str) -> None:
-        write_synced(self.folder / MANIFEST_NAME, text.encode("utf-8"))
-        seal_sidecar(self.folder / MANIFEST_NAME)
-
-    def close(self) -> None:
-        """Release open files; safe after finish() and after an error."""
-        if self._file is not None:
-            self._file.f.close()
-            self._file = None
+from .._integrity import check_sidecar_seal
+from .._targets import read_shards
+from ..manifest import loads as load_manifest_text
+from ..reader import StoreReader
+from .layout import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    _load_npy,
+)
 
 
 def check_manifest_seal(path: str | os.PathLike) -> tuple[Path, str | None]:
@@ -277,18 +47,6 @@ def read_manifest(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         raise StoreCorruptError(f"{path}: not a complete shards store (no {MANIFEST_NAME})") from None
     return load_manifest_text(text, where, format=FORMAT, max_format_version=FORMAT_VERSION)
-
-
-def _load_npy(path: Path, mmap: bool) -> np.ndarray:
-    try:
-        # "c" (copy-on-write): zero-copy like "r", but torch.from_numpy accepts it without a
-        # non-writable warning; nothing is ever written back to the file.
-        return np.load(path, mmap_mode="c" if mmap else None, allow_pickle=False)
-    except FileNotFoundError:
-        raise StoreCorruptError(f"{path}: missing data file named in the manifest") from None
-    except Exception as exc:
-        # tokenize.TokenError, EOFError, ... on damaged files; all mean the same to the user.
-        raise StoreCorruptError(f"{path}: unreadable .npy file ({type(exc).__name__}: {exc})") from exc
 
 
 class ShardReader(StoreReader):
@@ -552,9 +310,3 @@ def _pread_into(path: Path, offset: int, view: memoryview) -> None:
             done += got
     finally:
         os.close(fd)
-
-
-SUFFIXES = (".shards",)
-READER_OPTIONS = ("willneed",)   # keyword options of Reader, see open_dataset(reader_options=)
-Writer = ShardWriter
-Reader = ShardReader

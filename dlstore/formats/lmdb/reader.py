@@ -1,0 +1,231 @@
+"""The lmdb Reader and its manifest (layout: ``layout.py``)."""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+from typing import Any
+
+import lmdb
+import numpy as np
+
+from ...errors import (
+    StoreCorruptError,
+)
+from ...sources.origins import Origins
+from .._common import (
+    StorePin,
+    check_identity,
+)
+from .._integrity import (
+    SUMS_DTYPE,
+    check_sidecar_seal,
+)
+from .._lmdb_env import data_file, shared
+from .._targets import read_lmdb
+from ..manifest import loads as load_manifest_text
+from ..manifest import validate
+from ..reader import StoreReader
+from .layout import (
+    FORMAT,
+    FORMAT_VERSION,
+    INT_DTYPE,
+    KEY_DIGITS,
+    LABELS_KEY,
+    MANIFEST_KEY,
+    SHAPES_KEY,
+    sample_key,
+)
+
+
+def _env_folder(path: str | os.PathLike) -> Path:
+    """The environment folder, also when given its ``data.mdb`` (as format detection allows)."""
+    path = Path(path)
+    return path.parent if path.name == "data.mdb" and path.is_file() else path
+
+
+def _default_readahead(data: Path) -> bool:
+    try:
+        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return True
+    return data.stat().st_size <= ram // 2
+
+
+def _get_required(txn: lmdb.Transaction, key: bytes, path: Path) -> bytes:
+    value = txn.get(key)
+    if value is None:
+        raise StoreCorruptError(f"{path}: key {key.decode()} is missing: not a complete dlstore LMDB store")
+    return bytes(value)
+
+
+def check_seal(path: str | os.PathLike) -> tuple[Path, str | None]:
+    """(data file, None if its seal ``data.mdb.sha256`` matches, else the problem or "unsealed")."""
+    data = _env_folder(path) / "data.mdb"
+    return data, check_sidecar_seal(data)
+
+
+def read_manifest(path: Path) -> dict[str, Any]:
+    """The validated manifest of the LMDB store at ``path``."""
+    path = _env_folder(path)
+    try:
+        with shared(path, readahead=False).begin() as txn:
+            text = _get_required(txn, MANIFEST_KEY, path)
+    except lmdb.Error as exc:
+        raise StoreCorruptError(f"{path / 'data.mdb'}: damaged: LMDB reports {exc}") from exc
+    return load_manifest_text(text, f"{path} (key {MANIFEST_KEY.decode()})")
+
+
+def _lmdb_errors_as_damage(method):
+    """LMDB's own errors while reading a published store (MDB_CORRUPTED, MDB_PAGE_NOTFOUND,
+    a bad page type, ...) mean a damaged file: raise them as StoreCorruptError naming it."""
+    @functools.wraps(method)
+    def wrapper(self, *args, **kwargs):
+        try:
+            return method(self, *args, **kwargs)
+        except _DAMAGE as exc:     # other lmdb errors (readers full, map resized, ...) are not damage
+            raise StoreCorruptError(f"{self.path / 'data.mdb'}: damaged: LMDB reports {exc}; run dlstore verify, "
+                                    "then convert the store again or restore a copy") from exc
+    return wrapper
+
+
+# LMDB errors that mean the file's contents are wrong (BadChecksumError: not in py-lmdb 1.4)
+_DAMAGE = tuple(getattr(lmdb, name) for name in (
+    "CorruptedError", "PageNotFoundError", "BadValsizeError", "InvalidError", "VersionMismatchError",
+    "IncompatibleError", "BadChecksumError", "PanicError", "NotFoundError") if hasattr(lmdb, name))
+
+
+class LmdbReader(StoreReader):
+    """Reads samples of an LMDB store; each read copies the value out of the map once.
+
+    Args:
+        path: the ``.lmdb`` folder.
+        manifest: the already-read manifest (read from the store if None).
+        readahead: OS readahead on the data file; default: True if the file is smaller than half
+            the physical memory, else False (see the module doc). Readers of one store in one
+            process share one environment (py-lmdb allows a single open per process); the first
+            one's setting applies.
+    """
+
+    format = FORMAT
+    _handles = ("_env",)
+
+    @_lmdb_errors_as_damage
+    def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
+                 readahead: bool | None = None):
+        self.path = _env_folder(path)
+        data = data_file(self.path)
+        self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see _common
+        self._identity = self._pin.identity
+        self.readahead = _default_readahead(data) if readahead is None else bool(readahead)
+        self._env: lmdb.Environment | None = None
+        self._pid: int | None = None
+        self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
+        # Metadata lives in the environment: open, read, let go (nothing held open if this process forks next).
+        env = shared(self.path, self.readahead)
+        with env.begin() as txn:
+            if manifest is None:
+                manifest = load_manifest_text(_get_required(txn, MANIFEST_KEY, self.path),
+                                              f"{self.path} (key {MANIFEST_KEY.decode()})")
+            validate(manifest, str(self.path), format=FORMAT, max_format_version=FORMAT_VERSION)
+            self.manifest = manifest
+            self.count: int = manifest["count"]
+            layout = manifest["layout"]
+            self.kind = layout.get("kind")
+            if layout.get("key_digits", KEY_DIGITS) != KEY_DIGITS:
+                raise StoreCorruptError(f"{self.path}: unsupported key width {layout.get('key_digits')!r}")
+            self.labels = self._int_array(txn, LABELS_KEY, (self.count,))
+            self.targets = read_lmdb(txn, self.path, manifest)   # (N, K), or None: int labels only
+            if self.kind == "fixed":
+                self.shape: tuple[int, int, int] | None = tuple(manifest["sample"]["shape"])
+                self.shapes = None
+            elif self.kind == "variable":
+                self.shape = None
+                self.shapes = self._int_array(txn, SHAPES_KEY, (self.count, 3))
+                if (self.shapes <= 0).any():
+                    raise StoreCorruptError(f"{self.path}: {SHAPES_KEY.decode()} holds non-positive sizes")
+            else:
+                raise StoreCorruptError(f"{self.path}: unknown LMDB layout kind {self.kind!r}")
+            if self.count and txn.get(sample_key(self.count - 1)) is None:
+                raise StoreCorruptError(f"{self.path}: the manifest declares {self.count} samples but key "
+                                        f"{sample_key(self.count - 1).decode()} is missing")
+        del env, txn
+
+    def _int_array(self, txn: lmdb.Transaction, key: bytes, shape: tuple[int, ...]) -> np.ndarray:
+        raw = _get_required(txn, key, self.path)
+        expected = int(np.prod(shape)) * INT_DTYPE.itemsize
+        if len(raw) != expected:
+            raise StoreCorruptError(f"{self.path}: key {key.decode()} holds {len(raw)} bytes, expected "
+                                    f"{expected} (int64 {shape})")
+        return np.frombuffer(raw, dtype=INT_DTYPE).astype(np.int64).reshape(shape)
+
+    def _open(self) -> None:
+        self._env = shared(self.path, self.readahead)
+        check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
+
+    @_lmdb_errors_as_damage
+    def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
+        self._ensure_open()
+        with self._env.begin() as txn:
+            raw = _get_required(txn, str(spec.get("key")).encode(), self.path)
+        if len(raw) != 4 * self.count:
+            raise StoreCorruptError(f"{self.path}: key {spec.get('key')} holds {len(raw)} bytes, expected "
+                                    f"{4 * self.count} (uint32 ({self.count},))")
+        return np.frombuffer(raw, dtype=SUMS_DTYPE)
+
+    def _sample_file(self, i: int) -> Path:
+        return self.path / "data.mdb"
+
+    def origins(self) -> Origins | None:
+        """Where each sample came from; None for a store converted before provenance was kept."""
+        spec = self.manifest["layout"].get("provenance")
+        if spec is None:
+            return None
+        dtypes = {"indices": np.int64, "offsets": np.int64, "blob": np.uint8}
+        self._ensure_open()
+        with self._env.begin() as txn:
+            arrays = {name: np.frombuffer(_get_required(txn, str(key).encode(), self.path),
+                                          dtype=INT_DTYPE if name != "blob" else np.uint8).astype(dtypes.get(name, np.uint8))
+                      for name, key in dict(spec.get("keys", {})).items()}
+        return Origins.from_arrays(spec.get("kind"), arrays, str(self.path), count=self.count)
+
+    def _shape_of(self, i: int) -> tuple[int, int, int]:
+        if self.shape is not None:
+            return self.shape
+        c, h, w = self.shapes[i]
+        return int(c), int(h), int(w)
+
+    def _value(self, txn: lmdb.Transaction, i: int, nbytes: int) -> memoryview:
+        value = txn.get(sample_key(i))
+        if value is None or len(value) != nbytes:
+            found = "missing" if value is None else f"{len(value)} bytes, expected {nbytes}"
+            raise StoreCorruptError(f"{self.path}: sample {i} (key {sample_key(i).decode()}) is {found}")
+        return value
+
+    @_lmdb_errors_as_damage
+    def _read(self, i: int) -> np.ndarray:
+        """Sample ``i`` as a fresh, writable array."""
+        with self._env.begin(buffers=True) as txn:
+            return self._copy(txn, i)
+
+    @_lmdb_errors_as_damage
+    def _read_many(self, indices: list[int]) -> list[np.ndarray]:
+        # One transaction; each sample its own array (not a view of one block), so a sample
+        # kept by the caller pins only its own memory.
+        with self._env.begin(buffers=True) as txn:
+            return [self._copy(txn, i) for i in indices]
+
+    @_lmdb_errors_as_damage
+    def _read_batch(self, indices: np.ndarray, out: np.ndarray) -> None:
+        flat = out.reshape(len(indices), -1)
+        nbytes = flat.shape[1]
+        with self._env.begin(buffers=True) as txn:
+            for k, i in enumerate(indices.tolist()):
+                flat[k] = np.frombuffer(self._value(txn, i, nbytes), dtype=np.uint8)
+
+    def _copy(self, txn: lmdb.Transaction, i: int) -> np.ndarray:
+        shape = self._shape_of(i)
+        # The memoryview points into the map and is valid only inside the transaction.
+        value = self._value(txn, i, shape[0] * shape[1] * shape[2])
+        return np.frombuffer(value, dtype=np.uint8).reshape(shape).copy()
