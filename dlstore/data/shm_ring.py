@@ -48,7 +48,8 @@ strategy a segment is unlinked from ``/dev/shm`` as soon as it is created, so no
 is left there whatever happens to the processes; the memory goes with the ring's last
 tensor. The ring lives as long as the loader (or until ``close()``). Workers are started
 per pass and stopped when it ends, breaks or fails (with ``persistent_workers``, kept
-until ``close()`` or the loader is garbage collected). An error in a worker is raised in
+until ``close()`` or the loader is garbage collected), and die with the main process however
+it ends, SIGTERM and SIGKILL included (``lifeline``). An error in a worker is raised in
 the main process, its type kept, with the batch, its indices and the worker's traceback
 in a note; a worker that dies is a :class:`WorkerError` as soon as the main process waits.
 One pass at a time: a pass started while another is suspended takes the workers and
@@ -76,6 +77,7 @@ from torch.utils.data import BatchSampler
 
 from ..errors import ArgumentError, SharedMemoryError, UsageError, WorkerError
 from ..units import human_bytes
+from .lifeline import Parent, TaskQueue, parent_spec
 from .threads import ThreadLoader, batch_seed
 
 # Seconds the workers get to exit after being told to, before they are terminated.
@@ -143,9 +145,13 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: Any, results: Any, current: Any,
-          worker_init_fn: Callable[[int], None] | None) -> None:
-    """A worker's loop: build each task's batch into its slot, report (pass, k, slot, rows, labels)."""
+def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: Any, current: Any,
+          worker_init_fn: Callable[[int], None] | None, parent_of: tuple[int | None, bool]) -> None:
+    """A worker's loop: build each task's batch into its slot, report (pass, k, slot, rows, labels);
+    returns when told to, or when the main process is gone (see ``lifeline``)."""
+    parent = Parent(parent_of)
+    if not parent.alive():
+        return
     torch.set_num_threads(1)
     target: list[torch.Tensor | None] = [None]
     new_batch = getattr(dataset, "_new_batch", None)
@@ -160,15 +166,17 @@ def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: Any, results
     try:
         if worker_init_fn is not None:
             worker_init_fn(wid)
-        _serve(dataset, slots, tasks, results, current, target)
+        _serve(dataset, slots, tasks, results, current, target, parent)
     except KeyboardInterrupt:       # Ctrl-C reaches the whole process group: the main process raises it
+        return
+    except (BrokenPipeError, ConnectionResetError):     # a report to a main process that has gone
         return
 
 
-def _serve(dataset: Any, slots: list[torch.Tensor], tasks: Any, results: Any, current: Any,
-           target: list[torch.Tensor | None]) -> None:
+def _serve(dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: Any, current: Any,
+           target: list[torch.Tensor | None], parent: Parent) -> None:
     while True:
-        task = tasks.get()
+        task = tasks.get(parent)
         if task is None:
             return
         pass_id, k, j, indices, seed = task
@@ -245,14 +253,14 @@ class _Pool:
     def __init__(self, dataset: Any, ring: _Ring, workers: int, context: Any,
                  worker_init_fn: Callable[[int], None] | None):
         ctx = context if not isinstance(context, (str, type(None))) else tmp.get_context(context)
-        self.tasks = ctx.SimpleQueue()
+        self.tasks = TaskQueue(ctx)
         pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
         self.results = [reader for reader, _ in pipes]
         self.current = ctx.Value("q", 0, lock=False)
         self.busy: set[int] = set()     # slots given a task (any pass) and not yet handed out or skipped
         self.ready: set[int] = set()    # of those, the ones reported: no worker writes them any more
         self.procs = [ctx.Process(target=_work, args=(w, dataset, ring.slots, self.tasks, writer, self.current,
-                                                      worker_init_fn),
+                                                      worker_init_fn, parent_spec(ctx)),
                                   daemon=True, name=f"dlstore-loader-{w}")
                       for w, (_, writer) in enumerate(pipes)]
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.tasks, self.results)
