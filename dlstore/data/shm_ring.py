@@ -58,6 +58,7 @@ slots over, and the old iterator raises ``UsageError`` when next resumed.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
 import random
@@ -78,7 +79,7 @@ from torch.utils.data import BatchSampler
 from ..errors import ArgumentError, SharedMemoryError, UsageError, WorkerError
 from ..units import human_bytes
 from .lifeline import Parent, TaskQueue, parent_spec
-from .threads import ThreadLoader, batch_seed
+from .threads import LoaderIterator, ThreadLoader, batch_seed
 
 # Seconds the workers get to exit after being told to, before they are terminated.
 _JOIN_S = 5.0
@@ -329,27 +330,10 @@ def _drain(results: list[Any]) -> None:
             continue
 
 
-class _Pass:
-    """One pass's iterator. Closed or dropped before its first batch, it stops the workers
-    ``iter()`` started (unless persistent, or a later pass has begun): a generator never
-    advanced does not run its ``finally``, and they would run until the loader went away."""
-
-    def __init__(self, loader: ShmRingLoader, batches: Generator[tuple[torch.Tensor, Any], None, None]):
-        self._batches = batches
-        self._stop_unstarted = weakref.finalize(self, _stop_unstarted, loader, batches, loader._pass)
-
-    def __iter__(self) -> _Pass:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, Any]:
-        return next(self._batches)
-
-    def close(self) -> None:
-        self._stop_unstarted()     # (once: a finalizer runs at most once)
-        self._batches.close()      # a started pass: its finally stops or keeps the workers
-
-
 def _stop_unstarted(loader: ShmRingLoader, batches: Generator, passes_before: int) -> None:
+    """Run as a pass's iterator is closed or dropped: one never advanced stops the workers ``iter()``
+    started (unless persistent, or a later pass has begun), since a generator never advanced does not
+    run its ``finally`` and they would run until the loader went away."""
     if (inspect.getgeneratorstate(batches) == inspect.GEN_CREATED and not loader.persistent_workers
             and loader._pass == passes_before):
         loader._stop_workers()
@@ -432,7 +416,8 @@ class ShmRingLoader(ThreadLoader):
             warnings.warn(f"dlstore.loader: {exc}; this loader takes the DataLoader path", stacklevel=2)
             self._fallback_loader = self.fallback()
             return iter(self._fallback_loader)
-        return _Pass(self, self._pass_batches())
+        batches = self._pass_batches()
+        return LoaderIterator(batches, functools.partial(_stop_unstarted, self, batches, self._pass))
 
     def _pass_batches(self) -> Iterator[tuple[torch.Tensor, Any]]:
         base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
