@@ -6,11 +6,14 @@ next task would wait forever, holding its copy of the dataset and its mappings o
 the shared memory. Two ways out, as a worker sees it::
 
     Linux      prctl(PR_SET_PDEATHSIG, SIGKILL): the kernel kills the worker when the
-               thread that started it exits (set only when that thread is the main
-               thread, or the forkserver's: a worker started from a thread that ends
-               while the process lives on must not die with it)
-    anywhere   the wait for a task wakes every POLL_S and checks os.getppid(): once the
-               parent is gone the worker has been reparented, and it exits
+               thread that started it exits (set only for a child of this process started
+               from its main thread: a worker started from a thread that ends while the
+               process lives on must not die with it)
+    anywhere   the wait for a task wakes every POLL_S and checks that the parent is there:
+               os.getppid() unchanged (a child whose parent dies is re-parented), and
+               multiprocessing's parent sentinel not at end of file (under forkserver the
+               worker's parent is the forkserver, which outlives the main process as long
+               as its children hold its pipe)
 
 The second is what torch.utils.data's workers do (``ManagerWatchdog``, every 5 s);
 the first needs no polling and reaches a worker busy with a batch too. Shared memory
@@ -22,10 +25,12 @@ moment the last of these processes is gone.
 from __future__ import annotations
 
 import ctypes
+import multiprocessing
 import os
 import signal
 import sys
 import threading
+from multiprocessing.connection import wait
 from typing import Any
 
 # Seconds between two checks of the parent by a worker waiting for a task.
@@ -38,12 +43,11 @@ def parent_spec(ctx: Any) -> tuple[int | None, bool]:
 
     Returns:
         (the pid the worker's parent has, or None when it is a forkserver's; whether
-        the kernel's parent-death signal may be used: the starting thread lives as long
-        as the process).
+        the kernel's parent-death signal may be used: the worker is this process's child
+        and the starting thread lives as long as the process).
     """
-    method = ctx.get_start_method()
-    if method == "forkserver":
-        return None, True
+    if ctx.get_start_method() == "forkserver":
+        return None, False
     return os.getpid(), threading.current_thread() is threading.main_thread()
 
 
@@ -56,9 +60,14 @@ class Parent:
             _kill_me_with_parent()
         # read after prctl: a parent gone before it shows here, not as a missed signal
         self.pid = os.getppid() if expected is None else expected
+        parent = multiprocessing.parent_process()
+        self._sentinel = parent.sentinel if parent is not None else None
 
     def alive(self) -> bool:
-        return os.getppid() == self.pid
+        if os.getppid() != self.pid:
+            return False
+        # readable only at end of file: the main process never writes to it
+        return self._sentinel is None or not wait([self._sentinel], timeout=0)
 
 
 def _kill_me_with_parent() -> None:

@@ -27,30 +27,39 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("
 CHILD = textwrap.dedent("""
     import json, os, sys, threading, time
     import torch
+    from torchvision.transforms import v2
     import dlstore
 
-    path, mode = sys.argv[1], sys.argv[2]
-    if mode == "file_system":
-        torch.multiprocessing.set_sharing_strategy("file_system")   # named segments, torch_shm_manager's
+    def descendants(pid):
+        out = {}
+        for task in os.listdir(f"/proc/{pid}/task"):
+            for child in map(int, open(f"/proc/{pid}/task/{task}/children").read().split()):
+                out[child] = open(f"/proc/{child}/comm").read().strip()
+                out.update(descendants(child))
+        return out
 
-    def run():
-        ds = dlstore.open_dataset(path, transform=lambda x: x.flip(-1))   # per-sample Python: the ring
-        dl = dlstore.loader(ds, 4, num_workers=2)
+    def run(path, mode):
+        ds = dlstore.open_dataset(path, transform=v2.RandomHorizontalFlip(p=1.0))   # per sample: the ring
+        context = "forkserver" if mode == "forkserver" else None
+        dl = dlstore.loader(ds, 4, num_workers=2, multiprocessing_context=context)
         assert type(dl).__name__ == "ShmRingLoader", dl
         it = iter(dl)
         next(it)
-        children = {int(pid): open(f"/proc/{pid}/comm").read().strip() for task in os.listdir("/proc/self/task")
-                    for pid in open(f"/proc/self/task/{task}/children").read().split()}
+        children = descendants(os.getpid())
         shm = sorted({line.split(None, 5)[5].strip() for pid in [os.getpid(), *children]
                       for line in open(f"/proc/{pid}/maps") if "/dev/shm/" in line})
         print(json.dumps({"children": children, "shm": shm}), flush=True)
         time.sleep(600)
 
-    if mode == "thread":      # iterated in a thread: no parent-death signal, the workers poll
-        threading.Thread(target=run, daemon=True).start()
-        time.sleep(600)
-    else:
-        run()
+    if __name__ == "__main__":
+        path, mode = sys.argv[1], sys.argv[2]
+        if mode == "file_system":
+            torch.multiprocessing.set_sharing_strategy("file_system")   # named segments, torch_shm_manager's
+        if mode == "thread":      # iterated in a thread: no parent-death signal, the workers poll
+            threading.Thread(target=run, args=(path, mode), daemon=True).start()
+            time.sleep(600)
+        else:
+            run(path, mode)
 """)
 
 HARNESS = textwrap.dedent("""
@@ -70,6 +79,13 @@ HARNESS = textwrap.dedent("""
         except ChildProcessError:
             break
         if pid == 0:
+            for other in set(children) - set(ended):    # a forkserver's child, reaped by the forkserver
+                try:
+                    state, ppid = open(f"/proc/{other}/stat").read().rsplit(")", 1)[1].split()[:2]
+                except FileNotFoundError:
+                    state, ppid = "gone", 0
+                if state in ("gone", "Z") and int(ppid) != os.getpid():     # (ours: waitpid says how)
+                    ended[other] = ["gone", round(time.monotonic() - start, 2)]
             time.sleep(0.01)
         elif pid in children:
             how = (f"signal {signal.Signals(os.WTERMSIG(status)).name}" if os.WIFSIGNALED(status)
@@ -105,14 +121,16 @@ def _kill_the_main_process(store, tmp_path, sig: signal.Signals, mode: str) -> d
     (signal.SIGKILL, "main", "signal SIGKILL"),
     (signal.SIGKILL, "file_system", "signal SIGKILL"),
     (signal.SIGKILL, "thread", "exit 0"),           # the worker saw its parent gone and returned
+    (signal.SIGKILL, "forkserver", None),           # the same, the forkserver reaps them
 ])
 def test_workers_and_shared_memory_go_with_the_main_process(store, tmp_path, sig, mode, how):
     got = _kill_the_main_process(store, tmp_path, sig, mode)
     children = got["ready"]["children"]              # the workers (and torch_shm_manager, file_system's)
     workers = [pid for pid, name in children.items() if name.startswith("python")]
-    assert len(workers) == 2, got
+    assert len(workers) == (4 if mode == "forkserver" else 2), got     # (+ the forkserver, its resource tracker)
     assert sorted(got["ended"]) == sorted(children), f"processes still alive 5 s after the main process: {got}"
-    assert {got["ended"][pid][0] for pid in workers} == {how}, got
+    if how is not None:
+        assert {got["ended"][pid][0] for pid in workers} == {how}, got
     assert got["ready"]["shm"], got               # the ring was mapped: there was something to free
     if mode == "file_system":                     # named until torch_shm_manager unlinks them
         assert any(not n.endswith(" (deleted)") for n in got["ready"]["shm"]), got
