@@ -19,7 +19,8 @@ The second is what torch.utils.data's workers do (``ManagerWatchdog``, every 5 s
 the first needs no polling and reaches a worker busy with a batch too. Shared memory
 needs nothing more: torch unlinks a segment from ``/dev/shm`` as soon as it is made
 (the ``file_descriptor`` strategy), so the kernel frees it with its last mapping, the
-moment the last of these processes is gone.
+moment the last of these processes is gone; under the ``file_system`` strategy
+``torch_shm_manager`` unlinks the segments once the processes it serves are gone.
 """
 
 from __future__ import annotations
