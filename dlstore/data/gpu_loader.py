@@ -32,7 +32,7 @@ import inspect
 import math
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,6 +51,7 @@ from ..transforms.batch import (
 from ..transforms.hybrid import HybridTransform, _flatten, batch_steps, strip_static_prefix
 from .gpu_fused import FusedGather, unpadded_crop
 from .partition import epoch_order, per_rank
+from .threads import LoaderIterator
 
 if TYPE_CHECKING:
     from .gpu import GPUDataset
@@ -478,6 +479,9 @@ class GPULoader:
         return order
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        return LoaderIterator(self._batches())
+
+    def _batches(self) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         epoch = self.epoch
         self.epoch += 1
         order = self.indices(epoch)

@@ -48,7 +48,8 @@ strategy a segment is unlinked from ``/dev/shm`` as soon as it is created, so no
 is left there whatever happens to the processes; the memory goes with the ring's last
 tensor. The ring lives as long as the loader (or until ``close()``). Workers are started
 per pass and stopped when it ends, breaks or fails (with ``persistent_workers``, kept
-until ``close()`` or the loader is garbage collected). An error in a worker is raised in
+until ``close()`` or the loader is garbage collected), and die with the main process however
+it ends, SIGTERM and SIGKILL included (``lifeline``). An error in a worker is raised in
 the main process, its type kept, with the batch, its indices and the worker's traceback
 in a note; a worker that dies is a :class:`WorkerError` as soon as the main process waits.
 One pass at a time: a pass started while another is suspended takes the workers and
@@ -57,6 +58,7 @@ slots over, and the old iterator raises ``UsageError`` when next resumed.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import pickle
 import random
@@ -76,7 +78,8 @@ from torch.utils.data import BatchSampler
 
 from ..errors import ArgumentError, SharedMemoryError, UsageError, WorkerError
 from ..units import human_bytes
-from .threads import ThreadLoader, batch_seed
+from .lifeline import Parent, TaskQueue, parent_spec
+from .threads import LoaderIterator, ThreadLoader, batch_seed
 
 # Seconds the workers get to exit after being told to, before they are terminated.
 _JOIN_S = 5.0
@@ -143,9 +146,13 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: Any, results: Any, current: Any,
-          worker_init_fn: Callable[[int], None] | None) -> None:
-    """A worker's loop: build each task's batch into its slot, report (pass, k, slot, rows, labels)."""
+def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: Any, current: Any,
+          worker_init_fn: Callable[[int], None] | None, parent_of: tuple[int | None, bool]) -> None:
+    """A worker's loop: build each task's batch into its slot, report (pass, k, slot, rows, labels);
+    returns when told to, or when the main process is gone (see ``lifeline``)."""
+    parent = Parent(parent_of)
+    if not parent.alive():
+        return
     torch.set_num_threads(1)
     target: list[torch.Tensor | None] = [None]
     new_batch = getattr(dataset, "_new_batch", None)
@@ -160,15 +167,17 @@ def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: Any, results
     try:
         if worker_init_fn is not None:
             worker_init_fn(wid)
-        _serve(dataset, slots, tasks, results, current, target)
+        _serve(dataset, slots, tasks, results, current, target, parent)
     except KeyboardInterrupt:       # Ctrl-C reaches the whole process group: the main process raises it
+        return
+    except (BrokenPipeError, ConnectionResetError):     # a report to a main process that has gone
         return
 
 
-def _serve(dataset: Any, slots: list[torch.Tensor], tasks: Any, results: Any, current: Any,
-           target: list[torch.Tensor | None]) -> None:
+def _serve(dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: Any, current: Any,
+           target: list[torch.Tensor | None], parent: Parent) -> None:
     while True:
-        task = tasks.get()
+        task = tasks.get(parent)
         if task is None:
             return
         pass_id, k, j, indices, seed = task
@@ -245,14 +254,14 @@ class _Pool:
     def __init__(self, dataset: Any, ring: _Ring, workers: int, context: Any,
                  worker_init_fn: Callable[[int], None] | None):
         ctx = context if not isinstance(context, (str, type(None))) else tmp.get_context(context)
-        self.tasks = ctx.SimpleQueue()
+        self.tasks = TaskQueue(ctx)
         pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
         self.results = [reader for reader, _ in pipes]
         self.current = ctx.Value("q", 0, lock=False)
         self.busy: set[int] = set()     # slots given a task (any pass) and not yet handed out or skipped
         self.ready: set[int] = set()    # of those, the ones reported: no worker writes them any more
         self.procs = [ctx.Process(target=_work, args=(w, dataset, ring.slots, self.tasks, writer, self.current,
-                                                      worker_init_fn),
+                                                      worker_init_fn, parent_spec(ctx)),
                                   daemon=True, name=f"dlstore-loader-{w}")
                       for w, (_, writer) in enumerate(pipes)]
         self._finalizer = weakref.finalize(self, _stop, self.procs, self.tasks, self.results)
@@ -321,27 +330,10 @@ def _drain(results: list[Any]) -> None:
             continue
 
 
-class _Pass:
-    """One pass's iterator. Closed or dropped before its first batch, it stops the workers
-    ``iter()`` started (unless persistent, or a later pass has begun): a generator never
-    advanced does not run its ``finally``, and they would run until the loader went away."""
-
-    def __init__(self, loader: ShmRingLoader, batches: Generator[tuple[torch.Tensor, Any], None, None]):
-        self._batches = batches
-        self._stop_unstarted = weakref.finalize(self, _stop_unstarted, loader, batches, loader._pass)
-
-    def __iter__(self) -> _Pass:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, Any]:
-        return next(self._batches)
-
-    def close(self) -> None:
-        self._stop_unstarted()     # (once: a finalizer runs at most once)
-        self._batches.close()      # a started pass: its finally stops or keeps the workers
-
-
 def _stop_unstarted(loader: ShmRingLoader, batches: Generator, passes_before: int) -> None:
+    """Run as a pass's iterator is closed or dropped: one never advanced stops the workers ``iter()``
+    started (unless persistent, or a later pass has begun), since a generator never advanced does not
+    run its ``finally`` and they would run until the loader went away."""
     if (inspect.getgeneratorstate(batches) == inspect.GEN_CREATED and not loader.persistent_workers
             and loader._pass == passes_before):
         loader._stop_workers()
@@ -424,7 +416,8 @@ class ShmRingLoader(ThreadLoader):
             warnings.warn(f"dlstore.loader: {exc}; this loader takes the DataLoader path", stacklevel=2)
             self._fallback_loader = self.fallback()
             return iter(self._fallback_loader)
-        return _Pass(self, self._pass_batches())
+        batches = self._pass_batches()
+        return LoaderIterator(batches, functools.partial(_stop_unstarted, self, batches, self._pass))
 
     def _pass_batches(self) -> Iterator[tuple[torch.Tensor, Any]]:
         base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())

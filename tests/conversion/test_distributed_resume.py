@@ -13,6 +13,9 @@ import json
 import multiprocessing
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import h5py
@@ -386,4 +389,88 @@ def test_interrupted_distributed_conversion_of_target_vectors_resumes(tmp_path, 
     np.testing.assert_array_equal(resumed.targets, expected)
     assert resumed.targets.dtype == np.float32 and resumed.manifest["targets"] == reference.manifest["targets"]
     assert torch.equal(resumed.read_batch(range(N))[0], reference.read_batch(range(N))[0])
+    assert verify(dst, deep=True).ok
+
+
+# --- torchrun and the SIGTERM it forwards (SLURM's and Kubernetes' stop) -------------------------------
+
+TORCHRUN_RANK = """
+import os, sys, time
+import PIL.Image
+import dlstore.conversion
+
+# Each rank holds at its first image after its first checkpoint until the gate file exists: the
+# SIGTERM arrives mid-part on both ranks, not in a race with the end of the conversion.
+work, gate, unit, size, *argv = sys.argv[1:]
+state = os.path.join(work, f"rank-{int(os.environ['RANK']):05d}.json")
+opened = PIL.Image.open
+def gated(*args, **kwargs):
+    while os.path.exists(state) and not os.path.exists(gate):
+        time.sleep(0.01)
+    return opened(*args, **kwargs)
+PIL.Image.open = gated
+convert = dlstore.conversion.convert      # the unit size the CLI has no option for (LMDB, HDF5)
+dlstore.conversion.convert = lambda *args, **kwargs: convert(*args, **{**kwargs, unit: int(size)})
+from dlstore.cli import main
+main(argv, prog_name="dlstore")
+"""
+
+
+@pytest.fixture(scope="module")
+def torchrun_folder(tmp_path_factory):
+    from dlstore.sources.demo import make_image_folder
+
+    return make_image_folder(tmp_path_factory.mktemp("torchrun") / "images", classes=3, per_class=40, size=(20, 20))
+
+
+def _torchrun(script: Path, args: list[str], **popen) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()),
+           str(script), *args]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"}, **popen)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", list(SUFFIX))
+def test_torchrun_cli_terminated_resumes_to_the_uninterrupted_store(torchrun_folder, tmp_path, fmt):
+    """``torchrun ... dlstore convert``, SIGTERM to torchrun (which forwards it to the ranks), then
+    ``--resume`` under torchrun: the store equals an uninterrupted distributed conversion."""
+    dst, work, gate = tmp_path / f"r{SUFFIX[fmt]}", work_path(tmp_path / f"r{SUFFIX[fmt]}"), tmp_path / "gate"
+    unit = "shard_size" if fmt == "shards" else "batch_bytes"
+    script = tmp_path / "rank.py"
+    script.write_text(TORCHRUN_RANK)
+    args = [str(work), str(gate), unit, str(4 * 16 * 16 * 3), "convert", str(torchrun_folder), str(dst), "--static",
+            "center_crop=16", "--workers", "1", "--quiet"]            # a checkpoint every 4 samples
+    proc = _torchrun(script, args)
+    end = time.monotonic() + 180
+    while not all((work / f"rank-{r:05d}.json").exists() for r in range(2)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < end, "the ranks did not reach their first checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode != 0, err
+    assert err.count("interrupted: stopped the workers") == 2, err          # each rank unwound (the CLI's handler)
+    assert f"partial conversion kept in {work}" in err, err
+    assert not dst.exists()
+    positions = [json.loads((work / f"rank-{r:05d}.json").read_text())["source_pos"] for r in range(2)]
+    assert all(0 < p < 60 for p in positions), positions
+
+    gate.touch()
+    resumed = _torchrun(script, [*args, "--resume"])
+    out, err = resumed.communicate(timeout=240)
+    assert resumed.returncode == 0, err
+    assert f"resuming the distributed conversion kept in {work}" in err, err
+    for r, p in enumerate(positions):
+        assert f"rank {r}: resuming after {p} of the 60 files of its part" in err, err
+    assert out.count("wrote ") == 1
+
+    (tmp_path / "clean").mkdir()
+    clean = tmp_path / "clean" / dst.name
+    kwargs = {"static": "center_crop=16", unit: 4 * 16 * 16 * 3}
+    results = run_ranks(_convert_folder_rank, str(torchrun_folder), str(clean), kwargs, None, tmp_path=tmp_path)
+    assert [r.get("count") for r in results] == [120, 120], results
+    assert _store(dst) == _store(clean)
+    if fmt == "shards":
+        assert _files(dst) == _files(clean)
     assert verify(dst, deep=True).ok

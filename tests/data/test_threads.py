@@ -9,6 +9,8 @@ user holds must never change.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -541,3 +543,47 @@ def test_jpeg_batch_with_a_damaged_record_names_it(stores):
 
     with pytest.raises(StoreCorruptError, match="sample 2"):
         DecodingReader(Damaged()).get_batch(np.array([0, 1, 2, 3]))
+
+
+EXIT_WITH_LIVE_ITERATORS = """
+import sys, torch
+from torchvision.transforms import v2
+import dlstore
+
+folder, root = sys.argv[1], sys.argv[2]
+pipe = v2.Compose([v2.Resize(36), v2.CenterCrop(32), v2.RandomCrop(28), v2.RandomHorizontalFlip(),
+                   v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5] * 3, [0.2] * 3)])
+hybrid = dlstore.split_transforms(pipe)
+path = dlstore.convert(folder, root + "/s.lmdb", static=hybrid, workers=0, progress=False).path
+ds = dlstore.open_dataset(path, transform=hybrid)
+per_sample = dlstore.open_dataset(path, transform=lambda x: x.flip(-1))
+loaders = {
+    "threads": dlstore.loader(ds, 4, threads=2),
+    "device threads": dlstore.loader(ds, 4, threads=2, device="cpu"),
+    "ring": dlstore.loader(per_sample, 4, num_workers=2),
+    "device ring": dlstore.loader(per_sample, 4, num_workers=2, device="cpu"),
+    "dataloader": dlstore.loader(per_sample, 4, num_workers=2, shm_ring=False),
+    "gpu": dlstore.loader(dlstore.GPUDataset(path, device="cpu"), 4),
+    "gpu stream": dlstore.loader(dlstore.GPUDataset(path, device="cpu", max_memory=1, headroom=0,
+                                                    on_overflow="stream"), 4),
+}
+kinds = sorted({type(dl).__name__ for dl in loaders.values()})
+assert kinds == ["DataLoader", "DeviceLoader", "GPULoader", "ShmRingLoader", "ThreadLoader"], kinds
+zipped = zip(loaders["threads"], loaders["device threads"])
+next(zipped)
+alive = {name: iter(dl) for name, dl in loaders.items()}
+for it in alive.values():
+    next(it)
+unstarted = iter(loaders["ring"]), iter(loaders["threads"])
+print("exiting", flush=True)
+"""
+
+
+@pytest.mark.slow
+def test_iterators_alive_at_exit_end_quietly(rgb_folder, tmp_path):
+    """Every loader kind, an iterator of each left mid-pass (and zipped) when the interpreter exits."""
+    script = tmp_path / "exit.py"
+    script.write_text(EXIT_WITH_LIVE_ITERATORS)
+    proc = subprocess.run([sys.executable, str(script), str(rgb_folder),
+                           str(tmp_path)], check=False, capture_output=True, text=True, timeout=240)
+    assert (proc.returncode, proc.stdout, proc.stderr) == (0, "exiting\n", "")
