@@ -231,3 +231,31 @@ def test_stores_whose_manifest_has_no_mode_still_open(tmp_path):
     store = dlstore.open_dataset(tmp_path / "o.shards")
     assert "mode" not in store.manifest["source"] and store[1][0].shape == (3, 16, 16)
     assert dlstore.verify(tmp_path / "o.shards").ok
+
+
+class Interrupting(Pairs):
+    stop_at: int | None = None
+
+    def __getitem__(self, i):
+        if i == self.stop_at:
+            raise KeyboardInterrupt
+        return super().__getitem__(i)
+
+
+def test_resume_continues_the_same_mode_and_refuses_another(tmp_path):
+    ds = Interrupting([_image("L", k).resize((20, 20)) for k in range(100)], [k % 3 for k in range(100)])
+    # built before the interruption is armed: the scan of a grayscale dataset reads every item
+    chosen, as_rgb = DatasetSource(ds), DatasetSource(ds, mode="RGB")
+    dst, options = tmp_path / "r.shards", {"static": STATIC, "shard_size": 16 * 16 * 4}
+    ds.stop_at = 90   # 64 items are written, with checkpoints
+    with pytest.raises(KeyboardInterrupt):
+        _convert(chosen, dst, **options)
+    ds.stop_at = None
+    with pytest.raises(SourceError, match="other settings"):   # RGB samples would follow L ones
+        _convert(as_rgb, dst, resume=True, **options)
+    messages = []
+    _convert(chosen, dst, resume=True, log=messages.append, **options)
+    assert any(m.startswith("resuming after") for m in messages), messages
+    _convert(chosen, tmp_path / "clean.shards", **options)
+    a, b = dlstore.open_dataset(dst), dlstore.open_dataset(tmp_path / "clean.shards")
+    assert a.shape == (1, 16, 16) and a.manifest["checksums"] == b.manifest["checksums"]
