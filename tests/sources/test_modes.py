@@ -182,6 +182,10 @@ def test_arrays_in_a_dataset_follow_the_mode_like_pil_would(tmp_path):
     store = dlstore.open_dataset(tmp_path / "l.shards")
     for k, a in enumerate(hwc):
         assert torch.equal(store[k][0], tensor_tv(np.array(Image.fromarray(a).convert("L")))), k
+    _convert((np.stack(hwc), np.array([0, 1, 0])), tmp_path / "a.h5", static=STATIC, mode="L")
+    arrays = dlstore.open_dataset(tmp_path / "a.h5")
+    assert arrays.manifest["source"]["mode"] == "L" and arrays.manifest["source"]["mode_given"] is True
+    assert all(torch.equal(arrays[k][0], store[k][0]) for k in range(3))   # the same conversion as items
 
 
 class Trusted(Pairs):
