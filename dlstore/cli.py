@@ -61,9 +61,12 @@ def main() -> None:
               help="Store samples as uint8 arrays (raw) or re-encoded after the static transforms.")
 @click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True,
               help="JPEG quality with --encoding jpeg.")
+@click.option("--mode", type=click.Choice(["RGB", "L"]), default=None,
+              help="Convert every image to this PIL mode (default: a folder is RGB; a list keeps its files' "
+                   "one mode, RGB when grayscale and colour mix).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert(src, dst, root, fmt, static, workers, overwrite, on_error, shard_size, resume, exif_transpose,
-            max_pixels, compression, encoding, quality, quiet):
+            max_pixels, compression, encoding, quality, mode, quiet):
     """Convert SRC into store DST.
 
     SRC is an image folder (ImageFolder layout) or a CSV / JSON-lines list of
@@ -91,7 +94,8 @@ def convert(src, dst, root, fmt, static, workers, overwrite, on_error, shard_siz
         result = run_convert(src, dst, store_format=fmt, static=static, workers=workers, overwrite=overwrite,
                              on_error=on_error, shard_size=parse_bytes(shard_size), resume=resume, **options,
                              exif_transpose=exif_transpose, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
-                             encoding=encoding, quality=quality, root=root, distributed=env_world_size() > 1,
+                             encoding=encoding, quality=quality, root=root, mode=mode,
+                             distributed=env_world_size() > 1,
                              progress=not quiet, log=lambda msg: click.echo(msg, err=True))
     except KeyboardInterrupt:
         click.echo(f"interrupted: stopped the workers; {dst} was not written", err=True)

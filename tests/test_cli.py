@@ -50,6 +50,29 @@ def test_unknown_suffix_asks_for_a_format(src, tmp_path):
     assert result.exit_code == 2 and "--format" in result.output
 
 
+def test_convert_mode_converts_every_image_and_a_grayscale_list_keeps_one_channel(src, tmp_path):
+    import torch
+    from PIL import Image
+    from torchvision.transforms import v2
+
+    import dlstore
+
+    files = sorted(p.relative_to(src) for p in src.rglob("*.jpg"))
+    (src / "l.csv").write_text("".join(f"{p},0\n" for p in files))
+    runner = CliRunner()
+    result = runner.invoke(main, ["convert", str(src), str(tmp_path / "f.shards"), "--mode", "L", "--quiet"])
+    assert result.exit_code == 0, result.output
+    store = dlstore.open_dataset(tmp_path / "f.shards")
+    assert store.manifest["source"]["mode"] == "L" and store.manifest["source"]["mode_given"] is True
+    assert torch.equal(store[0][0], v2.PILToTensor()(Image.open(src / files[0]).convert("L")))
+    for name in files:
+        Image.open(src / name).convert("L").save(src / name)
+    result = runner.invoke(main, ["convert", str(src / "l.csv"), str(tmp_path / "l.h5"), "--static", "center_crop=16", "--quiet"])
+    assert result.exit_code == 0 and "1x16x16 uint8" in result.output, result.output
+    bad = runner.invoke(main, ["convert", str(src), str(tmp_path / "x.shards"), "--mode", "RGBA", "--quiet"])
+    assert bad.exit_code == 2 and "'RGBA' is not one of 'RGB', 'L'" in bad.output
+
+
 def test_parse_bytes():
     assert parse_bytes("1GiB") == 1 << 30
     assert parse_bytes("256MB") == 256_000_000

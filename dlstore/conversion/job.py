@@ -156,9 +156,7 @@ def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, Any]], bar
         if not isinstance(result, str):
             record, label = result
             if job.record_shape is not None and tuple(record.shape) != job.record_shape:
-                raise DecodeError(source.where(key), f"static spec produced shape {tuple(record.shape)}, expected "
-                                                     f"{job.shape} (every item must have one shape: add a "
-                                                     "resize + center_crop to the static ops)")
+                raise _shape_error(source, key, tuple(record.shape), job.shape)
             if job.targets is not None or isinstance(label, np.ndarray):
                 label = _target_row(job, source.where(key), label)
                 ok = True
@@ -186,6 +184,19 @@ def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, Any]], bar
         bar.update(1)
         if check is not None and pos % 256 == 255:
             check()
+
+
+def _shape_error(source: Any, key: Any, got: tuple[int, ...], expected: tuple[int, int, int]) -> DecodeError:
+    """The error for a record of another shape than the store's: the fix for channels is a mode,
+    for sizes a resize + crop."""
+    where = source.where(key)
+    if got[0] != expected[0]:
+        mode = getattr(source, "mode", None)
+        return DecodeError(where, f"has {got[0]} channel(s), the store {expected[0]} (source mode {mode}); pass "
+                                  "mode=\"RGB\" (--mode RGB) to convert every image to RGB, or mode=\"L\" "
+                                  "(--mode L) to grayscale")
+    return DecodeError(where, f"static spec produced shape {got}, expected {expected} (every item must have "
+                              "one shape: add a resize + center_crop to the static ops)")
 
 
 def _target_row(job: _Job, where: str, label: Any) -> np.ndarray:

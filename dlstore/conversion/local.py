@@ -122,6 +122,7 @@ def convert(
     root: str | os.PathLike | None = None,
     image_key: str | int | None = None,
     label_key: str | int | None = None,
+    mode: str | None = None,
     **format_options: Any,
 ) -> ConvertResult:
     """Convert a source of images into a store.
@@ -177,6 +178,11 @@ def convert(
         root: the folder the paths of a list file are relative to (default: the list's folder).
         image_key, label_key: where a dataset's dict items (or tuple positions) hold the image
             and the label (default ``"image"`` / ``"label"``, or ``(image, target)`` pairs).
+        mode: ``"RGB"`` or ``"L"``: every image converted to it (PIL ``img.convert(mode)``;
+            ``--mode``). None (default): a folder is RGB, as torchvision's loader makes it; a list,
+            a dataset or arrays keep their images' one mode (MNIST stays one channel) and become
+            RGB when grayscale and colour images mix. The manifest records ``source.mode`` and
+            ``source.mode_given``.
         **format_options: passed to the format's Writer (e.g. HDF5 ``compression``).
 
     Returns:
@@ -222,7 +228,7 @@ def convert(
             check_apart(dst, Path(root), scanned=False)
 
     def open_src() -> Any:
-        return open_source(src, root=root, image_key=image_key, label_key=label_key)
+        return open_source(src, root=root, image_key=image_key, label_key=label_key, mode=mode)
 
     group = active_group(distributed)
     if group is not None:

@@ -19,6 +19,9 @@ Every format stores the same JSON document in its native place (shards:
                  "skipped": [{"path": "n01/x.JPEG", "reason": "..."}]},
                  # kind: folder | list (+ "list": the CSV/JSON-lines file) | dataset (+ "type")
                  # | arrays (+ "shape", "layout"); skipped items of datasets/arrays: {"index": i, ...}
+                 # "mode": "RGB" | "L" (every image converted to it), "mode_given": bool (False:
+                 # chosen, see dlstore.sources); optional: no reader needs them (the sample shape
+                 # holds the channels), so a manifest without them opens as before
       "checksums": {"algorithm": "sha256", "files": {"shard-00000.npy": "ab12..."}},
       "layout": {...}                   # format-specific: file list, counts, ...
                                         # "provenance": {"kind": "path" | "index", where it is kept}

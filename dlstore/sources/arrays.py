@@ -10,6 +10,9 @@ equal ``v2.Compose([v2.ToImage(), *static])(images[i])``; with no static ops the
 are ``images[i]`` itself, in CHW order. Provenance is the index ``i``.
 
 Layout: (N, C, H, W) when only axis 1 holds 1 or 3 channels, else (N, H, W, C).
+
+Mode: the arrays' own (one channel: ``L``, three: ``RGB``); ``mode=`` of other
+channels converts each image as ``sources.items.to_image`` does.
 """
 
 from __future__ import annotations
@@ -20,7 +23,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, ArgumentTypeError
-from .items import target_dtype
+from .decode import channels_of, check_mode, mode_fingerprint
+from .items import target_dtype, to_image
 
 _CHANNELS = (1, 3)
 
@@ -28,8 +32,9 @@ _CHANNELS = (1, 3)
 class ArrayLoader:
     """``i -> (uint8 CHW tensor, label)`` (runs in worker processes)."""
 
-    def __init__(self, images: Any, labels: Any, channels_first: bool):
+    def __init__(self, images: Any, labels: Any, channels_first: bool, mode: str | None = None):
         self.images, self.labels, self.channels_first = images, labels, channels_first
+        self.mode = mode  # None: as the arrays hold them
 
     def __call__(self, i: int) -> tuple[Any, int | np.ndarray]:
         import torch
@@ -40,6 +45,8 @@ class ArrayLoader:
             tensor = tensor.unsqueeze(0)
         elif not self.channels_first:
             tensor = tensor.permute(2, 0, 1)
+        if self.mode is not None:
+            tensor = to_image(tensor, f"images[{i}]", self.mode)
         if self.labels is None:
             return tensor.contiguous(), -1
         return tensor.contiguous(), self.labels[i] if self.labels.ndim == 2 else int(self.labels[i])
@@ -52,7 +59,7 @@ class ArraySource:
     origin_kind = "index"
 
     def __init__(self, images: Any, labels: Any = None, *, classes: list[str] | None = None,
-                 start: int = 0, stop: int | None = None):
+                 mode: str | None = None, start: int = 0, stop: int | None = None):
         import torch
 
         if isinstance(images, torch.Tensor):
@@ -83,7 +90,10 @@ class ArraySource:
         self.images, self.labels = images, labels
         # (K, dtype) of target vectors, None for int labels (see conversion.job)
         self.target_spec = None if labels is None or labels.ndim == 1 else (labels.shape[1], str(labels.dtype))
-        self.channels, self.sample_shape = chw[0], chw
+        self.mode_given = check_mode(mode) is not None
+        self.mode = mode if self.mode_given else "L" if chw[0] == 1 else "RGB"
+        self.channels = channels_of(self.mode)
+        self.sample_shape = (self.channels, chw[1], chw[2])
         self.start, self.stop = start, shape[0] if stop is None else stop
         self.root = "<arrays>"
         if classes is None and labels is not None and len(labels):
@@ -99,7 +109,7 @@ class ArraySource:
         return range(self.start + start, self.stop)
 
     def loader(self, decode: dict[str, Any] | None = None) -> ArrayLoader:
-        return ArrayLoader(self.images, self.labels, self.channels_first)
+        return ArrayLoader(self.images, self.labels, self.channels_first, self.mode if self.mode_given else None)
 
     def origin(self, key: int) -> int:
         return key
@@ -108,8 +118,8 @@ class ArraySource:
         return f"images[{key}]"
 
     def part(self, start: int, stop: int) -> ArraySource:
-        return ArraySource(self.images, self.labels, classes=self.classes, start=self.start + start,
-                           stop=self.start + stop)
+        return ArraySource(self.images, self.labels, classes=self.classes, mode=self.mode if self.mode_given else None,
+                           start=self.start + start, stop=self.start + stop)
 
     def fingerprint(self) -> dict[str, Any]:
         # Shape, labels and 64 sampled images: cheap, and catches another array given on resume.
@@ -119,8 +129,10 @@ class ArraySource:
         n = int(self.images.shape[0])
         for i in sorted({int(k) for k in np.linspace(0, n - 1, num=min(n, 64))}):
             h.update(np.ascontiguousarray(np.asarray(self.images[i])).tobytes())
-        return {"source_kind": self.kind, "source_files": len(self), "source_listing": h.hexdigest()}
+        return {"source_kind": self.kind, "source_files": len(self), "source_listing": h.hexdigest(),
+                **mode_fingerprint(self.mode)}
 
     def describe(self) -> dict[str, Any]:
         return {"kind": self.kind, "root": self.root, "shape": [int(d) for d in self.images.shape],
-                "layout": "NCHW" if self.channels_first else ("NHW" if self.images.ndim == 3 else "NHWC")}
+                "layout": "NCHW" if self.channels_first else ("NHW" if self.images.ndim == 3 else "NHWC"),
+                "mode": self.mode, "mode_given": self.mode_given}

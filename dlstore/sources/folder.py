@@ -32,7 +32,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import SampleIndexError, SourceError
-from .decode import pil_loader
+from .decode import channels_of, check_mode, mode_conflict, mode_fingerprint, pil_loader
 
 # Same tuple as torchvision.datasets.folder.IMG_EXTENSIONS (a test keeps them in sync).
 IMG_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
@@ -158,18 +158,26 @@ class SampleList(Sequence):
 
 
 class FileLoader:
-    """Loads the item ``(path, label)`` of a file source: ``(pil_loader(path), label)``.
+    """Loads the item ``(path, label)`` of a file source: ``(pil_loader(path, mode=mode), label)``.
 
     Picklable (it holds only the decode options), so worker processes get it cheaply.
+    A mode chosen as L (every file scanned was grayscale) refuses a colour file with a
+    SourceError, which ``on_error="skip"`` does not hide.
     """
 
-    def __init__(self, decode: dict[str, Any] | None = None, targets: np.ndarray | None = None):
+    def __init__(self, decode: dict[str, Any] | None = None, targets: np.ndarray | None = None,
+                 mode: str = "RGB", given: bool = False):
         self.decode = dict(decode or {})
         self.targets = targets   # (N, K) target vectors: the label of a key is its row
+        self.mode, self.given = mode, given
 
     def __call__(self, key: tuple[str, int]) -> tuple[Image.Image, int | np.ndarray]:
         path, label = key
-        return pil_loader(path, **self.decode), label if self.targets is None else self.targets[label]
+        strict = not self.given and self.mode != "RGB"
+        image = pil_loader(path, **self.decode, mode=None if strict else self.mode)
+        if image.mode != self.mode:
+            raise SourceError(mode_conflict(path, "a colour image", channels_of(image.mode), self.mode))
+        return image, label if self.targets is None else self.targets[label]
 
 
 @dataclass
@@ -188,6 +196,8 @@ class Source:
     kind: str = "folder"
     list_file: str | None = None  # the CSV/JSON-lines list a "list" source was read from
     targets: np.ndarray | None = None  # (N, K) target vectors of a list; the label of sample i is its row
+    mode: str = "RGB"  # what every file is converted to: a folder's is RGB, as torchvision's loader
+    mode_given: bool = False  # by the caller (else chosen: a folder's default, or a list's scan)
 
     @property
     def target_spec(self) -> tuple[int, str] | None:
@@ -195,8 +205,11 @@ class Source:
         return None if self.targets is None else (int(self.targets.shape[1]), str(self.targets.dtype))
 
     origin_kind = "path"  # provenance: path relative to root
-    channels = 3  # pil_loader converts every file to RGB
     sample_shape = None  # files differ in size
+
+    @property
+    def channels(self) -> int:
+        return channels_of(self.mode)
 
     @property
     def labelled(self) -> bool:
@@ -209,7 +222,7 @@ class Source:
         return itertools.islice(self.samples, start, None)
 
     def loader(self, decode: dict[str, Any] | None = None) -> FileLoader:
-        return FileLoader(decode, self.targets)
+        return FileLoader(decode, self.targets, self.mode, self.mode_given)
 
     def origin(self, key: tuple[str, int]) -> str:
         return os.path.relpath(key[0], self.root)
@@ -227,17 +240,20 @@ class Source:
         if self.targets is not None:
             listing.update(np.ascontiguousarray(self.targets).tobytes())
         return {"source_root": os.path.abspath(self.root), "source_files": len(self),
-                "source_listing": listing.hexdigest()}
+                "source_listing": listing.hexdigest(), **mode_fingerprint(self.mode)}
 
     def describe(self) -> dict[str, Any]:
-        out = {"kind": self.kind, "root": os.path.abspath(self.root), "empty_classes": self.empty_classes}
+        out = {"kind": self.kind, "root": os.path.abspath(self.root), "empty_classes": self.empty_classes,
+               "mode": self.mode, "mode_given": self.mode_given}
         if self.list_file is not None:
             out["list"] = self.list_file
         return out
 
 
-def scan(root: str | os.PathLike) -> Source:
+def scan(root: str | os.PathLike, mode: str | None = None) -> Source:
     """Scan an ImageFolder-layout folder (or a flat folder of images).
+
+    Every file is converted to ``mode``: ``"RGB"`` (default, as torchvision's loader) or ``"L"``.
 
     Raises:
         SourceError: the folder does not exist or holds no image at all.
@@ -263,7 +279,7 @@ def scan(root: str | os.PathLike) -> Source:
                 f"{root}: none of the {len(classes)} class folders holds an image "
                 f"(extensions: {', '.join(IMG_EXTENSIONS)})"
             )
-        return Source(root_str, classes, class_to_idx, samples, empty)
+        return Source(root_str, classes, class_to_idx, samples, empty, **_mode_fields(mode))
     with os.scandir(root_str) as entries:
         flat = sorted(e.path for e in entries if e.is_file() and is_image_file(e.name))
     if not flat:
@@ -271,4 +287,9 @@ def scan(root: str | os.PathLike) -> Source:
             f"{root}: no class folders and no images (expected ROOT/CLASS/IMAGE, or a flat "
             f"folder of images; extensions: {', '.join(IMG_EXTENSIONS)})"
         )
-    return Source(root_str, [], {}, SampleList.build(root_str, ((p, UNLABELLED) for p in flat)), [])
+    return Source(root_str, [], {}, SampleList.build(root_str, ((p, UNLABELLED) for p in flat)), [],
+                  **_mode_fields(mode))
+
+
+def _mode_fields(mode: str | None) -> dict[str, Any]:
+    return {"mode": check_mode(mode) or "RGB", "mode_given": mode is not None}

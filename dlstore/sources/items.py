@@ -3,11 +3,15 @@
 An image is kept as the source gives it, so the static ops see what the user's
 torchvision pipeline would see:
 
-* a PIL image stays a PIL image (modes ``L`` and ``RGB`` as they are; any other
-  mode is converted to RGB, as ``pil_loader`` does for files);
+* a PIL image stays a PIL image, converted to the source's mode (``L`` or ``RGB``:
+  ``img.convert(mode)``, 16-bit grayscale scaled ``v >> 8`` first, as ``pil_loader``
+  does for files); without a mode to its ``storable_mode`` (``L`` for the grayscale
+  family ``1``/``L``/``LA``/``I;16``..., ``RGB`` for every other);
 * a uint8 ndarray or tensor becomes a uint8 (C, H, W) tensor, as ``v2.ToImage``
   makes it: ndarrays are read as (H, W, C) or (H, W), tensors as (C, H, W) or (H, W);
-  when the other layout is the only one with 1 or 3 channels, that one.
+  when the other layout is the only one with 1 or 3 channels, that one. Given a mode
+  of other channels, one channel is copied to three (what PIL's ``L`` -> ``RGB`` does)
+  and three become PIL's ``convert("L")`` of them.
 
 Labels: an int (Python, numpy or a 0-d tensor); ``None`` means unlabelled (-1). Or a
 target vector: a list, tuple, 1-D ndarray or tensor of K numbers, made an int64 array
@@ -22,15 +26,50 @@ from typing import Any
 import numpy as np
 from PIL import Image
 
-from ..errors import DecodeError
+from ..errors import DecodeError, SourceError
+from .decode import as_mode, channels_of, mode_conflict
 
 _CHANNELS = (1, 3)
 
 
-def to_image(obj: Any, where: str) -> Any:
-    """A PIL image (L or RGB) or a uint8 (C, H, W) tensor; DecodeError naming ``where`` otherwise."""
+def image_mode(image: Any) -> str:
+    """``"L"`` or ``"RGB"``: the mode of what ``to_image`` returned."""
+    return image.mode if isinstance(image, Image.Image) else "L" if image.shape[0] == 1 else "RGB"
+
+
+def source_image(obj: Any, where: str, mode: str | None, given: bool) -> Any:
+    """``obj`` as an image of the source's ``mode``: converted to it when the mode was given or is RGB;
+    a mode chosen as L (every image seen was grayscale) refuses a colour image (SourceError, not a
+    per-item DecodeError: ``on_error="skip"`` must not drop the colour images)."""
+    if mode is None or given or mode == "RGB":
+        return to_image(obj, where, mode)
+    image = to_image(obj, where)
+    if image_mode(image) != mode:
+        what = f"a PIL {obj.mode} image" if isinstance(obj, Image.Image) else f"a {type(obj).__name__} image"
+        raise SourceError(mode_conflict(where, what, channels_of(image_mode(image)), mode))
+    return image
+
+
+def to_image(obj: Any, where: str, mode: str | None = None) -> Any:
+    """A PIL image (L or RGB) or a uint8 (C, H, W) tensor, in ``mode`` when given; DecodeError
+    naming ``where`` otherwise."""
     if isinstance(obj, Image.Image):
-        return obj if obj.mode in ("L", "RGB") else obj.convert("RGB")
+        try:
+            return as_mode(obj, mode)
+        except (OSError, ValueError) as exc:  # a lazily opened file that cannot be decoded
+            raise DecodeError(where, f"cannot decode its image ({type(exc).__name__}: {exc})") from exc
+    tensor = _to_tensor(obj, where)
+    if mode is None or tensor.shape[0] == channels_of(mode):
+        return tensor
+    if tensor.shape[0] == 1:
+        return tensor.expand(3, -1, -1).contiguous()
+    import torch
+
+    gray = Image.fromarray(tensor.permute(1, 2, 0).numpy()).convert("L")
+    return torch.from_numpy(np.asarray(gray).copy()).unsqueeze(0)
+
+
+def _to_tensor(obj: Any, where: str) -> Any:
     import torch
 
     if isinstance(obj, np.ndarray):

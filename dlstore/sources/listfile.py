@@ -1,8 +1,13 @@
 """A CSV or JSON-lines list of ``path,label`` rows as a source.
 
 Paths are relative to ``root`` (default: the list file's folder); files are
-decoded with ``pil_loader`` exactly like an image folder's, in the order of the
-list. Provenance is the path as listed.
+decoded with ``pil_loader`` like an image folder's, in the order of the list.
+Provenance is the path as listed.
+
+Mode: ``mode="RGB"`` or ``"L"`` converts every file to it. By default the files'
+headers are read (``Image.open(f).mode``: nothing is decoded) up to the first colour
+file: any colour file makes the store RGB (``img.convert("RGB")``, as ImageFolder's
+loader); a list of grayscale files only (``L``, ``LA``, 16-bit...) stays one channel.
 
 * CSV (``.csv``, ``.tsv``, ``.txt``): ``path,label`` per row; a first row
   ``path,label`` (any names) whose label is not an integer is a header.
@@ -24,11 +29,14 @@ from __future__ import annotations
 import csv
 import json
 import os
+import warnings
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
 from ..errors import SourceError
+from .decode import check_mode, storable_mode
 from .folder import UNLABELLED, SampleList, Source
 
 LIST_SUFFIXES = (".csv", ".tsv", ".txt", ".jsonl", ".ndjson", ".json")
@@ -89,8 +97,35 @@ def _is_int(text: str) -> bool:
     return True
 
 
-def read_list(list_file: str | os.PathLike, root: str | os.PathLike | None = None) -> Source:
-    """The file list ``list_file`` as a source (raises SourceError naming the bad row)."""
+def read_list(list_file: str | os.PathLike, root: str | os.PathLike | None = None, *,
+              mode: str | None = None) -> Source:
+    """The file list ``list_file`` as a source (raises SourceError naming the bad row).
+
+    ``mode``: ``"RGB"`` or ``"L"``; None: chosen from the files (see the module doc).
+    """
+    check_mode(mode)
+    source = _read_list(list_file, root)
+    source.mode, source.mode_given = (mode, True) if mode is not None else (_choose_mode(source), False)
+    return source
+
+
+def _header_mode(path: str) -> str | None:
+    """The storable mode of a file from its header (PIL opens lazily); None if it cannot be opened."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(path) as img:
+                return storable_mode(img.mode)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
+        return None  # the conversion names (or skips) this file
+
+
+def _choose_mode(source: Source) -> str:
+    """RGB at the first colour file; L when every file that opens is grayscale."""
+    return "RGB" if any(_header_mode(path) == "RGB" for path, _ in source.samples) else "L"
+
+
+def _read_list(list_file: str | os.PathLike, root: str | os.PathLike | None) -> Source:
     list_path = Path(list_file)
     if not list_path.is_file():
         raise SourceError(f"{list_file}: no such list file")
