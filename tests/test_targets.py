@@ -313,7 +313,7 @@ def test_samples_slice_like_imagefolder(rgb_folder, tmp_path):
 @pytest.mark.parametrize("hold", ["dtype", "uint8"])
 def test_gpu_dataset_and_its_partitions_keep_float_target_vectors(tmp_path, hold):
     """GPUDataset and a rank's SubsetSource pass (N, K) float targets through, never cast to int64."""
-    from dlstore.data.partition import SubsetSource
+    from dlstore.data.gpu.partition import SubsetSource
 
     targets = np.random.default_rng(3).normal(size=(12, 3)).astype(np.float32)
     dst = tmp_path / "s.shards"

@@ -46,7 +46,12 @@ from ..transforms.functional import (
     crop_flip_loop,
     crop_flip_windows,
 )
-from ..transforms.hybrid import HybridTransform, _flatten, batch_plan, strip_static_prefix
+from ..transforms.hybrid import (
+    HybridTransform,
+    _flatten,
+    batch_plan,
+    strip_static_prefix,
+)
 from ..transforms.static import describe, parse_static
 
 # Batch buffers of at least this size are recycled in the main process (see _new_batch).

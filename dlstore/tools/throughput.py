@@ -135,7 +135,7 @@ def measure_throughput(
     max_seconds = 4 * seconds + 30 if max_seconds is None else max_seconds
     non_blocking = bool(kwargs.get("pin_memory")) and dev is not None and dev.type == "cuda"
     if threads or kwargs.get("shm_ring"):   # dlstore.loader: threads, or workers writing into the ring
-        from ..data.loading import loader as store_loader
+        from ..data.loaders.factory import loader as store_loader
 
         drop_last = bool((extra or {}).get("drop_last", False))
         loader: Any = store_loader(dataset, shuffle=shuffle, drop_last=drop_last, **kwargs)

@@ -16,7 +16,7 @@ prefetch):
    workers wait on I/O), twice round-robin when the budget allows; if the best is
    the highest count tried, doubling it while that pays (up to 4x the usable
    CPUs); then the midpoints next to the best. For a StoreDataset that threads apply to
-   (``dlstore.data.loading.threads_apply``), ``dlstore.loader(ds, threads=t)``, t = 1, 2 and
+   (``dlstore.data.loaders.factory.threads_apply``), ``dlstore.loader(ds, threads=t)``, t = 1, 2 and
    the usable CPUs (at most 8), joins the sweep; among equals threads (no inter-process
    copy) beat processes; so do ``dlstore.loader(ds, num_workers=w, shm_ring=True)``, worker
    processes writing into a shared-memory ring (no per-batch segment), for the same worker
@@ -383,7 +383,7 @@ def tune(
 def _thread_candidates(dataset: Any, usable: int) -> list[int]:
     """1, 2 and the usable CPUs (at most 8), for a StoreDataset that threads apply to; else none."""
     from ..data.dataset import StoreDataset
-    from ..data.loading import MAX_AUTO_THREADS, threads_apply
+    from ..data.loaders.factory import MAX_AUTO_THREADS, threads_apply
 
     top = max(1, min(usable, MAX_AUTO_THREADS))
     return sorted({1, min(2, top), top}) if isinstance(dataset, StoreDataset) and threads_apply(dataset) else []

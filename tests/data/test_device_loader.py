@@ -16,7 +16,7 @@ import torch
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data.device import DeviceLoader, _Ring, host_stage
+from dlstore.data.loaders.device import DeviceLoader, _Ring, host_stage
 from dlstore.errors import ArgumentError
 from dlstore.transforms import (
     BatchCutout,

@@ -421,7 +421,7 @@ def test_batch_transforms_from_dlstore_transforms(store):
 def test_torchvision_pipelines_and_hybrids_as_open_dataset_takes_them(store, stored):
     """Ops with a batch equivalent run per batch, others per sample (uint8 pixels), or a clear error."""
     from dlstore import TransformSpecError
-    from dlstore.data.gpu_loader import _PerSample
+    from dlstore.data.gpu.loader import _PerSample
     from dlstore.transforms import BatchNormalize, BatchRandomCrop, HybridTransform
 
     u8 = GPUDataset(store, CPU, torch.uint8)
@@ -446,7 +446,7 @@ def test_torchvision_pipelines_and_hybrids_as_open_dataset_takes_them(store, sto
 
 
 def test_generator_goes_only_to_a_parameter_named_generator():
-    from dlstore.data.gpu_loader import _accepts_generator
+    from dlstore.data.gpu.loader import _accepts_generator
 
     def named(x, generator=None):
         return x

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from dlstore.data.gpu_preload import ChunkRing
+from dlstore.data.gpu.preload import ChunkRing
 
 
 class Event:

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dlstore
-from dlstore.data.partition import epoch_order, per_rank, rank_share
+from dlstore.data.gpu.partition import epoch_order, per_rank, rank_share
 from dlstore.errors import ArgumentError
 
 N = 23

@@ -22,7 +22,7 @@ import torch
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data.shm_ring import ShmRingLoader
+from dlstore.data.loaders.shm_ring import ShmRingLoader
 from dlstore.errors import ArgumentError, UsageError, WorkerError
 from dlstore.transforms.batch import BatchCompose, BatchCutout, BatchRandomCrop
 
@@ -461,7 +461,7 @@ import sys, warnings
 import numpy as np
 import dlstore
 from torch.utils.data import DataLoader
-from dlstore.data.shm_ring import ShmRingLoader
+from dlstore.data.loaders.shm_ring import ShmRingLoader
 from dlstore.errors import SharedMemoryError
 
 images = np.random.default_rng(0).integers(0, 256, (40, 64, 64, 3), dtype=np.uint8)

@@ -24,9 +24,9 @@ from torchvision.transforms import v2
 
 import dlstore
 from dlstore.data import dataset as dataset_module
-from dlstore.data.loading import threads_apply
-from dlstore.data.shm_ring import ShmRingLoader
-from dlstore.data.threads import ThreadLoader, batch_seed
+from dlstore.data.loaders.factory import threads_apply
+from dlstore.data.loaders.shm_ring import ShmRingLoader
+from dlstore.data.loaders.threads import ThreadLoader, batch_seed
 from dlstore.errors import ArgumentError
 
 # torchvision 0.29 deprecates its image decoders (for TorchCodec) and warns on every call

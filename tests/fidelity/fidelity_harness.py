@@ -48,7 +48,7 @@ import torch
 from torchvision.transforms.v2 import functional as F
 
 import dlstore
-from dlstore.data.gpu_loader import _PerSample
+from dlstore.data.gpu.loader import _PerSample
 from dlstore.sources.demo import make_image_folder
 from dlstore.transforms import (
     BatchCompose,
@@ -211,7 +211,7 @@ def loader_params(ops: Sequence[Any], batch_shapes: Sequence[Sequence[int]], see
     g = gen(seed)
     base = int(torch.empty((), dtype=torch.int64).random_(generator=g))
     if threads or ring:
-        from dlstore.data.threads import batch_seed
+        from dlstore.data.loaders.threads import batch_seed
 
         return [draw(ops, shape, gen(batch_seed(base, 0, k))) for k, shape in enumerate(batch_shapes)]
     if workers == 0:

@@ -25,7 +25,7 @@ from test_paths import CASES, LOADER_CASES, MEAN, STD, _open
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data.device import host_stage
+from dlstore.data.loaders.device import host_stage
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 DTYPES = [None, torch.float32, torch.float16, torch.bfloat16]

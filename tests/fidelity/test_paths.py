@@ -72,8 +72,8 @@ from torchvision.transforms import v2
 
 import dlstore
 import dlstore.data.dataset as dataset_module
-from dlstore.data.gpu_loader import _is_torchvision, _PerSample, _steps
-from dlstore.data.shm_ring import ShmRingLoader
+from dlstore.data.gpu.loader import _is_torchvision, _PerSample, _steps
+from dlstore.data.loaders.shm_ring import ShmRingLoader
 from dlstore.errors import TransformSpecError
 from dlstore.transforms import (
     BatchCompose,

@@ -273,7 +273,7 @@ def test_tune_threads_only_for_stores(small_store):
 def test_tune_measures_the_shared_memory_ring_for_stores(small_store):
     """Worker processes through dlstore.loader's ring join the sweep of a fixed-shape store; their
     kwargs build a ShmRingLoader; a DataLoader-only tune (threads=False) measures none."""
-    from dlstore.data.shm_ring import ShmRingLoader
+    from dlstore.data.loaders.shm_ring import ShmRingLoader
 
     ds = dlstore.open_dataset(small_store / "small.shards")
     # the ring's trials come last in the sweep: a budget that a slow runner cannot spend before them

@@ -18,13 +18,13 @@ from torch.utils.data import (
 )
 from torch.utils.data.distributed import DistributedSampler
 
-from .._system import usable_cpus
-from ..errors import ArgumentError, ArgumentTypeError
-from ..transforms import compiled
-from .dataset import StoreDataset
+from ..._system import usable_cpus
+from ...errors import ArgumentError, ArgumentTypeError
+from ...transforms import compiled
+from ..dataset import StoreDataset
+from ..gpu.dataset import GPUDataset
+from ..gpu.loader import GPULoader
 from .device import DeviceLoader, host_stage
-from .gpu import GPUDataset
-from .gpu_loader import GPULoader
 from .shm_ring import ShmRingLoader, batch_spec, ring_bytes, shm_free, shm_message
 from .threads import ThreadLoader
 
@@ -125,9 +125,9 @@ def loader(
     while any tensor refers to it. ``pin_memory`` pins on the loader threads.
 
     With ``num_workers > 0`` and a batch path of fixed output shape (a fixed-shape store whose
-    transforms give tensors of one shape and dtype: :func:`~dlstore.data.shm_ring.batch_spec`
+    transforms give tensors of one shape and dtype: :func:`~dlstore.data.loaders.shm_ring.batch_spec`
     reads sample 0 to tell), worker processes write each batch into a ring of shared-memory
-    slots allocated once (a :class:`~dlstore.data.shm_ring.ShmRingLoader`; ``shm_ring=False``
+    slots allocated once (a :class:`~dlstore.data.loaders.shm_ring.ShmRingLoader`; ``shm_ring=False``
     takes the DataLoader instead): only the slot number, the batch index and the labels cross
     the pipes, 3.8-5.7x the DataLoader path's samples/s on 224 px batches. Its batches are the
     threads' (the same per-batch seeds and sampler order, whatever the worker count; per-sample
@@ -149,7 +149,7 @@ def loader(
     workers run only the host stage of the dataset's transforms (uint8 crops and flips)
     and the float tail -- the device stage: ``ToDtype``, ``Normalize``, every op after
     them and ``batch_transform`` -- runs on ``device`` (see ``HybridTransform`` and
-    :class:`~dlstore.data.device.DeviceLoader`): uint8 crosses the worker queues, the
+    :class:`~dlstore.data.loaders.device.DeviceLoader`): uint8 crosses the worker queues, the
     pinned buffers and the host-to-device copy, a quarter of the bytes of float32.
     The main process copies each batch into a ring of reused pinned buffers (CUDA)
     and issues the copy and the device stage on a side stream, a batch ahead of the

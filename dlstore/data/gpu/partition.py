@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import ArgumentError
+from ...errors import ArgumentError
 
 
 def _check(n: int, rank: int, world_size: int) -> None:

@@ -31,9 +31,9 @@ from typing import Any
 
 import torch
 
-from ..errors import ArgumentError, ArgumentTypeError
-from ..transforms.batch import BatchNormalize, BatchTransform
-from ..transforms.hybrid import _flatten, batch_steps, split_stages
+from ...errors import ArgumentError, ArgumentTypeError
+from ...transforms.batch import BatchNormalize, BatchTransform
+from ...transforms.hybrid import _flatten, batch_steps, split_stages
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Ring slots: batch k+1 is being copied while batch k+2 is staged; one spare so staging

@@ -38,8 +38,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from ..errors import ArgumentError, TransformSpecError
-from ..transforms.batch import (
+from ...errors import ArgumentError, TransformSpecError
+from ...transforms.batch import (
     BatchCompose,
     BatchCutout,
     BatchNormalize,
@@ -48,13 +48,18 @@ from ..transforms.batch import (
     BatchRandomResizedCrop,
     BatchTransform,
 )
-from ..transforms.hybrid import HybridTransform, _flatten, batch_steps, strip_static_prefix
-from .gpu_fused import FusedGather, unpadded_crop
+from ...transforms.hybrid import (
+    HybridTransform,
+    _flatten,
+    batch_steps,
+    strip_static_prefix,
+)
+from ..passes import LoaderIterator
+from .fused import FusedGather, unpadded_crop
 from .partition import epoch_order, per_rank
-from .threads import LoaderIterator
 
 if TYPE_CHECKING:
-    from .gpu import GPUDataset
+    from .dataset import GPUDataset
 
 # Served bytes per group of batches that the loader gathers and augments in one go.
 GROUP_BYTES = 64 << 20
@@ -265,7 +270,7 @@ def _against_store(transform: Any, ds: GPUDataset) -> tuple[Any, list[Any]]:
     if planned is not None:
         transform, skipped = planned
     if isinstance(transform, HybridTransform):
-        from .dataset import _check_static
+        from ..dataset import _check_static
 
         _check_static(where, manifest, transform)
     return transform, skipped
@@ -340,7 +345,7 @@ class GPULoader:
     kernel launches. Any other callable sees one batch at a time.
 
     ``fused=True`` runs crop (with padding) + flip + the conversion +
-    channels_last as one gather (:mod:`~dlstore.data.gpu_fused`) where the
+    channels_last as one gather (:mod:`~dlstore.data.gpu.fused`) where the
     transform has only those steps, with the same draws and bit-identical
     output, and raises when the transform cannot be fused; ``fused=False``
     keeps the step-by-step path; ``fused=None`` (default) fuses only with

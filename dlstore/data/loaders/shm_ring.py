@@ -76,10 +76,11 @@ import torch
 import torch.multiprocessing as tmp
 from torch.utils.data import BatchSampler
 
-from ..errors import ArgumentError, SharedMemoryError, UsageError, WorkerError
-from ..units import human_bytes
+from ...errors import ArgumentError, SharedMemoryError, UsageError, WorkerError
+from ...units import human_bytes
+from ..passes import LoaderIterator
 from .lifeline import Parent, TaskQueue, parent_spec
-from .threads import LoaderIterator, ThreadLoader, batch_seed
+from .threads import ThreadLoader, batch_seed
 
 # Seconds the workers get to exit after being told to, before they are terminated.
 _JOIN_S = 5.0

@@ -39,14 +39,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ..transforms.batch import (
+from ...transforms.batch import (
     BatchNormalize,
     BatchRandomCrop,
     BatchRandomHorizontalFlip,
 )
 
 if TYPE_CHECKING:
-    from .gpu import GPUDataset
+    from .dataset import GPUDataset
 
 log = logging.getLogger(__name__)
 

@@ -6,7 +6,7 @@ dataset sits on the device, converted once to fp16 (optionally normalised), and
 every batch is an ``index_select`` plus batch augmentations on the device.
 
 Preload pipeline (bounded host memory: a ring of PRELOAD_RING chunks on CUDA, 2 on CPU;
-see gpu_preload.py)::
+see preload.py)::
 
     reader threads                   main thread (CUDA: a side stream)
     ──────────────                   ───────────────────────────────────
@@ -38,22 +38,22 @@ from typing import Any
 import numpy as np
 import torch
 
-from .._system import usable_cpus
-from ..errors import (
+from ..._system import usable_cpus
+from ...errors import (
     ArgumentError,
     ArgumentTypeError,
     DeviceMemoryError,
     SampleIndexError,
     VariableShapeError,
 )
-from ..transforms.batch import _as_fill, _as_padding
-from ..transforms.static import PADDING_MODES
-from ..units import human_bytes
-from .dataset import StoreDataset, open_dataset
-from .gpu_fused import fill_vector, pad_map
-from .gpu_loader import GPULoader, _resolve_distributed
-from .gpu_preload import ChunkRing
+from ...transforms.batch import _as_fill, _as_padding
+from ...transforms.static import PADDING_MODES
+from ...units import human_bytes
+from ..dataset import StoreDataset, open_dataset
+from .fused import fill_vector, pad_map
+from .loader import GPULoader, _resolve_distributed
 from .partition import SubsetSource, rank_share
+from .preload import ChunkRing
 
 ON_OVERFLOW = ("error", "uint8", "stream")
 HOLD = ("dtype", "uint8")
@@ -115,7 +115,7 @@ class GPUDataset:
 
     Each rank of a distributed job holds the whole dataset and its loader reads a
     disjoint share of each epoch's permutation; with ``shard=True`` each rank
-    holds only its share of a fixed random partition (``dlstore.data.partition``).
+    holds only its share of a fixed random partition (``dlstore.data.gpu.partition``).
 
     Attributes:
         data: the ``(N, C, H, W)`` device tensor (``dtype``, or uint8 when
@@ -189,7 +189,7 @@ class GPUDataset:
             padding_fill: pixel value (0-255) of constant padding, or one per channel.
             shard: hold only this rank's share of the samples (for datasets that fit the
                 cluster's devices together but not one): rank ``r`` of ``W`` holds a fixed
-                random ``1/W`` of the store (see ``dlstore.data.partition`` for the
+                random ``1/W`` of the store (see ``dlstore.data.gpu.partition`` for the
                 shuffle this gives); its loader permutes that share every epoch.
             partition_seed: seed of the partition; the same on every rank.
 
