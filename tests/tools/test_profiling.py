@@ -15,7 +15,12 @@ from torch.utils.data import DataLoader, Dataset
 import dlstore
 from dlstore.cli import main
 from dlstore.sources.demo import make_image_folder
-from dlstore.tools.profiling import LoaderProfile, TimedDataset, profile_loader, synthetic_step
+from dlstore.tools.profiling import (
+    LoaderProfile,
+    TimedDataset,
+    profile_loader,
+    synthetic_step,
+)
 
 
 class SleepyDataset(Dataset):

@@ -17,8 +17,8 @@ from dlstore.cli import main
 from dlstore.sources.demo import make_image_folder
 from dlstore.tools.throughput import Trial
 from dlstore.tools.tuning import (
-    TuneResult,
     NOISE,
+    TuneResult,
     _worker_candidates,
     loader_kwargs,
     measure_throughput,
