@@ -329,6 +329,7 @@ def test_gpu_dataset_and_its_partitions_keep_float_target_vectors(tmp_path, hold
     np.testing.assert_array_equal(part.targets, targets[[1, 4, 9]])
 
 
+@pytest.mark.slow
 def test_distributed_conversion_of_target_vectors_equals_one_process(tmp_path):
     """Two gloo ranks convert an array source with (N, K) float targets: each format's assembled store
     holds the same targets and samples as a single-process conversion, and verifies."""

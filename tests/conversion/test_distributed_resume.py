@@ -350,6 +350,7 @@ def _convert_rank_merge_interrupted(rank: int, ds: Stopping, dst: str, kwargs: d
     return _convert_rank(rank, ds, dst, kwargs, {})
 
 
+@pytest.mark.slow
 def test_lmdb_merge_interrupted_keeps_the_finished_parts(tmp_path, reference):
     """LMDB's merge copies the parts, so an interruption there keeps them: the resume only merges."""
     dst, kwargs = tmp_path / "r.lmdb", {"static": STATIC, **OPTIONS["lmdb"]}

@@ -1,8 +1,9 @@
 """The GPU loader's fused gather and resident padding, on device="cpu" (the CUDA code path).
 
-Differential: the fused path against the unfused one (itself held to torchvision per sample
-by tests/fidelity), bit for bit, and a padded resident copy against padding per batch;
-plus torchvision per sample directly for a few drawn batches.
+Differential: the fused path (asserted fused) against the unfused one (itself held to
+torchvision per sample by tests/fidelity), bit for bit, and a padded resident copy against
+padding per batch; plus torchvision per sample directly, through tests/fidelity's harness
+(parameters recovered from the output among those torchvision can draw).
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ def _same(a, b):
         assert torch.equal(x, y) and torch.equal(lx, ly)
 
 
+def _refused_alike_when_fused(ds, batch_size, kw, exc):
+    """What the unfused path refuses (``exc``), the fused gather refuses too, with the same error
+    class; the loader must really be fused (``fused=None`` would take the unfused path again)."""
+    with pytest.raises(type(exc)):
+        fused = ds.loader(batch_size, fused=True, **kw)
+        assert fused.fused, fused.fused_reason   # an AssertionError is not type(exc): it escapes
+        list(fused)
+
+
 crops = st.builds(
     lambda size, padding, mode, fill: BatchRandomCrop(
         size, padding=padding, padding_mode=mode, fill=fill if mode == "constant" else 0),
@@ -104,12 +114,24 @@ def test_fused_equals_unfused_bit_for_bit(sets, residency, crop, p, flip_first, 
     try:
         want = list(ds.loader(batch_size, fused=False, **kw))
     except (RuntimeError, ValueError) as exc:   # reflect padding wider than the image: refused alike
-        with pytest.raises(type(exc)):
-            list(ds.loader(batch_size, **kw))
+        _refused_alike_when_fused(ds, batch_size, kw, exc)
         return
     fused = ds.loader(batch_size, fused=True, **kw)
     assert fused.fused, fused.fused_reason
     _same(list(fused), want)
+
+
+@pytest.mark.parametrize("residency", ["uint8", "held-uint8-fp16"])
+@pytest.mark.parametrize("mode, padding", [("reflect", 12), ("symmetric", 12), ("reflect", [0, 0, 10, 0])])
+def test_padding_wider_than_the_image_is_refused_fused_as_unfused(sets, residency, mode, padding):
+    """torchvision's F.pad refuses reflect/symmetric padding as wide as the image; so do both paths
+    (the sweep above never draws such padding on its 12x10 samples)."""
+    ds = sets(residency)
+    kw = {"transform": BatchCompose([BatchRandomCrop(8, padding=padding, padding_mode=mode),
+                                     BatchRandomHorizontalFlip()]), "seed": 1}
+    with pytest.raises((RuntimeError, ValueError, IndexError)) as info:
+        list(ds.loader(4, fused=False, **kw))
+    _refused_alike_when_fused(ds, 4, kw, info.value)
 
 
 @settings(max_examples=20, deadline=None, derandomize=True)
@@ -133,20 +155,18 @@ def test_torchvision_pipelines_on_uint8_data_fuse_the_conversion(sets, raw, out,
 
 
 def test_fused_is_torchvision_per_sample(sets, raw):
-    """Directly against torchvision: the same draws, F.pad + F.crop + F.horizontal_flip, ToDtype, Normalize."""
+    """Directly against torchvision: every sample is F.pad + F.crop (+ F.horizontal_flip) of its stored
+    sample for some window torchvision's RandomCrop can draw, then ToDtype + Normalize rounded once."""
     ds = sets("held-uint8-fp16")
-    crop, flip = BatchRandomCrop((9, 8), padding=[1, 2, 3, 4], fill=(10, 200, 77)), BatchRandomHorizontalFlip()
-    loader = ds.loader(N, transform=BatchCompose([crop, flip]), seed=5, channels_last=True, fused=True)
+    loader = ds.loader(N, transform=BatchCompose([BatchRandomCrop((9, 8), padding=[1, 2, 3, 4], fill=(10, 200, 77)),
+                                                  BatchRandomHorizontalFlip()]),
+                       seed=5, channels_last=True, fused=True)
     assert loader.fused
-    (got, _), = list(loader)
-    g = torch.Generator().manual_seed(loader._aug_seed(0))
-    pc = crop.sample((N, 3, H, W), generator=g)
-    pf = flip.sample((N, 3, 9, 8), generator=g)
-    for j in range(N):
-        x = F.crop(F.pad(raw[j], [1, 2, 3, 4], fill=[10, 200, 77]), int(pc["top"][j]), int(pc["left"][j]), 9, 8)
-        x = F.horizontal_flip(x) if bool(pf["flip"][j]) else x
-        ref = F.normalize(F.to_dtype(x, torch.float32, scale=True), list(MEAN), list(STD)).to(torch.float16)
-        assert torch.equal(got[j], ref), j
+    (got, labels), = list(loader)
+    pipeline = [v2.RandomCrop((9, 8), padding=[1, 2, 3, 4], fill=[10, 200, 77]), v2.RandomHorizontalFlip(),
+                v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]
+    _harness().check_path(pipeline, raw, got, what="fused, channels_last")
+    assert torch.equal(labels, torch.arange(N) // 7)        # 3 classes of 7, in store order
 
 
 def _harness():
@@ -185,12 +205,8 @@ def test_fused_equals_torchvision_through_the_fidelity_harness(sets, raw, reside
                        shuffle=True, fused=True)
     assert loader.fused and loader._fused.resident == bool(extra)
     got = torch.cat([x for x, _ in loader])
-    order = raw[loader.indices(0).cpu()]
-    g = h.gen(loader._aug_seed(0))
-    step = loader.group_batches * batch_size
-    ref = torch.cat([h.reference(ops, h.draw(ops, order[s:s + step].shape, g), order[s:s + step])
-                     for s in range(0, len(order), step)])
-    h.assert_same(got, h.convert(ref, ds.dtype, ds.normalize), what=f"{residency} {crop!r}")
+    order = raw[loader.indices(0).cpu()]      # shuffled: the epoch's order, as the loader reports it
+    h.check_path(ops, order, got, finish=lambda x: h.convert(x, ds.dtype, ds.normalize), what=f"{residency} {crop!r}")
 
 
 @pytest.mark.parametrize("transform, reason", [
@@ -354,8 +370,7 @@ def test_cuda_fused_equals_unfused(sets, residency, crop, p, flip_first, batch_s
     try:
         want = list(ds.loader(batch_size, fused=False, **kw))
     except (RuntimeError, ValueError) as exc:
-        with pytest.raises(type(exc)):
-            list(ds.loader(batch_size, **kw))
+        _refused_alike_when_fused(ds, batch_size, kw, exc)
         return
     fused = ds.loader(batch_size, fused=True, **kw)
     assert fused.fused, fused.fused_reason

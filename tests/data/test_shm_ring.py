@@ -158,6 +158,7 @@ def test_static_batches_equal_the_dataloader_paths(stores):
     assert torch.equal(torch.cat([y for _, y in batches]), labels[:21])
 
 
+@pytest.mark.slow
 def test_spawn_context(stores):
     ds = _random(stores["shards"])
     threads = _epoch(dlstore.loader(ds, 6, shuffle=True, generator=_gen(7), threads=1))
@@ -260,6 +261,7 @@ def test_errors_in_a_worker_name_the_batch(persistent, stores):
     assert not _children()
 
 
+@pytest.mark.slow
 def test_a_dead_worker_raises(stores):
     dl = _ring(dlstore.open_dataset(stores["shards"]), 4, 1, worker_init_fn=_die)
     with pytest.raises(WorkerError, match="exited with code 3"):
@@ -327,7 +329,7 @@ def test_break_mid_epoch_then_a_new_epoch(persistent, stores):
     assert not _children()
 
 
-@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("persistent", [False, pytest.param(True, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("drop", ["del", "close"])
 def test_an_iterator_dropped_before_its_first_batch_stops_its_workers(persistent, drop, stores):
     """iter() starts the workers (as a DataLoader's do); an iterator never advanced must not leave

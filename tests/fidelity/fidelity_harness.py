@@ -1,17 +1,36 @@
-"""The fidelity harness: torchvision's per-sample kernels are the reference for every read path.
+"""The fidelity harness: torchvision is the reference for every read path.
 
-Every dlstore path draws its random parameters through the ``sample`` method of
-its batch transforms (``dlstore.transforms.batch``; the GPU loader's per-sample
-wrapper has one too). The reference draws them again, from the same generator
-state, with the same ops (``draw``), then runs torchvision's functional kernels
-on each stored uint8 sample with those parameters (``reference``):
+A read path draws its random parameters inside dlstore, from generators seeded
+in a way the documented contract does not pin down sample by sample (batch k of
+a pass draws from a generator seeded from (``generator``, epoch, k); a batch op
+draws for the whole batch at once, not in torchvision's per-sample order). So the
+reference never asks dlstore which parameters it drew. Two ways instead:
+
+* ``tv_draw``: torchvision's own parameter draws (``v2.RandomCrop.make_params``,
+  ``v2.RandomResizedCrop.make_params``, ``RandomHorizontalFlip``'s ``torch.rand(1) < p``),
+  per sample, from torch's generator seeded with ``seed``; a test hands them to a
+  batch op's ``apply`` (its kernel, which takes the parameters) and compares with
+  ``reference``.
+* ``recover``: for a path that draws its own parameters, the parameters are found
+  from its output: every parameter torchvision can draw for the op (every crop
+  window of the padded image, flip or not as p allows, every crop box of a resized
+  crop, every cutout or erasing square) is run through torchvision's kernels on the
+  stored uint8 sample, and one must give the path's pixels (exactly; within
+  ``bound`` where one is stated). Then ``reference`` with those parameters is
+  compared again, sample by sample. That the draws follow torchvision's laws is
+  tests/fidelity/test_distributions.py's part.
+
+The ops are torchvision v2 transforms (``RandomCrop``, ``RandomHorizontalFlip``,
+``RandomResizedCrop``, ``RandomErasing``, ``ToImage``, ``ToDtype``, ``Normalize``:
+the pipeline a user wrote) or dlstore's batch ops, read as the torchvision
+transform each documents itself equal to:
 
     BatchRandomCrop            F.pad(fill, padding_mode) + F.crop
     BatchRandomHorizontalFlip  F.horizontal_flip
     BatchRandomResizedCrop     F.resized_crop
     BatchCutout                F.erase
     BatchNormalize             F.to_dtype(scale) + F.normalize   (float32)
-    _PerSample(op)             op itself, torch's generators seeded as the loader seeds them
+    _PerSample(op)             op itself (a torchvision transform)
 
 then the GPU dataset's conversion where the path has one (``convert``), and
 compares (``assert_same``): uint8 exactly; float against the float32 reference
@@ -45,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 import dlstore
@@ -97,53 +117,226 @@ def out_shape(op: Any, shape: Sequence[int]) -> tuple[int, ...]:
     return (b, c, h, w)
 
 
-def draw(ops: Sequence[Any], shape: Sequence[int], generator: torch.Generator) -> list[dict[str, torch.Tensor]]:
-    """The parameters ``ops`` draw, in order, for a batch of ``shape`` from ``generator`` (advanced)."""
-    params = []
-    for op in ops:
-        params.append(op.sample(tuple(shape), generator=generator, device=generator.device))
-        shape = out_shape(op, shape)
-    return params
-
-
 def _fill(fill: Any) -> Any:
     return list(fill) if isinstance(fill, tuple) else fill
 
 
-def _reference_op(op: Any, p: dict[str, torch.Tensor], j: int, x: torch.Tensor) -> torch.Tensor:
-    """torchvision's kernel for ``op`` on sample ``x`` (C, H, W) with sample ``j``'s parameters."""
-    if isinstance(op, BatchRandomCrop):
-        padding = op.padding_for(*x.shape[-2:])
-        if any(padding):
-            x = F.pad(x, list(padding), fill=_fill(op.fill), padding_mode=op.padding_mode)
-        return F.crop(x, int(p["top"][j]), int(p["left"][j]), *op.size)
-    if isinstance(op, BatchRandomHorizontalFlip):
-        return F.horizontal_flip(x) if bool(p["flip"][j]) else x
-    if isinstance(op, BatchRandomResizedCrop):
-        box = [int(p[k][j]) for k in ("top", "left", "height", "width")]
-        return F.resized_crop(x, *box, list(op.size), antialias=op.antialias)
+DETERMINISTIC = (v2.ToImage, v2.ToPureTensor, v2.ToDtype, v2.Normalize)
+
+
+def _spec(op: Any, c: int, h: int, w: int) -> dict[str, Any]:
+    """What ``op`` does to a (c, h, w) sample, in torchvision's terms (its kernel and arguments)."""
+    if isinstance(op, _PerSample):
+        op = op.op
+    if isinstance(op, (BatchRandomCrop, v2.RandomCrop)):
+        # the padding torchvision's RandomCrop applies (padding, then pad_if_needed): its own make_params
+        tv = as_torchvision(op) if isinstance(op, BatchRandomCrop) else op
+        with torch.random.fork_rng(devices=[]):
+            padding = tv.make_params([torch.empty((c, h, w), dtype=torch.uint8)])["padding"]
+        return {"kind": "crop", "padding": list(padding), "fill": _fill(tv.fill), "mode": tv.padding_mode,
+                "size": tuple(tv.size)}
+    if isinstance(op, (BatchRandomHorizontalFlip, v2.RandomHorizontalFlip)):
+        return {"kind": "flip", "p": float(op.p)}
+    if isinstance(op, (BatchRandomResizedCrop, v2.RandomResizedCrop)):
+        if isinstance(op, v2.RandomResizedCrop):
+            assert getattr(op.interpolation, "value", op.interpolation) in ("bilinear", 2), op
+        return {"kind": "rrc", "size": list(op.size), "antialias": bool(op.antialias)}
     if isinstance(op, BatchCutout):
-        v = torch.tensor(op.fill, dtype=torch.float32).reshape(-1, 1, 1)
-        return F.erase(x, int(p["top"][j]), int(p["left"][j]), op.size, op.size, v)
+        return {"kind": "erase", "size": op.size, "p": 1.0,
+                "v": torch.tensor(op.fill, dtype=torch.float32).reshape(-1, 1, 1)}
+    if isinstance(op, v2.RandomErasing):
+        assert op.value is not None, "random-valued erasing has no pixels to recover"
+        return {"kind": "erase", "size": None, "p": float(op.p), "v": torch.tensor(op.value)[:, None, None]}
     if isinstance(op, BatchNormalize):
-        x = F.to_dtype(x, torch.float32, scale=op.scale)
-        return F.normalize(x, op.mean, op.std) if op.mean is not None else x
+        def normalise(x: torch.Tensor) -> torch.Tensor:
+            x = F.to_dtype(x, torch.float32, scale=op.scale)
+            return F.normalize(x, op.mean, op.std) if op.mean is not None else x
+        return {"kind": "det", "fn": normalise}
+    if isinstance(op, DETERMINISTIC):
+        return {"kind": "det", "fn": lambda x: op(x).as_subclass(torch.Tensor)}
     raise TypeError(f"no reference for {op!r}")
 
 
+def as_torchvision(op: Any) -> Any:
+    """The torchvision transform a dlstore batch op documents itself equal to, per sample."""
+    if isinstance(op, BatchRandomCrop):
+        return v2.RandomCrop(op.size, padding=list(op.padding), pad_if_needed=op.pad_if_needed,
+                             fill=_fill(op.fill), padding_mode=op.padding_mode)
+    if isinstance(op, BatchRandomHorizontalFlip):
+        return v2.RandomHorizontalFlip(op.p)
+    if isinstance(op, BatchRandomResizedCrop):
+        return v2.RandomResizedCrop(op.size, scale=op.scale, ratio=op.ratio, antialias=op.antialias)
+    if isinstance(op, BatchCutout):   # no torchvision transform: a square placed uniformly, RandomCrop's law
+        return v2.RandomCrop(op.size)
+    raise TypeError(f"no torchvision counterpart for {op!r}")
+
+
+def tv_draw(ops: Sequence[Any], shape: Sequence[int], seed: int) -> list[dict[str, torch.Tensor]]:
+    """The parameters torchvision's own transforms draw for each sample of a batch of ``shape``,
+    from torch's default generator seeded with ``seed`` (restored after), as batch ops' ``apply``
+    takes them. ``ops``: dlstore batch ops (read through ``as_torchvision``)."""
+    b, c, h, w = shape
+    params = []
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        for op in ops:
+            if isinstance(op, BatchNormalize):
+                params.append({})
+            elif isinstance(op, BatchRandomHorizontalFlip):   # _RandomApplyTransform: applied iff rand(1) < p
+                params.append({"flip": torch.tensor([bool(torch.rand(1) < op.p) for _ in range(b)])})
+            else:
+                tv = as_torchvision(op)
+                draws = [tv.make_params([torch.empty((c, h, w), dtype=torch.uint8)]) for _ in range(b)]
+                keys = ("top", "left", "height", "width") if isinstance(op, BatchRandomResizedCrop) else ("top", "left")
+                params.append({k: torch.tensor([int(d[k]) for d in draws]) for k in keys})
+            b, c, h, w = out_shape(op, (b, c, h, w))
+    return params
+
+
+def _apply(spec: dict[str, Any], p: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
+    """torchvision's kernel of ``spec`` on ``x`` (a sample, or a stack of candidates) with parameters ``p``."""
+    kind = spec["kind"]
+    if kind == "crop":
+        if any(spec["padding"]):
+            x = F.pad(x, spec["padding"], fill=spec["fill"], padding_mode=spec["mode"])
+        return F.crop(x, int(p["top"]), int(p["left"]), *spec["size"])
+    if kind == "flip":
+        return F.horizontal_flip(x) if bool(p["flip"]) else x
+    if kind == "rrc":
+        box = [int(p[k]) for k in ("top", "left", "height", "width")]
+        return F.resized_crop(x, *box, spec["size"], antialias=spec["antialias"])
+    if kind == "erase":
+        if not bool(p.get("erased", True)):
+            return x
+        side = spec["size"]
+        return F.erase(x, int(p["top"]), int(p["left"]), int(p.get("height", side)), int(p.get("width", side)),
+                       spec["v"])
+    return spec["fn"](x)
+
+
 def reference(ops: Sequence[Any], params: Sequence[dict[str, torch.Tensor]], raw: torch.Tensor) -> torch.Tensor:
-    """torchvision per sample on the stored uint8 ``raw`` (B, C, H, W) with the drawn ``params``, on the CPU."""
+    """torchvision per sample on the stored uint8 ``raw`` (B, C, H, W) with the parameters ``params``
+    (one dict of per-sample tensors per op), on the CPU."""
     samples = list(raw.cpu())
     for op, p in zip(ops, params):
         p = {k: v.cpu() for k, v in p.items()}
-        if isinstance(op, _PerSample):
+        if isinstance(op, _PerSample) and "seed" in p:
             # the op itself (torchvision), with torch's generators seeded as the loader seeds them
             with torch.random.fork_rng(devices=[]):
                 torch.manual_seed(int(p["seed"]))
                 samples = [op.op(x) for x in samples]
             continue
-        samples = [_reference_op(op, p, j, x) for j, x in enumerate(samples)]
+        samples = [_apply(_spec(op, *x.shape), {k: v[j] for k, v in p.items()}, x) for j, x in enumerate(samples)]
     return torch.stack(samples)
+
+
+def _boxes(h: int, w: int, strict: bool = False):
+    """Every (height, width) box inside an h x w image (strictly smaller: RandomErasing's)."""
+    for bh in range(1, h if strict else h + 1):
+        for bw in range(1, w if strict else w + 1):
+            yield bh, bw
+
+
+def _expand(spec: dict[str, Any], cands: torch.Tensor, plist: list[tuple]) -> tuple[torch.Tensor, list[tuple]]:
+    """Every output torchvision's ``spec`` can give from each candidate, with its parameters."""
+    kind = spec["kind"]
+    h, w = cands.shape[-2:]
+    outs: list[torch.Tensor] = []
+    made: list[tuple] = []
+
+    def add(out: torch.Tensor, p: dict[str, Any]) -> None:
+        outs.append(out)
+        made.extend(pp + (p,) for pp in plist)
+
+    if kind == "crop":
+        padded = F.pad(cands, spec["padding"], fill=spec["fill"], padding_mode=spec["mode"]) \
+            if any(spec["padding"]) else cands
+        th, tw = spec["size"]
+        for top in range(padded.shape[-2] - th + 1):
+            for left in range(padded.shape[-1] - tw + 1):
+                add(padded[..., top:top + th, left:left + tw], {"top": top, "left": left})
+    elif kind == "flip":
+        for flip in ([False] if spec["p"] == 0 else [True] if spec["p"] == 1 else [False, True]):
+            add(F.horizontal_flip(cands) if flip else cands, {"flip": flip})
+    elif kind == "rrc":
+        for bh, bw in _boxes(h, w):
+            at = [(t, l) for t in range(h - bh + 1) for l in range(w - bw + 1)]
+            windows = torch.cat([cands[..., t:t + bh, l:l + bw] for t, l in at])
+            resized = F.resize(windows, spec["size"], antialias=spec["antialias"])
+            for k, (t, l) in enumerate(at):
+                add(resized[k * len(cands):(k + 1) * len(cands)], {"top": t, "left": l, "height": bh, "width": bw})
+    elif kind == "erase":
+        if spec["p"] < 1 or spec["size"] is None:   # not erased: p, or RandomErasing's fallback
+            add(cands, {"top": 0, "left": 0, "height": 0, "width": 0, "erased": False})
+        sides = [(spec["size"], spec["size"])] if spec["size"] is not None else _boxes(h, w, strict=True)
+        for bh, bw in sides:
+            for t in range(h - bh + 1):
+                for l in range(w - bw + 1):
+                    add(F.erase(cands, t, l, bh, bw, spec["v"]),
+                        {"top": t, "left": l, "height": bh, "width": bw, "erased": True})
+    else:
+        add(spec["fn"](cands), {})
+    return torch.cat(outs), made
+
+
+_CANDIDATES: dict[tuple, tuple[torch.Tensor, list[tuple]]] = {}
+
+
+def _key(op: Any) -> tuple:
+    inner = op.op if isinstance(op, _PerSample) else op
+    return type(op).__name__, repr(inner), tuple(sorted((k, repr(v)) for k, v in vars(inner).items()))
+
+
+def _candidates(ops: Sequence[Any], x: torch.Tensor) -> tuple[torch.Tensor, list[tuple]]:
+    """Every output torchvision's ``ops`` can give on sample ``x``, and the parameters of each (cached:
+    the tests use a few stored samples over and over)."""
+    key = (tuple(_key(op) for op in ops), tuple(x.shape), x.numpy().tobytes())
+    if key not in _CANDIDATES:
+        cands, plist = x[None], [()]
+        for op in ops:
+            cands, plist = _expand(_spec(op, *cands.shape[1:]), cands, plist)
+        _CANDIDATES[key] = (cands, plist)
+    return _CANDIDATES[key]
+
+
+def _match(out: torch.Tensor, target: torch.Tensor, bound: float | None) -> int | None:
+    if out.shape[1:] != target.shape:
+        return None
+    if bound is not None:
+        d = (out.double() - target.double()).abs().flatten(1).amax(1)
+        k = int(d.argmin())
+        return k if float(d[k]) <= bound else None
+    same = out == target if out.dtype == target.dtype else out.to(target.dtype) == target
+    hits = same.flatten(1).all(1).nonzero()
+    return int(hits[0]) if len(hits) else None
+
+
+def recover(ops: Sequence[Any], raw: torch.Tensor, got: torch.Tensor, *, finish: Any = None,
+            bound: float | None = None, what: str = "") -> list[dict[str, torch.Tensor]]:
+    """The parameters, per sample, for which torchvision's ``ops`` on ``raw[j]`` (then ``finish``, the
+    dataset's conversion) give ``got[j]``: exactly (float: the float32 reference cast to got's dtype),
+    or within ``bound``. Fails naming the first sample no parameter torchvision can draw explains.
+    Returns them as ``reference`` takes them."""
+    got = got.cpu()
+    assert len(got) == len(raw), f"{what}: {len(got)} samples for {len(raw)}"
+    found = []
+    for j in range(len(raw)):
+        cands, plist = _candidates(ops, raw[j].cpu())
+        out = finish(cands) if finish is not None else cands
+        k = _match(out, got[j], bound)
+        assert k is not None, (f"{what}: sample {j}: none of the {len(plist)} outputs torchvision's {list(ops)!r} "
+                               f"can give is the path's")
+        found.append(plist[k])
+    return [{key: torch.tensor([f[i][key] for f in found]) for key in found[0][i]} for i in range(len(ops))]
+
+
+def check_path(ops: Sequence[Any], raw: torch.Tensor, got: torch.Tensor, *, finish: Any = None,
+               bound: float | None = None, what: str = "") -> None:
+    """``got`` is torchvision's ``ops`` (then ``finish``) on ``raw`` for parameters torchvision can draw:
+    recovered, then the per-sample reference with them compared by ``assert_same``."""
+    params = recover(ops, raw, got, finish=finish, bound=bound, what=what)
+    ref = reference(ops, params, raw)
+    assert_same(got, finish(ref) if finish is not None else ref, bound=bound, what=what)
 
 
 def convert(ref: torch.Tensor, dtype: torch.dtype, normalize: Any = None) -> torch.Tensor:
@@ -194,27 +387,3 @@ def hw_ok(op: Any, h: int, w: int) -> bool:
     if isinstance(op, BatchCutout):
         return op.size <= min(h, w)
     return True
-
-
-def loader_params(ops: Sequence[Any], batch_shapes: Sequence[Sequence[int]], seed: int, *,
-                  workers: int = 0, threads: int = 0, ring: bool = False) -> list[list[dict[str, torch.Tensor]]]:
-    """The parameters ``dlstore.loader(..., generator=gen(seed))`` draws for each batch (first epoch).
-
-    Every way it builds batches starts a pass by drawing a base seed (one int64)
-    from its generator, as torch's DataLoader does. Then: in the DataLoader's main
-    process (``workers=0``) the batches draw from that same generator, in order;
-    DataLoader worker ``w`` seeds torch's default generator with ``base + w`` and
-    gets batches ``w, w + W, ...`` (round robin); with ``threads`` batch ``k``
-    draws from a generator seeded with ``threads.batch_seed(base, epoch, k)``, and so do the
-    workers of the shared-memory ring (``ring=True``).
-    """
-    g = gen(seed)
-    base = int(torch.empty((), dtype=torch.int64).random_(generator=g))
-    if threads or ring:
-        from dlstore.data.loaders.threads import batch_seed
-
-        return [draw(ops, shape, gen(batch_seed(base, 0, k))) for k, shape in enumerate(batch_shapes)]
-    if workers == 0:
-        return [draw(ops, shape, g) for shape in batch_shapes]
-    gens = [gen(base + w) for w in range(workers)]
-    return [draw(ops, shape, gens[k % workers]) for k, shape in enumerate(batch_shapes)]

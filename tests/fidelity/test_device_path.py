@@ -2,10 +2,11 @@
 
 The loader's threads or workers run the host stage (uint8), the main process
 the device stage (``ToDtype`` + ``Normalize`` as one ``BatchNormalize``) on
-``device``. Reference: torchvision per sample (``fidelity_harness.reference``)
-with the parameters the host stage drew -- the device stage draws nothing, so
-the host draws are exactly those of ``device=None`` -- and the same loader with
-``device=None`` (normalising in the threads/workers).
+``device``. Reference: the case's torchvision pipeline itself, per sample
+(``fidelity_harness.check_path``: the parameters recovered from the output among
+those torchvision can draw, then torchvision's kernels with them), never dlstore's
+split of it into stages; and the same loader with ``device=None`` (normalising in
+the threads/workers).
 
 Bounds: float32 identical to torchvision's float32 (the same float32 operations
 in the same order, on the CPU and on CUDA); float16 / bfloat16 identical to the
@@ -18,14 +19,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fidelity_harness import assert_same, gen, loader_params, make_store, reference
+from fidelity_harness import check_path, gen, make_store
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_paths import CASES, LOADER_CASES, MEAN, STD, _open
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data.loaders.device import host_stage
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
 DTYPES = [None, torch.float32, torch.float16, torch.bfloat16]
@@ -47,25 +47,21 @@ def stores(tmp_path_factory):
     return get
 
 
-def check_device_loader(ds, batch_size: int, seed: int, *, device: str, dtype=None, workers: int = 0,
+def check_device_loader(ops, ds, batch_size: int, seed: int, *, device: str, dtype=None, workers: int = 0,
                         threads: int = 0, context=None) -> None:
-    host_ds, steps = host_stage(ds)
+    """``ds`` opened with ``v2.Compose(ops)``: each batch is torchvision's ``ops`` per sample, rounded
+    once to ``dtype``, and the batch of the same loader with ``device=None``."""
     n = len(ds)
     bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
     raw_all, labels_all = ds.read_batch(range(n))
-    shapes = [(e - s, *raw_all.shape[1:]) for s, e in bounds]
-    # worker processes: the shared-memory ring (the default for fixed-shape batches) seeds batches as threads do
-    params = loader_params(host_ds.batch_ops, shapes, seed, workers=workers, threads=threads, ring=workers > 0)
     options = {"num_workers": workers, "threads": threads, "multiprocessing_context": context}
     got = list(dlstore.loader(ds, batch_size, generator=gen(seed), device=device, dtype=dtype, **options))
     cpu = list(dlstore.loader(ds, batch_size, generator=gen(seed), **options))
     assert len(got) == len(cpu) == len(bounds)
-    ops = list(host_ds.batch_ops) + steps
-    for (s, e), p, (x, y), (xc, yc) in zip(bounds, params, got, cpu):
+    for (s, e), (x, y), (xc, yc) in zip(bounds, got, cpu):
         what = f"batch {s}:{e}, {workers} workers, {threads} threads, {device}, {dtype}"
         assert x.device.type == torch.device(device).type and y.device == x.device, what
-        ref = reference(ops, list(p) + [{}] * len(steps), raw_all[s:e])
-        assert_same(x, ref, what=what)
+        check_path(ops, raw_all[s:e], x, what=what)
         assert torch.equal(x.cpu(), xc if dtype is None or not xc.is_floating_point() else xc.to(dtype)), what
         assert torch.equal(y.cpu(), labels_all[s:e]) and torch.equal(y.cpu(), yc), what
 
@@ -74,8 +70,8 @@ def check_device_loader(ds, batch_size: int, seed: int, *, device: str, dtype=No
 @pytest.mark.parametrize("threads", [0, 2])
 @pytest.mark.parametrize("case", DEVICE_CASES)
 def test_device_loader_equals_torchvision_and_cpu_path(stores, case, threads, device):
-    check_device_loader(_open(stores("lmdb" if threads else "shards"), case), 5, seed=3, threads=threads,
-                        device=device)
+    check_device_loader(CASES[case], _open(stores("lmdb" if threads else "shards"), case), 5, seed=3,
+                        threads=threads, device=device)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -83,7 +79,7 @@ def test_device_loader_equals_torchvision_and_cpu_path(stores, case, threads, de
 def test_device_loader_forked_workers(stores, case, device):
     """Two real DataLoader workers run the host stage; only uint8 crosses to the main process."""
     ds = _open(stores("hdf5"), case)
-    check_device_loader(ds, 4, seed=5, workers=2, context="fork", device=device, dtype=torch.float16)
+    check_device_loader(CASES[case], ds, 4, seed=5, workers=2, context="fork", device=device, dtype=torch.float16)
     host = dlstore.loader(ds, 4, num_workers=2, multiprocessing_context="fork", device=device).host_loader
     assert {x.dtype for x, _ in host} == {torch.uint8}
 
@@ -99,10 +95,10 @@ def test_device_loader_any_size_seed_and_dtype(stores, size, seed, batch_size, d
     h, w = size
     left, top, right, bottom = padding
     crop = (max(1, min(h + top + bottom, h + grow)), max(1, min(w + left + right, w + grow)))
-    pipeline = v2.Compose([v2.RandomCrop(crop, padding=padding), v2.RandomHorizontalFlip(p),
-                           v2.ToDtype(torch.float32, scale=True), v2.Normalize(mean, std)])
-    ds = dlstore.open_dataset(stores("shards", size), transform=pipeline)
-    check_device_loader(ds, batch_size, seed, threads=threads, device="cpu", dtype=dtype)
+    ops = [v2.RandomCrop(crop, padding=padding), v2.RandomHorizontalFlip(p), v2.ToDtype(torch.float32, scale=True),
+           v2.Normalize(mean, std)]
+    ds = dlstore.open_dataset(stores("shards", size), transform=v2.Compose(ops))
+    check_device_loader(ops, ds, batch_size, seed, threads=threads, device="cpu", dtype=dtype)
 
 
 def test_imagenet_stats_fit_the_stated_bounds():

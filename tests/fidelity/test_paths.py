@@ -1,8 +1,12 @@
 """Every read path gives torchvision's pixels for the parameters it drew (see fidelity_harness).
 
 Reference: torchvision's v2 functional kernels per sample on the stored uint8
-sample, with the parameters the path drew (re-drawn through the ops' ``sample``
-from the same generator state), then the GPU dataset's conversion if any.
+sample, with parameters torchvision can draw, then the GPU dataset's conversion
+if any: for a path that draws its own, the parameters are recovered from its
+output by trying every one torchvision can draw (``fidelity_harness.recover``);
+for a batch op's kernel, they are drawn by torchvision's own transforms
+(``tv_draw``) and given to its ``apply``. The ops are the pipeline as the user
+wrote it (torchvision's transforms), never dlstore's mapping of it.
 
 Path x op matrix (what these tests assert)::
 
@@ -57,14 +61,15 @@ from fidelity_harness import (
     CUDA_RRC_LEVELS,
     FP16_REL,
     assert_same,
+    check_path,
     convert,
-    draw,
     gen,
     hw_ok,
-    loader_params,
     make_store,
+    ops_of,
     reference,
     rrc_bound,
+    tv_draw,
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -72,7 +77,6 @@ from torchvision.transforms import v2
 
 import dlstore
 import dlstore.data.dataset as dataset_module
-from dlstore.data.gpu.loader import _is_torchvision, _PerSample, _steps
 from dlstore.data.loaders.shm_ring import ShmRingLoader
 from dlstore.errors import TransformSpecError
 from dlstore.transforms import (
@@ -175,13 +179,9 @@ def _open(path, case: str):
     return dlstore.open_dataset(path, batch_transform=t)
 
 
-def _dataset_reference(ds, raw_batch, params):
-    """Reference of ``ds.get_batch``: its per-sample torchvision ops (run with torch's global
-    generator, which the caller seeds), then torchvision kernels for its batch ops."""
-    samples = list(raw_batch)
-    for op in ds.per_sample_ops:
-        samples = [op(x) for x in samples]
-    return reference(ds.batch_ops, params, torch.stack(samples))
+def _reference_ops(case: str) -> list:
+    """The case's ops as the user wrote them: its torchvision pipeline, or dlstore batch ops."""
+    return list(CASES[case]) if _torchvision(case) else ops_of(CASES[case])
 
 
 # --- Batch* on CPU: any size, batch, padding and seed -----------------------------------------
@@ -236,9 +236,13 @@ def _batch_case(draw_):
 @settings(SETTINGS, max_examples=50)
 @given(_batch_case())
 def test_batch_transforms_on_cpu_equal_torchvision(case):
+    """Each op's kernel (``apply``) on parameters torchvision's own transforms drew."""
     x, ops, seed = case
-    got = BatchCompose(ops)(x, gen(seed))
-    assert_same(got, reference(ops, draw(ops, x.shape, gen(seed)), x), what=repr(ops))
+    params = tv_draw(ops, x.shape, seed)
+    got = x
+    for op, p in zip(ops, params):
+        got = op.apply(got, p)
+    assert_same(got, reference(ops, params, x), what=repr(ops))
 
 
 @SETTINGS
@@ -252,7 +256,7 @@ def test_fused_crop_flip_kernels_equal_torchvision(h, w, b, padding, grow, fill,
     tw = max(1, min(w + left + right, w + grow[1]))
     x = torch.randint(0, 256, (b, 3, h, w), generator=gen(seed), dtype=torch.uint8)
     crop = BatchRandomCrop((th, tw), padding=padding, fill=fill)
-    p_crop = crop.sample(x.shape, generator=gen(seed))
+    p_crop, = tv_draw([crop], x.shape, seed)
     p_flip = {"flip": {"none": torch.zeros(b, dtype=torch.bool), "all": torch.ones(b, dtype=torch.bool),
                        "some": torch.rand(b, generator=gen(seed + 1)) < 0.5}[flips]}
     flip = BatchRandomHorizontalFlip()
@@ -286,9 +290,10 @@ def test_get_batch_on_every_format_equals_torchvision(stores, case, fmt, kernel)
         torch.manual_seed(seed)       # per-sample torchvision ops draw from torch's global generator
         with kernel_selected(kernel):
             got, got_labels = ds.get_batch(idx, generator=gen(seed))
-        torch.manual_seed(seed)
-        ref = _dataset_reference(ds, raw_batch, draw(ds.batch_ops, raw_batch.shape, gen(seed)))
-        assert_same(got, ref, what=f"{case} {fmt} {kernel} seed {seed}")
+            torch.manual_seed(seed)
+            again, _ = ds.get_batch(idx, generator=gen(seed))
+        check_path(_reference_ops(case), raw_batch, got, what=f"{case} {fmt} {kernel} seed {seed}")
+        assert torch.equal(got, again)          # the same generators, the same batch
         assert torch.equal(got_labels, labels)
 
 
@@ -297,16 +302,15 @@ def test_get_batch_on_every_format_equals_torchvision(stores, case, fmt, kernel)
 def test_get_batch_tiny_images_pad_if_needed(stores, size, crop, kernel):
     """1-pixel and thin images, smaller than the crop: pad_if_needed pads both sides, as torchvision."""
     path = stores("shards", size)
-    ds = dlstore.open_dataset(path, transform=v2.Compose([
-        v2.RandomCrop(crop, padding=[0, 1, 0, 0], pad_if_needed=True, fill=9), v2.RandomHorizontalFlip()]))
+    ops = [v2.RandomCrop(crop, padding=[0, 1, 0, 0], pad_if_needed=True, fill=9), v2.RandomHorizontalFlip()]
+    ds = dlstore.open_dataset(path, transform=v2.Compose(ops))
     assert ds._fused_crop is not None and ds._fused_flip is not None
     idx = list(range(12))
     raw_batch, _ = ds.read_batch(idx)
     for seed in range(3):
         with kernel_selected(kernel):
             got, _ = ds.get_batch(idx, generator=gen(seed))
-        assert_same(got, reference(ds.batch_ops, draw(ds.batch_ops, raw_batch.shape, gen(seed)), raw_batch),
-                    what=f"{size} crop {crop} {kernel} seed {seed}")
+        check_path(ops, raw_batch, got, what=f"{size} crop {crop} {kernel} seed {seed}")
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
@@ -323,30 +327,31 @@ def test_get_batch_any_padding_and_batch(stores, padding, p, grow, fill, idx, se
     with kernel_selected(kernel):        # hypothesis: no function-scoped monkeypatch
         got, _ = ds.get_batch(idx, generator=gen(seed))
     raw_batch, _ = ds.read_batch(idx)
-    assert_same(got, reference(ds.batch_ops, draw(ds.batch_ops, raw_batch.shape, gen(seed)), raw_batch))
+    check_path(ops, raw_batch, got)
 
 
 # --- dlstore.loader: in process, forked and spawned workers ------------------------------------
 
 
 
-def _check_loader(ds, batch_size: int, seed: int, *, workers: int = 0, threads: int = 0, context=None,
+def _check_loader(case: str, ds, batch_size: int, seed: int, *, workers: int = 0, threads: int = 0, context=None,
                   shm_ring: bool | None = None) -> None:
     n = len(ds)
     bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
     raw_all, labels_all = ds.read_batch(range(n))
-    shapes = [(e - s, *raw_all.shape[1:]) for s, e in bounds]
     loader = dlstore.loader(ds, batch_size, num_workers=workers, generator=gen(seed),
                             multiprocessing_context=context, threads=threads, shm_ring=shm_ring)
     ring = isinstance(loader, ShmRingLoader)
     assert ring == (workers > 0 and shm_ring is not False)   # the ring is the default for workers
-    params = loader_params(ds.batch_ops, shapes, seed, workers=workers, threads=threads, ring=ring)
     batches = list(loader)
     assert len(batches) == len(bounds)
-    for (s, e), p, (x, y) in zip(bounds, params, batches):
-        assert_same(x, reference(ds.batch_ops, p, raw_all[s:e]),
-                    what=f"batch {s}:{e}, {workers} workers ({'ring' if ring else 'DataLoader'}), {threads} threads")
+    for (s, e), (x, y) in zip(bounds, batches):
+        check_path(_reference_ops(case), raw_all[s:e], x,
+                   what=f"{case} batch {s}:{e}, {workers} workers ({'ring' if ring else 'DataLoader'}), {threads} threads")
         assert torch.equal(y, labels_all[s:e])
+    if threads or ring:   # documented: the threads' batches, whatever the thread or worker count
+        one = list(dlstore.loader(ds, batch_size, generator=gen(seed), threads=1))
+        assert all(torch.equal(x, x1) for (x, _), (x1, _) in zip(batches, one))
 
 
 # RandomErasing runs per sample with torch's global generator: its draws are torchvision's own
@@ -357,12 +362,12 @@ WORKER_CASES = ["crop-4-padding-asym", "crop-asym+flip-p0.5", "crop-pad-if-neede
 
 @pytest.mark.parametrize("case", LOADER_CASES)
 def test_loader_in_process_equals_torchvision(stores, case):
-    _check_loader(_open(stores(), case), 5, seed=3)
+    _check_loader(case, _open(stores(), case), 5, seed=3)
 
 
 @pytest.mark.parametrize("case", LOADER_CASES)
 def test_loader_threads_equal_torchvision(stores, case):
-    _check_loader(_open(stores("lmdb"), case), 5, seed=4, threads=2)
+    _check_loader(case, _open(stores("lmdb"), case), 5, seed=4, threads=2)
 
 
 @pytest.mark.parametrize("shm_ring", [None, False], ids=["ring", "dataloader"])
@@ -371,13 +376,13 @@ def test_loader_threads_equal_torchvision(stores, case):
                          + [("pipeline", k) for k in ("loop", "compiled")])
 def test_loader_forked_workers_equal_torchvision(stores, case, kernel, shm_ring):
     with kernel_selected(kernel):       # set before the fork: the workers inherit it
-        _check_loader(_open(stores({"loop": "lmdb", "compiled": "hdf5"}.get(kernel, "shards")), case), 4,
+        _check_loader(case, _open(stores({"loop": "lmdb", "compiled": "hdf5"}.get(kernel, "shards")), case), 4,
                       seed=5, workers=2, context="fork", shm_ring=shm_ring)
 
 
 @pytest.mark.slow
 def test_loader_spawned_workers_equal_torchvision(stores):
-    _check_loader(_open(stores("hdf5"), "pipeline"), 6, seed=7, workers=2, context="spawn")
+    _check_loader("pipeline", _open(stores("hdf5"), "pipeline"), 6, seed=7, workers=2, context="spawn")
 
 
 # --- the GPU loader: uint8 and fp16 residency, the uint8 fallback, stream mode -------------------
@@ -405,10 +410,6 @@ def gpu_sets(stores):
     return get
 
 
-def _gpu_reference_ops(transform):
-    return [_PerSample(op) if _is_torchvision(op) else op for op in _steps(transform)]
-
-
 def _refused(case: str, residency: str) -> bool:
     """What the GPU loader refuses, with a TransformSpecError naming the op: a per-sample
     torchvision op on data held converted, and a Normalize on a dataset that normalises."""
@@ -429,24 +430,21 @@ def test_gpu_loader_equals_torchvision(gpu_sets, raw, case, residency, device):
             ds.loader(5, transform=transform, seed=2)
         return
     loader = ds.loader(5, transform=transform, seed=2)
-    ops = _gpu_reference_ops(transform)
-    g = gen(loader._aug_seed(0), ds.device)
-    step = loader.group_batches * loader.batch_size
-    refs = []
-    for s in range(0, len(raw), step):
-        group = raw[s:s + step]
-        refs.append(reference(ops, draw(ops, group.shape, g), group))
-    ref = convert(torch.cat(refs), ds.dtype, ds.normalize)
+    ops = _reference_ops(case)
     got = torch.cat([x for x, _ in loader])
     what = f"{case} {residency} {device}"
-    resamples = any(isinstance(op, BatchRandomResizedCrop) for op in ops)
-    if resamples and ds.device.type == "cuda" and got.dtype == torch.uint8:
-        levels = int((got.cpu().int() - ref.int()).abs().max())
-        assert levels <= CUDA_RRC_LEVELS, f"{what}: {levels} levels from torchvision's CPU kernel"
-        return
+
+    def finish(x):
+        return convert(x, ds.dtype, ds.normalize)
+
+    resamples = any(isinstance(op, (BatchRandomResizedCrop, v2.RandomResizedCrop)) for op in ops)
     converted = ds.mode == "preload" and ds.dtype != torch.uint8     # resamples fp16 values, not pixels
-    bound = rrc_bound(STD, ref) if resamples and (converted or ds.device.type == "cuda") else None
-    assert_same(got, ref, bound=bound, what=what)
+    bound = None
+    if resamples and ds.device.type == "cuda" and got.dtype == torch.uint8:
+        bound = CUDA_RRC_LEVELS      # levels from torchvision's CPU kernel
+    elif resamples and (converted or ds.device.type == "cuda"):
+        bound = rrc_bound(STD, finish(raw))   # resampled values stay within the converted pixels' range
+    check_path(ops, raw, got, finish=finish, bound=bound, what=what)
 
 
 @settings(max_examples=15, deadline=None, derandomize=True)
@@ -459,11 +457,8 @@ def test_gpu_loader_any_padding_batch_and_seed(gpu_sets, raw, residency, padding
     if cutout:
         ops.append(BatchCutout(3, fill=255 - fill))
     loader = ds.loader(batch_size, transform=BatchCompose(ops), seed=seed)
-    g = gen(loader._aug_seed(0))
-    step = loader.group_batches * batch_size
-    ref = torch.cat([reference(ops, draw(ops, raw[s:s + step].shape, g), raw[s:s + step])
-                     for s in range(0, len(raw), step)])
-    assert_same(torch.cat([x for x, _ in loader]), convert(ref, ds.dtype, ds.normalize), what=residency)
+    got = torch.cat([x for x, _ in loader])
+    check_path(ops, raw, got, finish=lambda x: convert(x, ds.dtype, ds.normalize), what=residency)
 
 
 def test_gpu_loader_takes_plain_modules_and_calls_generator_only_by_name(gpu_sets):
@@ -494,9 +489,17 @@ def test_gpu_loader_random_crop_draws_per_sample(gpu_sets, raw):
     assert len(offsets) >= 8
 
 
-def test_fp16_bound_is_half_an_ulp():
-    """The stated fp16 bound is what rounding to nearest gives on the values a normalised batch holds."""
-    x = torch.linspace(-3, 3, 100_001, dtype=torch.float64)
-    d = (x.to(torch.float16).double() - x).abs()
-    assert bool((d <= FP16_REL * x.abs() + 2.0 ** -25).all())
-    assert float((d / x.abs().clamp_min(2.0 ** -14)).max()) > 0.9 * FP16_REL   # and not loose
+def test_fp16_residency_is_torchvision_float32_rounded_once(gpu_sets, raw):
+    """A normalised fp16 GPUDataset holds torchvision's float32 ToDtype + Normalize of each stored
+    sample, rounded once to float16: within the harness's FP16 bound, equal to the rounding, and
+    the bound is reached on these samples (it is not loose)."""
+    from torchvision.transforms.v2 import functional as F
+
+    held = gpu_sets("fp16", "cpu").data
+    ref = F.normalize(F.to_dtype(raw, torch.float32, scale=True), list(MEAN), list(STD))
+    got = held[:len(raw)]
+    assert got.dtype == torch.float16 and got.shape == ref.shape
+    d = (got.double() - ref.double()).abs()
+    assert bool((d <= FP16_REL * ref.double().abs() + 2.0 ** -25).all()), float(d.max())
+    assert torch.equal(got, ref.to(torch.float16))
+    assert float((d / ref.double().abs().clamp_min(2.0 ** -14)).max()) > 0.9 * FP16_REL

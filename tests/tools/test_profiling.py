@@ -15,7 +15,12 @@ from torch.utils.data import DataLoader, Dataset
 import dlstore
 from dlstore.cli import main
 from dlstore.sources.demo import make_image_folder
-from dlstore.tools.profiling import TimedDataset, profile_loader, synthetic_step
+from dlstore.tools.profiling import (
+    LoaderProfile,
+    TimedDataset,
+    profile_loader,
+    synthetic_step,
+)
 
 
 class SleepyDataset(Dataset):
@@ -104,17 +109,46 @@ def test_timed_dataset_refuses_more_workers_than_rows():
     iterator._shutdown_workers()  # now, not at a later garbage collection (which waits 5 s a worker)
 
 
+class _TimedFetches(SleepyDataset):
+    """SleepyDataset that records, outside the profiler, how long each of its fetches took."""
+
+    def __init__(self, n: int, delay: float):
+        super().__init__(n=n, delay=delay)
+        self.fetches: list[float] = []
+
+    def __getitem__(self, i):
+        start = time.perf_counter()
+        try:
+            return super().__getitem__(i)
+        finally:
+            self.fetches.append(time.perf_counter() - start)
+
+
 def _profile(dataset_delay: float, step_delay: float):
-    loader = DataLoader(SleepyDataset(n=16, delay=dataset_delay), batch_size=2, num_workers=0)
+    """Profile 8 batches of 2 and measure, independently of the profiler, each batch's fetches
+    (inside the wait, workers=0), each loop body (inside the step) and the wall time of the
+    measured steps (from the end of the first body, which the skipped first step contains)."""
+    ds = _TimedFetches(n=16, delay=dataset_delay)
+    loader = DataLoader(ds, batch_size=2, num_workers=0)
+    bodies, start = [], None
     with profile_loader(loader) as p:
         for _x, _y in p:
+            body = time.perf_counter()
             time.sleep(step_delay)
+            bodies.append(time.perf_counter() - body)
+            start = start if start is not None else time.perf_counter()
+    wall = time.perf_counter() - start
+    fetched = [ds.fetches[k] + ds.fetches[k + 1] for k in range(0, 16, 2)]
     report = p.report()
     assert report.steps == 7  # 8 batches, the first skipped
     assert len(p.waits) == len(p.steps) == 8
-    assert report.wait == pytest.approx(sum(p.waits[1:])) and report.step == pytest.approx(sum(p.steps[1:]))
-    assert report.stall_fraction == pytest.approx(report.wait / (report.wait + report.step))
-    assert report.speedup_if_free == pytest.approx((report.wait + report.step) / report.step)
+    assert all(w >= f for w, f in zip(p.waits, fetched)) and all(s >= b for s, b in zip(p.steps, bodies))
+    assert report.first_wait == p.waits[0] >= fetched[0]
+    # the measured steps lie inside the wall time, and contain the fetches and bodies measured outside
+    assert sum(fetched[1:]) <= report.wait and sum(bodies[1:]) <= report.step
+    assert report.wait + report.step <= wall
+    assert sum(fetched[1:]) / wall <= report.stall_fraction <= 1 - sum(bodies[1:]) / wall
+    assert 1.0 <= report.speedup_if_free <= wall / max(sum(bodies[1:]), 1e-9)
     return p, report
 
 
@@ -128,6 +162,21 @@ def test_profile_loader_stall_tracks_the_slow_side():
     slow_step, step_report = _profile(dataset_delay=0.0, step_delay=2 * delay)
     assert all(s >= 2 * delay for s in slow_step.steps)
     assert step_report.step >= 7 * 2 * delay
+
+
+def test_loader_report_of_known_waits_and_steps():
+    """Hand-computed: skip the first step; wait 1+3+2 = 6 s, step 1+1+2 = 4 s: stall 6/10, speed-up
+    10/4; numpy's linear percentiles of (1, 2, 3) and (1, 1, 2): p50 2 and 1, p95 2.9 and 1.9."""
+    p = LoaderProfile([], sync=None, skip_first=1, record_function=False)
+    p.waits, p.steps = [5.0, 1.0, 3.0, 2.0], [9.0, 1.0, 1.0, 2.0]
+    r = p.report()
+    assert (r.steps, r.first_wait, r.wait, r.step) == (3, 5.0, 6.0, 4.0)
+    assert r.stall_fraction == pytest.approx(0.6) and r.speedup_if_free == pytest.approx(2.5)
+    assert (r.wait_p50, r.step_p50) == (2.0, 1.0)
+    assert r.wait_p95 == pytest.approx(2.9) and r.step_p95 == pytest.approx(1.9)
+    p.waits, p.steps = [5.0, 1.0, 3.0], [9.0, 1.0]   # a step in progress: its wait is not counted
+    r = p.report()
+    assert (r.steps, r.wait, r.step, r.stall_fraction) == (1, 1.0, 1.0, 0.5)
 
 
 def test_profile_loader_early_break_and_misuse():
@@ -156,10 +205,34 @@ def test_profile_loader_labels_show_in_a_torch_profiler_trace():
     assert {"dlstore.wait_for_data", "dlstore.step"} <= names
 
 
-@pytest.mark.parametrize("spec", ["conv", "matmul:32", "sleep:1"])
-def test_synthetic_steps_run_on_cpu(spec):
-    step = synthetic_step(spec, device="cpu")
+def test_synthetic_sleep_step_sleeps_its_milliseconds():
+    step = synthetic_step("sleep:30", device="cpu")
+    start = time.perf_counter()
     step(torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.tensor([0, 1]))
+    assert time.perf_counter() - start >= 0.030   # time.sleep never returns early
+
+
+def test_synthetic_matmul_step_costs_2_n_cubed_flops_whatever_the_batch():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    step = synthetic_step("matmul:32", device="cpu")
+    for batch in (torch.zeros(2, 3, 8, 8, dtype=torch.uint8), torch.zeros(9, 1, 4, 4, dtype=torch.uint8)):
+        with FlopCounterMode(display=False) as counter:
+            step(batch, torch.zeros(len(batch), dtype=torch.int64))
+        assert counter.get_total_flops() == 2 * 32 ** 3
+
+
+def test_synthetic_conv_step_trains_on_labels_modulo_the_classes():
+    """A forward, a backward and an SGD update, on labels beyond num_classes (taken modulo it)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    step = synthetic_step("conv", device="cpu", num_classes=10)
+    x, y = torch.randint(0, 256, (4, 3, 16, 16), dtype=torch.uint8), torch.tensor([0, 9, 13, 25])
+    with FlopCounterMode(display=False) as counter:
+        step(x, y)
+    ops = {str(op) for counts in counter.get_flop_counts().values() for op in counts}
+    assert any("convolution_backward" in op for op in ops), ops
+    assert any("convolution" in op and "backward" not in op for op in ops), ops
 
 
 def test_synthetic_step_rejects_unknown():
