@@ -174,12 +174,7 @@ ACCEPTED = {
 }
 
 # Junk that must be refused and is not: known bugs, reported; strict, so a fix shows here.
-BUGS = {
-    ("convert", "store_format", "[]"): "convert takes `store_format or <suffix>`: a falsy junk value means "
-                                       "'from the suffix' (dlstore/conversion/local.py)",
-    **{("loader", "seed", v): "dlstore.loader never checks seed; a StoreDataset loader reads it only when "
-                              "distributed (dlstore/data/loading.py)" for v in ("'x'", "1.5", "[]", "object()")},
-}
+BUGS: dict = {}   # (entry, argument, junk id) -> why a junk value is still accepted (a strict xfail)
 
 # Arguments that are paths: a message may name them by their value instead ("x: no such store",
 # "cannot convert a NoneType: give an image folder, ...").

@@ -212,7 +212,10 @@ def convert(
         raise ArgumentError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
     log = log or (lambda message: None)
     dst = Path(dst)
-    fmt = store_format or formats.format_for_destination(dst)
+    if store_format is not None and not isinstance(store_format, str):
+        raise ArgumentTypeError(f"store_format must be None (from dst's suffix) or one of "
+                                f"{', '.join(formats.names())}, got {store_format!r}")
+    fmt = formats.format_for_destination(dst) if store_format is None else store_format
     module = formats.get_format(fmt)
     spec = parse_static(static)
     _check_writer_options(module, fmt, format_options)

@@ -99,7 +99,7 @@ def loader(
     multiprocessing_context: Any = None,
     worker_init_fn: Callable[[int], None] | None = None,
     distributed: bool = False,
-    seed: int = 0,
+    seed: int | None = 0,
     transform: Callable[..., torch.Tensor] | None = None,
     channels_last: bool = False,
     threads: int | None = None,
@@ -191,6 +191,8 @@ def loader(
             (None: where the batch has a fixed shape, else the DataLoader; True: the ring, or
             ArgumentError; False: the DataLoader).
     """
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise ArgumentTypeError(f"seed must be an int (or None: 0, a GPUDataset's own), got {seed!r}")
     if isinstance(dataset, GPUDataset):
         unused = [name for name, value, default in (
             ("num_workers", num_workers, 0), ("generator", generator, None), ("pin_memory", pin_memory, False),
@@ -261,7 +263,7 @@ def loader(
         if not (dist.is_available() and dist.is_initialized()):
             raise ArgumentError("loader(distributed=True) needs an initialised torch.distributed process group "
                              "(launch with torchrun and call torch.distributed.init_process_group first)")
-        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed or 0, drop_last=drop_last)
     else:
         sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
     batches = _EpochBatchSampler(sampler, batch_size, drop_last)
