@@ -21,7 +21,7 @@ Every format stores the same JSON document in its native place (shards:
                  # | arrays (+ "shape", "layout"); skipped items of datasets/arrays: {"index": i, ...}
                  # "mode": "RGB" | "L" (every image converted to it), "mode_given": bool (False:
                  # chosen, see dlstore.sources); optional: no reader needs them (the sample shape
-                 # holds the channels), so a manifest without them opens as before
+                 # holds the channels), so a manifest without them opens too
       "checksums": {"algorithm": "sha256", "files": {"shard-00000.npy": "ab12..."}},
       "layout": {...}                   # format-specific: file list, counts, ...
                                         # "provenance": {"kind": "path" | "index", where it is kept}

@@ -15,7 +15,7 @@ Two kernels for the same result, chosen by output size:
   the copy dominates);
 * ``crop_flip_windows``: vectorised, no per-sample Python (small images).
 
-What the loop costs (issue 17; a 2-core Xeon VM shared with other jobs, 224x224 shards,
+What the loop costs (a 2-core Xeon VM shared with other jobs, 224x224 shards,
 padding 4, half flipped, the kernels alone on 8 shuffled batches, CPU time of the
 calling thread, 25th percentile of 12-30 interleaved runs):
 

@@ -403,9 +403,9 @@ class GPULoader:
         self._fused: FusedGather | None = None
         self.fused_reason = "fused=False"
         if fused is None and not (compile and dataset.device.type == "cuda"):
-            # Measured (benchmarks/gpu_residency.py, H200 and CPU): the eager fused gather (one
-            # element-wise index kernel) is slower than the step-by-step path, whose crop copies
-            # whole windows; compiled, on CUDA, it matches it (0.9-1.04x) with uint8 residency.
+            # The eager fused gather (one element-wise index kernel) is slower than the
+            # step-by-step path, whose crop copies whole windows; compiled, on CUDA, it
+            # matches it (benchmarks/gpu_residency.py; figures in docs/gpu.md).
             self.fused_reason = "fused=None fuses only with compile=True on CUDA (eager, the unfused path is faster)"
         elif fused is not False:
             built = FusedGather.build(dataset, plan, channels_last=channels_last,

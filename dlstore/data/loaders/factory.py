@@ -154,7 +154,7 @@ def loader(
     The main process copies each batch into a ring of reused pinned buffers (CUDA)
     and issues the copy and the device stage on a side stream, a batch ahead of the
     one handed out. Labels move too. ``device=None`` (the default) runs everything
-    in the threads/workers, as before; ``device="cpu"`` runs the device path on the CPU.
+    in the threads/workers; ``device="cpu"`` runs the device path on the CPU.
 
     Given a :class:`GPUDataset`, returns its :class:`GPULoader` (no workers: the
     batches are indexed and augmented on the device); the DataLoader options

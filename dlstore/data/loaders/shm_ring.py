@@ -2,8 +2,8 @@
 
 A DataLoader worker returns each batch as a tensor in a shared-memory segment of its
 own: one segment created, mapped, page-faulted and passed (a file descriptor over a
-socket) per batch, which costs more than building a fixed-shape batch (issue 17:
-``num_workers=2`` ran at 0.1-0.2x of ``num_workers=0``). Here the main process allocates
+socket) per batch, which can cost more than building a fixed-shape batch (see
+docs/reading.md for the measurements). Here the main process allocates
 the slots once, and only small messages cross the queues::
 
     main                                       worker w (a process)
