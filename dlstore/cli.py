@@ -28,6 +28,16 @@ def _sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def _renamed(new: str, meaning: str):
+    """A hidden old option that fails naming its new name (``--workers`` means decode processes only)."""
+    def refuse(ctx: click.Context, param: click.Parameter, value: object) -> None:
+        if value is not None:
+            raise click.UsageError(f"--workers is the decode processes of convert and demo; {meaning} is "
+                                   f"{new} here", ctx=ctx)
+    return click.option("--workers", "old_workers", hidden=True, expose_value=False, default=None,
+                        callback=refuse)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="dlstore")
 def main() -> None:
@@ -394,8 +404,9 @@ def tune(path, batch_size, device, budget, max_workers, static, as_json):
 @main.command()
 @click.argument("path", metavar="STORE", type=click.Path(exists=True))
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), required=True)
-@click.option("--workers", type=click.IntRange(min=0), default=None,
+@click.option("--num-workers", "workers", type=click.IntRange(min=0), default=None,
               help="num_workers of the DataLoader (default: min(4, usable CPUs)).")
+@_renamed("--num-workers", "the DataLoader's num_workers")
 @click.option("--prefetch-factor", type=click.IntRange(min=1), default=2, show_default=True)
 @click.option("--pin-memory", is_flag=True, help="pin_memory=True (useful with --device cuda).")
 @click.option("--steps", type=click.IntRange(min=2), default=50, show_default=True,
@@ -459,7 +470,9 @@ def profile(path, batch_size, workers, prefetch_factor, pin_memory, steps, step_
                    "optionally +jpeg or +png. Default: imagefolder,shards,lmdb,hdf5,shards+jpeg.")
 @click.option("--static", default="resize=256,center_crop=224", show_default=True,
               help="Static transforms, ending with a crop (batched samples need one size).")
-@click.option("--workers", default="0,2", show_default=True, help="DataLoader num_workers values.")
+@click.option("--num-workers", "workers", default="0,2", show_default=True,
+              help="Comma-separated DataLoader num_workers values to measure.")
+@_renamed("--num-workers", "the list of DataLoader num_workers values")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=64, show_default=True)
 @click.option("--cache", default="cold,warm", show_default=True, help="Page-cache states: cold, warm.")
 @click.option("--order", "orders", default="random,sequential", show_default=True,

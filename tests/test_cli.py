@@ -146,3 +146,13 @@ def test_help_imports_no_torch():
     """)
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-2:] == ["[]", "8"]
+
+
+@pytest.mark.parametrize("command, new", [(["profile", "STORE", "-b", "2"], "--num-workers"),
+                                          (["bench"], "--num-workers")])
+def test_workers_means_decode_processes_only_and_the_old_use_names_the_new_flag(src, command, new):
+    """--workers is convert's and demo's decode processes; profile and bench take --num-workers."""
+    args = [str(src) if a == "STORE" else a for a in command]
+    result = CliRunner().invoke(main, [*args, "--workers", "2"])
+    assert result.exit_code == 2 and new in result.output and "decode processes" in result.output
+    assert "--workers" not in CliRunner().invoke(main, [command[0], "--help"]).output

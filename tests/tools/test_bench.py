@@ -283,7 +283,7 @@ def test_cli_bench(rgb_folder, tmp_path):
     out = tmp_path / "report"
     result = CliRunner().invoke(main, [
         "bench", str(rgb_folder), "--dir", str(tmp_path / "disk"), "--formats", "imagefolder,shards",
-        "--static", STATIC, "--workers", "0", "--cache", "warm", "--order", "random", "--samples", "8",
+        "--static", STATIC, "--num-workers", "0", "--cache", "warm", "--order", "random", "--samples", "8",
         "--batch-size", "4", "--repeats", "1", "--disk-test-size", "1MiB", "--out", str(out), "--quiet"])
     assert result.exit_code == 0, result.output
     assert (out / "report.json").is_file() and (out / "report.md").is_file()
