@@ -4,7 +4,12 @@ Convention (for whoever edits the docs):
 
 * every ```python, ```bash, ```sh and ```console block is executed, unless the line right
   before its opening fence is ``<!-- not run: REASON -->`` (a reason is required);
-* what a command prints goes in a ```text block (never executed); every fence names its language;
+* what a command prints goes in a ```text block (never executed); every fence names its language.
+  A ```text block right after a block that runs (nothing but blank lines between) is that
+  block's output, and is checked against what it really printed, normalised (``normalise``:
+  every number and hex digest stands for any, the working folder is shown as ``/tmp/example``, runs of spaces for
+  one, and a line ``...`` for any lines), so the docs cannot go stale silently; a ```text block
+  with prose before it (what a run on other data or another machine printed) is not checked;
 * the blocks of one file run in order, in one fresh temporary working directory: the python
   blocks in one shared namespace, the shell blocks with ``bash -e`` (a ```console block: its
   ``$ `` lines only). So each file makes its own data first (``images/`` from
@@ -27,6 +32,9 @@ to paste into the docs' ```text blocks).
 
 from __future__ import annotations
 
+import contextlib
+import difflib
+import io
 import os
 import re
 import shutil
@@ -61,6 +69,8 @@ class Block:
     lang: str
     code: str
     not_run: str | None   # the reason, when the block is marked not run
+    end: int = 0          # 1-based line of the closing fence
+    output: Block | None = None   # the ```text block right after it: what it prints
 
     @property
     def run(self) -> bool:
@@ -88,9 +98,47 @@ def parse_blocks(path: Path) -> list[Block]:
             raise AssertionError(f"{path.name}:{i + 1}: code fence never closed")
         code = textwrap.dedent("\n".join(line.removeprefix(indent) for line in lines[i + 1:end]))
         marker = NOT_RUN.match(lines[i - 1]) if i > 0 else None
-        blocks.append(Block(path, i + 1, lang, code + "\n", marker.group(1).strip() if marker else None))
+        blocks.append(Block(path, i + 1, lang, code + "\n", marker.group(1).strip() if marker else None, end + 1))
         i = end + 1
+    for block, after in zip(blocks, blocks[1:]):
+        if after.lang == "text" and all(not line.strip() for line in lines[block.end:after.line - 1]):
+            block.output = after
     return blocks
+
+
+_PROGRESS = re.compile(r"\d+%\|.*\|")   # a tqdm progress bar (stderr, merged into the shell blocks' output)
+_NUMBER = re.compile(r"(?<![\w.])[-+]?\d[\d,_]*(\.\d+)?(e[-+]?\d+)?", re.IGNORECASE)
+# a number's unit of time or size may change with it (0.9 ms, 950 us)
+_UNIT = re.compile(r"\bN ?(ns|us|µs|ms|s|min|h|B|KiB|MiB|GiB|TiB|kB|MB|GB|TB)\b")
+_HEX = re.compile(r"\b(0x[0-9a-f]+|[0-9a-f]{16,})\b", re.IGNORECASE)
+
+
+# The working folder as the docs show it (an absolute path the reader can picture)
+DOCS_FOLDER = "/tmp/example"
+
+
+def normalise(text: str, work: Path) -> list[str]:
+    """The lines of ``text`` as compared: the working folder's path (as DOCS_FOLDER), hex digests and numbers
+    stand for any (with their units of time or size), runs of spaces for one; blank lines, trailing
+    spaces and progress bars do not count."""
+    lines = []
+    for line in text.replace(str(work), DOCS_FOLDER).splitlines():
+        if _PROGRESS.search(line):
+            continue
+        line = _UNIT.sub("N <unit>", _NUMBER.sub("N", _HEX.sub("H", line)))
+        line = re.sub(r"\s+", " ", line).strip()
+        if line:
+            lines.append(line)
+    return lines
+
+
+def matches(expected: list[str], actual: list[str]) -> bool:
+    """Whether ``actual`` matches ``expected``, where an expected line ``...`` stands for any lines."""
+    if not expected:
+        return not actual
+    if expected[0] == "...":
+        return any(matches(expected[1:], actual[k:]) for k in range(len(actual) + 1))
+    return bool(actual) and expected[0] == actual[0] and matches(expected[1:], actual[1:])
 
 
 # --------------------------------------------------------------------------- the dlstore command
@@ -303,19 +351,30 @@ def test_examples_run(doc, tmp_path, monkeypatch, cli):
     monkeypatch.setattr(sys, "argv", [str(doc)])   # as `python script.py` without arguments
     namespace: dict = {"__name__": "__main__"}
     ran = 0
+    stale: list[str] = []
     for block in parse_blocks(doc):
         if not block.run:
             continue
         print(f"--- {block.where} ({block.lang})", flush=True)
         start = time.perf_counter()
         if block.lang in PYTHON:
+            printed = io.StringIO()
             try:
-                exec(compile(block.code, block.where, "exec"), namespace)  # noqa: S102 - the docs' own code
+                with contextlib.redirect_stdout(printed):
+                    exec(compile(block.code, block.where, "exec"), namespace)  # noqa: S102 - the docs' own code
             except Exception:  # noqa: BLE001 - any error of a docs block fails the test, with its traceback
                 pytest.fail(f"{block.where}: the python block raised:\n{block.code}\n"
                             f"{traceback.format_exc()}", pytrace=False)
+            output = printed.getvalue()
         else:
-            print(cli.run(block, work), end="", flush=True)
+            output = cli.run(block, work)
+        print(output, end="", flush=True)
         print(f"--- {block.where}: {time.perf_counter() - start:.1f} s", flush=True)
+        expected, got = (normalise(block.output.code, work), normalise(output, work)) if block.output else ([], [])
+        if block.output is not None and not matches(expected, got):
+            diff = "\n".join(difflib.unified_diff(expected, got, "documented", "printed", lineterm=""))
+            stale.append(f"{block.where}: its output block ({block.output.where}), normalised:\n{diff}")
         ran += 1
     assert ran, f"{doc.name}: no block ran"
+    assert not stale, "stale output blocks (paste what was printed, or mark elided lines with ...):\n\n" + \
+        "\n\n".join(stale)
