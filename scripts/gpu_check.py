@@ -192,7 +192,7 @@ def check_preload(path: str, device: torch.device, mean, std, *, repeats: int,
     ref = reference_batch(store, idx, mean, std)
     got = ds.data[torch.from_numpy(idx).to(device)].cpu()
     diff = (got.float() - ref.float()).abs()
-    labels_ok = torch.equal(ds.targets.cpu(), torch.as_tensor(store.targets))
+    labels_ok = torch.equal(ds.labels.cpu(), torch.as_tensor(store.targets))
     sync(device)
     t0 = time.perf_counter()
     u8 = dlstore.GPUDataset(path, device, torch.uint8)

@@ -320,7 +320,7 @@ def test_gpu_dataset_and_its_partitions_keep_float_target_vectors(tmp_path, hold
     dlstore.convert((_images(12), targets), dst, workers=0, progress=False)
     ds = dlstore.open_dataset(dst)
     gpu = dlstore.GPUDataset(ds, device="cpu", hold=hold)
-    assert gpu.targets.dtype == torch.float32 and gpu.targets.shape == (12, 3)
+    assert gpu.labels.dtype == torch.float32 and gpu.labels.shape == (12, 3)
     np.testing.assert_array_equal(gpu[7][1].numpy(), targets[7])
     got = torch.cat([labels for _, labels in dlstore.loader(gpu, batch_size=5, shuffle=False)])
     np.testing.assert_array_equal(got.numpy(), targets)

@@ -45,7 +45,8 @@ def test_uint8_preload_equals_the_store(store, stored, chunk_size):
     images, labels = stored
     assert ds.mode == "preload" and len(ds) == N and ds.data.dtype == torch.uint8
     assert torch.equal(ds.data, images)
-    assert torch.equal(ds.targets, labels) and ds.targets.dtype == torch.int64
+    assert torch.equal(ds.labels, labels) and ds.labels.dtype == torch.int64
+    assert ds.targets == labels.tolist()   # as StoreDataset's
     assert ds.classes == ["class_00", "class_01", "class_02"]
     assert ds.nbytes == images.numel() + 8 * N == ds.needed_bytes
     image, label = ds[N - 1]
@@ -59,7 +60,7 @@ def test_generic_read_path_equals_the_shards_fast_path(store, stored, chunk_size
     from dlstore.formats.shards import ShardReader
     monkeypatch.delattr(ShardReader, "read_range")
     ds = GPUDataset(store, CPU, torch.uint8, chunk_size=chunk_size)
-    assert torch.equal(ds.data, stored[0]) and torch.equal(ds.targets, stored[1])
+    assert torch.equal(ds.data, stored[0]) and torch.equal(ds.labels, stored[1])
 
 
 @pytest.mark.parametrize("fmt", ["lmdb", "hdf5"])
@@ -73,7 +74,7 @@ def test_other_formats_preload_equal(store, stored, tmp_path, fmt):
     dst = tmp_path / ("s.lmdb" if fmt == "lmdb" else "s.h5")
     dlstore.convert(src, dst, static="center_crop=12x10", workers=0, progress=False)
     ds = GPUDataset(dst, CPU, torch.uint8, chunk_size=4)
-    assert torch.equal(ds.data, stored[0]) and torch.equal(ds.targets, stored[1])
+    assert torch.equal(ds.data, stored[0]) and torch.equal(ds.labels, stored[1])
 
 
 @pytest.mark.parametrize("chunk_size", [1, 5, 1000])
@@ -471,8 +472,8 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_preload_equals_cpu_preload(store):
     cpu = GPUDataset(store, CPU, normalize=(MEAN, STD), chunk_size=4)
     gpu = GPUDataset(store, "cuda", normalize=(MEAN, STD), chunk_size=4)
-    assert gpu.data.is_cuda and gpu.targets.is_cuda
-    assert torch.equal(gpu.data.cpu(), cpu.data) and torch.equal(gpu.targets.cpu(), cpu.targets)
+    assert gpu.data.is_cuda and gpu.labels.is_cuda
+    assert torch.equal(gpu.data.cpu(), cpu.data) and torch.equal(gpu.labels.cpu(), cpu.labels)
     images, labels = next(iter(gpu.loader(8, shuffle=True, seed=0)))
     assert images.is_cuda and labels.is_cuda
 
@@ -549,4 +550,30 @@ def test_dlstore_loader_serves_a_gpu_dataset_through_its_own_loader(store):
     for (a, la), (b, lb) in zip(got, want):
         assert torch.equal(a, b) and torch.equal(la, lb)
     in_order = torch.cat([labels for _, labels in dlstore.loader(ds, 5)])
-    assert torch.equal(in_order, ds.targets), "shuffle=False is the default, as in DataLoader"
+    assert torch.equal(in_order, ds.labels), "shuffle=False is the default, as in DataLoader"
+
+
+# --- one way in: a Dataset, loaded through dlstore.loader -------------------------------------
+
+def test_a_gpu_dataset_is_a_dataset_whose_targets_are_the_stores(store):
+    gpu, cpu = GPUDataset(store, device=CPU, dtype=torch.uint8), dlstore.open_dataset(store)
+    assert isinstance(gpu, torch.utils.data.Dataset)
+    assert type(gpu.targets) is type(cpu.targets) and gpu.targets == cpu.targets   # a list of ints, as StoreDataset's
+    assert gpu.labels.tolist() == cpu.targets and gpu.labels.device.type == CPU
+    loader = torch.utils.data.DataLoader(gpu, batch_size=5)   # a plain DataLoader takes it too
+    images, labels = next(iter(loader))
+    assert torch.equal(images, torch.stack([cpu.read(i) for i in range(5)])) and labels.tolist() == cpu.targets[:5]
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_dlstore_loader_reaches_every_option_of_the_gpu_loader(store, fused):
+    """fused=, compile=, prefetch_factor= through the one entry give the batches of the dataset's own loader."""
+    ds = GPUDataset(store, device=CPU, dtype=torch.uint8)
+    crop_flip = v2.Compose([v2.RandomCrop(8, padding=2), v2.RandomHorizontalFlip()])
+    one = dlstore.loader(ds, 4, shuffle=True, seed=3, transform=crop_flip, fused=fused, prefetch_factor=3)
+    other = ds.loader(4, shuffle=True, seed=3, transform=crop_flip, fused=fused, prefetch=3)
+    assert one.fused == fused and one.fused == other.fused
+    for (a, la), (b, lb) in zip(one, other, strict=True):
+        assert torch.equal(a, b) and torch.equal(la, lb)
+    with pytest.raises(dlstore.ArgumentError, match="fused= and compile= apply to a GPUDataset"):
+        dlstore.loader(dlstore.open_dataset(store), 4, fused=True)

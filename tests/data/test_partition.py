@@ -94,7 +94,7 @@ def test_sharded_dataset_without_a_group_holds_its_share(store):
         assert np.array_equal(ds.store_indices, share)
         assert len(ds) == len(share) and ds.sharded
         assert np.array_equal(ds.data.numpy(), images[share])
-        assert ds.targets.tolist() == labels[share].tolist()
+        assert ds.targets == labels[share].tolist()
         loader = ds.loader(4, shuffle=True, seed=3)
         assert len(loader) == -(-per_rank(N, 3) // 4)  # every rank the same number of batches
         served = torch.cat([labels for _, labels in loader])
@@ -134,7 +134,7 @@ for epoch in (0, 1):
 gathered = [None, None]
 dist.all_gather_object(gathered, ds.store_indices.tolist())
 result = {"rank": ds.rank, "world": ds.world_size, "share": ds.store_indices.tolist(), "all": gathered,
-          "epochs": epochs, "data": ds.data.numpy().tolist(), "targets": ds.targets.tolist()}
+          "epochs": epochs, "data": ds.data.numpy().tolist(), "targets": ds.targets}
 """
 
 

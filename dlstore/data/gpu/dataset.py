@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Dataset
 
 from ..._system import usable_cpus
 from ...errors import (
@@ -103,7 +104,7 @@ def _check_device(device: Any) -> torch.device:
     return dev
 
 
-class GPUDataset:
+class GPUDataset(Dataset):
     """A fixed-shape store preloaded into device memory, served a batch at a time.
 
     ``GPUDataset(path)`` reads the store in chunks, converts each chunk on the
@@ -120,7 +121,8 @@ class GPUDataset:
     Attributes:
         data: the ``(N, C, H, W)`` device tensor (``dtype``, or uint8 when
             ``mode == "uint8"``); None when ``mode == "stream"``.
-        targets: device int64 tensor of the N labels.
+        labels: device tensor of the N labels (int64), or of the (N, K) target vectors.
+        targets: the labels as StoreDataset gives them (a list of ints, or an (N, K) array).
         classes: class names in label order.
         mode: ``"preload"`` (``data`` holds ``dtype``), ``"uint8"`` (uint8 on the
             device, converted per batch) or ``"stream"`` (batches read from the store).
@@ -324,11 +326,11 @@ class GPUDataset:
 
         self.data: torch.Tensor | None = None
         self._held_fill: torch.Tensor | None = None
-        self.targets: torch.Tensor = torch.empty(0, dtype=torch.int64)
+        self.labels: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.load_seconds = 0.0
         start = time.perf_counter()
         try:
-            self.targets = torch.from_numpy(self._host_labels).to(self.device)
+            self.labels = torch.from_numpy(self._host_labels).to(self.device)
             if self.mode != "stream":
                 storage = dtype if self.mode == "preload" else torch.uint8
                 pixel = fill_vector(self.padding_fill, c, torch.uint8, self.device)
@@ -386,7 +388,7 @@ class GPUDataset:
             traceback.clear_frames(exc.__traceback__)  # skips frames still running (ours)
             exc = exc.__cause__ or exc.__context__
         self.data = None
-        self.targets = torch.empty(0, dtype=torch.int64)
+        self.labels = torch.empty(0, dtype=torch.int64)
         self._mean = self._std = self._held_fill = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
@@ -538,10 +540,15 @@ class GPUDataset:
         return len(self._host_labels)
 
     @property
+    def targets(self) -> list[int] | np.ndarray:
+        """The labels as ``StoreDataset.targets`` gives them: a list of ints, or the (N, K) target vectors."""
+        return self._host_labels.tolist() if self._host_labels.ndim == 1 else self._host_labels
+
+    @property
     def nbytes(self) -> int:
         """Device bytes held: data (if resident) and labels."""
         data = self.data.numel() * self.data.element_size() if self.data is not None else 0
-        return data + self.targets.numel() * self.targets.element_size()
+        return data + self.labels.numel() * self.labels.element_size()
 
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         """Sample ``i`` as served (``dtype``, on the device) and its int label."""
@@ -551,7 +558,7 @@ class GPUDataset:
             i += n
         if not 0 <= i < n:
             raise SampleIndexError(f"index {i} out of range for a dataset of {n} samples")
-        label = int(self._host_labels[i]) if self._host_labels.ndim == 1 else self.targets[i]
+        label = int(self._host_labels[i]) if self._host_labels.ndim == 1 else self.labels[i]
         if self.mode == "preload":
             return self._samples()[i], label
         if self.mode == "uint8":

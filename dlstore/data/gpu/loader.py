@@ -506,7 +506,7 @@ class GPULoader:
                 images = self._fused(idx, self._aug_gen)
             else:
                 images = self._augment(self._held.index_select(0, idx))
-            labels = ds.targets.index_select(0, idx)
+            labels = ds.labels.index_select(0, idx)
             for s in range(0, len(idx), self.batch_size):
                 yield images[s:s + self.batch_size], labels[s:s + self.batch_size]
 
@@ -535,7 +535,7 @@ class GPULoader:
         try:
             for (start, stop), host in zip(batches, prefetcher):
                 images = host.to(ds.device, non_blocking=ds._pin)
-                labels = ds.targets.index_select(0, order[start:stop])
+                labels = ds.labels.index_select(0, order[start:stop])
                 yield self._augment(images), labels
         finally:
             prefetcher.close()

@@ -106,6 +106,8 @@ def loader(
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
     shm_ring: bool | None = None,
+    fused: bool | None = None,
+    compile: bool = False,
 ) -> ThreadLoader | ShmRingLoader | DataLoader | GPULoader | DeviceLoader:
     """A loader that reads whole batches: one ``get_batch`` call per batch.
 
@@ -190,23 +192,39 @@ def loader(
         shm_ring: with ``num_workers > 0``, workers write batches into shared-memory slots
             (None: where the batch has a fixed shape, else the DataLoader; True: the ring, or
             ArgumentError; False: the DataLoader).
+        fused, compile: GPUDataset only: crop + flip + conversion + channels_last as one gather
+            on the device, compiled with ``torch.compile`` (see :class:`GPULoader`). For a
+            GPUDataset ``prefetch_factor`` is the number of batch groups prepared ahead (default
+            2) and ``distributed=True`` serves this rank's share of each epoch.
     """
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ArgumentTypeError(f"seed must be an int (or None: 0, a GPUDataset's own), got {seed!r}")
     if isinstance(dataset, GPUDataset):
         unused = [name for name, value, default in (
             ("num_workers", num_workers, 0), ("generator", generator, None), ("pin_memory", pin_memory, False),
-            ("persistent_workers", persistent_workers, False), ("prefetch_factor", prefetch_factor, None),
+            ("persistent_workers", persistent_workers, False),
             ("multiprocessing_context", multiprocessing_context, None), ("worker_init_fn", worker_init_fn, None),
-            ("threads", threads, None), ("device", device, None), ("dtype", dtype, None),
+            ("threads", threads, None), ("device", device, None), ("dtype", dtype, None), ("shm_ring", shm_ring, None),
         ) if value is not default and value != default]
         if unused:
             raise ArgumentError(f"dlstore.loader: {', '.join(unused)} do not apply to a GPUDataset (it has no "
                                 "workers and is already on its device); use seed= for reproducible batches")
         if distributed and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
             raise ArgumentError("loader(distributed=True) needs an initialised torch.distributed process group")
+        if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool)
+                                            or prefetch_factor < 1):
+            raise ArgumentError(f"prefetch_factor must be a positive int (batch groups prepared ahead), "
+                                f"got {prefetch_factor!r}")
+        if distributed:   # this rank's share of each epoch, from the process group
+            rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        else:
+            rank = world_size = None
         return dataset.loader(batch_size, shuffle, drop_last=drop_last, transform=transform, seed=seed,
-                              channels_last=channels_last)
+                              channels_last=channels_last, rank=rank, world_size=world_size,
+                              prefetch=2 if prefetch_factor is None else prefetch_factor, fused=fused, compile=compile)
+    if fused is not None or compile:
+        raise ArgumentError("dlstore.loader: fused= and compile= apply to a GPUDataset (its gather on the device); "
+                            "a StoreDataset's crop + flip is fused into its batch copy already")
     if transform is not None:
         raise ArgumentError("dlstore.loader: transform= applies to a GPUDataset only; give a "
                             "StoreDataset its transforms in open_dataset(path, transform=...)")
