@@ -51,6 +51,7 @@ from ...transforms.batch import _as_fill, _as_padding
 from ...transforms.static import PADDING_MODES
 from ...units import human_bytes
 from ..dataset import StoreDataset, open_dataset
+from .budget import free_memory, overflow_message
 from .fused import fill_vector, pad_map
 from .loader import GPULoader, _resolve_distributed
 from .partition import SubsetSource, rank_share
@@ -64,32 +65,6 @@ PRELOAD_RING = 4
 DEFAULT_CHUNK_BYTES = 64 << 20
 # uint8 bytes converted to float32 at a time: bounds the float32 workspace and keeps it in cache.
 CONVERT_BLOCK_BYTES = 8 << 20
-# Kept free on a CUDA device on top of the dataset: the model, activations and the
-# allocator's own slack have to live somewhere.
-MIN_HEADROOM = 1 << 30
-HEADROOM_FRACTION = 0.05
-
-
-
-def _free_memory(device: torch.device, headroom: int | None) -> tuple[int | None, int]:
-    """(bytes free for the dataset on ``device`` after the headroom, headroom), or None if unknown."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        keep = max(MIN_HEADROOM, int(total * HEADROOM_FRACTION)) if headroom is None else int(headroom)
-        return max(0, free - keep), keep
-    if device.type == "cpu":
-        keep = MIN_HEADROOM if headroom is None else int(headroom)
-        try:
-            with open("/proc/meminfo", encoding="ascii") as f:
-                for line in f:
-                    if line.startswith("MemAvailable:"):
-                        return max(0, int(line.split()[1]) * 1024 - keep), keep
-        except OSError:
-            pass
-        return None, keep
-    return None, 0
-
-
 def _check_device(device: Any) -> torch.device:
     """``device`` as a torch.device that exists here; ArgumentError naming it otherwise."""
     try:
@@ -307,7 +282,7 @@ class GPUDataset(Dataset):
         chunks = (2 if self.device.type == "cpu" else 1) * self.chunk_size * self._sample_bytes
         float_work = chunks + self._block * self._sample_bytes * 4
         work = (0 if held_uint8 else float_work) + pad_work(itemsize)
-        free, keep = _free_memory(self.device, headroom)
+        free, keep = free_memory(self.device, headroom)
         limit = free if max_memory is None else (int(max_memory) if free is None else min(int(max_memory), free))
         self.available_bytes = limit
 
@@ -321,8 +296,9 @@ class GPUDataset(Dataset):
         elif on_overflow == "stream":
             self.mode = "stream"
         else:
-            raise DeviceMemoryError(self._overflow_message(
-                name, n, uint8_bytes, work, limit, max_memory, keep, on_overflow))
+            raise DeviceMemoryError(overflow_message(
+                name, n, self.shape, self.dtype, self.device, self.needed_bytes, uint8_bytes, work, limit,
+                max_memory, keep, on_overflow))
 
         self.data: torch.Tensor | None = None
         self._held_fill: torch.Tensor | None = None
@@ -349,29 +325,6 @@ class GPUDataset(Dataset):
         self.load_seconds = time.perf_counter() - start
 
     # --- construction helpers -------------------------------------------------------------
-
-    def _overflow_message(self, name: Any, n: int, uint8_bytes: int, work: int,
-                          limit: int, max_memory: int | None, keep: int, on_overflow: str) -> str:
-        c, h, w = self.shape
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        where = (f"max_memory={human_bytes(limit)}" if max_memory is not None and limit == max_memory
-                 else f"{human_bytes(limit)} free on {self.device} after keeping {human_bytes(keep)} headroom")
-        lines = [
-            f"{name}: {n:,} samples of {c}x{h}x{w} {dtype_name} need {human_bytes(self.needed_bytes)}"
-            + (f" (+ {human_bytes(work)} of preload buffers)" if work else "")
-            + f" on {self.device}, but only {where}.",
-        ]
-        if on_overflow == "uint8":
-            lines.append(f"Even uint8 (on_overflow='uint8') needs {human_bytes(uint8_bytes)}.")
-        lines.append("Options:")
-        if on_overflow != "uint8" and self.dtype != torch.uint8:
-            fit = "fits" if uint8_bytes <= limit else "does not fit either"
-            lines.append(f"  on_overflow='uint8'   keep uint8 on the device, convert per batch "
-                         f"({human_bytes(uint8_bytes)}: {fit})")
-        lines.append("  on_overflow='stream'  read batches from the store through pinned memory")
-        lines.append("  max_memory=BYTES / headroom=BYTES  change the budget; a smaller chunk_size "
-                     "shrinks the preload buffers")
-        return "\n".join(lines)
 
     def _release(self, exc: BaseException) -> None:
         """Drop every device tensor this dataset holds, before ``exc`` propagates.
