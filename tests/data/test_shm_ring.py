@@ -504,4 +504,4 @@ def test_a_ring_that_does_not_fit_in_dev_shm_is_a_clear_error_or_not_chosen(tmp_
     assert three == "three: ['ShmRingLoader', 'ShmRingLoader', 'ShmRingLoader'] [40, 40, 40] 1"
     assert error.startswith("error: the loader's ring of batches needs 5.2 MiB of shared memory and /dev/shm has")
     assert "--shm-size" in error and "num_workers=0" in error
-    assert chosen.startswith("chosen: DataLoader | dlstore.loader: not using worker processes' shared-memory ring")
+    assert chosen.startswith("chosen: StoreDataLoader | dlstore.loader: not using worker processes' shared-memory ring")

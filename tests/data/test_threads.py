@@ -568,7 +568,7 @@ loaders = {
                                                     on_overflow="stream"), 4),
 }
 kinds = sorted({type(dl).__name__ for dl in loaders.values()})
-assert kinds == ["DataLoader", "DeviceLoader", "GPULoader", "ShmRingLoader", "ThreadLoader"], kinds
+assert kinds == ["DeviceLoader", "GPULoader", "ShmRingLoader", "StoreDataLoader", "ThreadLoader"], kinds
 zipped = zip(loaders["threads"], loaders["device threads"])
 next(zipped)
 alive = {name: iter(dl) for name, dl in loaders.items()}

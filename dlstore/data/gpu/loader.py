@@ -27,6 +27,7 @@ pixels, within 1.05 / (255 * std) + 2**-10 * |value| of torchvision's
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import math
@@ -54,7 +55,7 @@ from ...transforms.hybrid import (
     batch_steps,
     strip_static_prefix,
 )
-from ..passes import LoaderIterator
+from ..passes import STATE_VERSION, LoaderIterator
 from .fused import FusedGather, unpadded_crop
 from .partition import epoch_order, per_rank
 
@@ -428,6 +429,8 @@ class GPULoader:
         self.seed = int(seed)
         self.prefetch = max(1, int(prefetch))
         self.epoch = 0
+        self._skip = 0                   # batches the next pass skips (load_state_dict)
+        self._pass: tuple[int, int] | None = None   # (epoch, batches handed out) of the pass in progress
         self.group_batches = self._group_size()
         device = dataset.device
         self._perm_gen = torch.Generator(device=device)
@@ -450,6 +453,21 @@ class GPULoader:
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s permutation for the next iteration (and count on from there)."""
         self.epoch = int(epoch)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands: an epoch's order and augmentations follow from (seed, epoch,
+        rank), so the state is those and the batches of the epoch handed out."""
+        epoch, served = self._pass if self._pass is not None else (self.epoch, self._skip)
+        return {"version": STATE_VERSION, "epoch": epoch, "batches": served, "seed": self.seed}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next pass is that epoch, past the batches handed out
+        (they are gathered and augmented again, unseen: each group's draws follow the last's)."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION or not all(
+                isinstance(state.get(k), int) for k in ("epoch", "batches", "seed")) \
+                or not 0 <= state["batches"] <= len(self):
+            raise ArgumentError(f"load_state_dict takes what state_dict() returned, got {state!r}")
+        self.seed, self.epoch, self._skip = state["seed"], state["epoch"], state["batches"]
 
     @property
     def num_samples(self) -> int:
@@ -487,8 +505,18 @@ class GPULoader:
         return LoaderIterator(self._batches())
 
     def _batches(self) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
-        epoch = self.epoch
+        epoch, skip = self.epoch, self._skip
         self.epoch += 1
+        self._skip = 0
+        self._pass = (epoch, 0)
+        with contextlib.closing(self._epoch_batches(epoch)) as batches:   # (its prefetcher stops with it)
+            for k, batch in enumerate(batches):
+                if k >= skip:
+                    self._pass = (epoch, k + 1)
+                    yield batch
+        self._pass = None
+
+    def _epoch_batches(self, epoch: int) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         order = self.indices(epoch)
         self._aug_gen.manual_seed(self._aug_seed(epoch))
         count = len(self) * self.batch_size if self.drop_last else len(order)

@@ -34,6 +34,7 @@ import torch
 from ...errors import ArgumentError, ArgumentTypeError
 from ...transforms.batch import BatchNormalize, BatchTransform
 from ...transforms.hybrid import _flatten, batch_steps, split_stages
+from ..passes import LoaderIterator, PassState
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Ring slots: batch k+1 is being copied while batch k+2 is staged; one spare so staging
@@ -211,6 +212,7 @@ class DeviceLoader:
         self.channels_last = channels_last
         self.generator = generator
         self.ring = ring
+        self._state = PassState()
 
     @property
     def sampler(self) -> Any:
@@ -228,6 +230,18 @@ class DeviceLoader:
     def __len__(self) -> int:
         return len(self.host_loader)
 
+    def _epoch(self) -> int:
+        return self.host_loader._epoch()
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands in its epoch (see ``ThreadLoader.state_dict``): the batches it
+        handed out, not those the host stage has built ahead."""
+        return self._state.state_dict(self.generator, self._epoch())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the next pass skips the batches already handed out."""
+        self.set_epoch(self._state.load_state_dict(state, len(self)))
+
     def _generator(self) -> torch.Generator | None:
         if not any(_random(s) for s in self.steps):
             return None                  # the host draws stay exactly those of device=None
@@ -237,11 +251,22 @@ class DeviceLoader:
         return g
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
+        return LoaderIterator(self._batches())
+
+    def _batches(self) -> Iterator[tuple[torch.Tensor, Any]]:
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(self.device) if cuda else None
         steps = [_Normalize(s, self.device) if isinstance(s, BatchNormalize) else s for s in self.steps]
         ring = _Ring(self.ring, pin=cuda)
+        epoch = self._epoch()
+        skip = self._state.begin(self.generator, epoch)
         generator = self._generator()
+        # Resumed: the host stage skips the batches handed out, unbuilt, unless the device stage
+        # draws randomness of its own, which depends on every batch before: then they go through
+        # it again, unseen.
+        replay = skip if generator is not None else 0
+        if skip - replay:
+            self.host_loader._state.skip_next(self.generator, skip - replay, epoch)
 
         def issue(batch: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any, Any]:
             images, labels = batch
@@ -281,8 +306,11 @@ class DeviceLoader:
             return x, labels
 
         batches = iter(self.host_loader)
+        for _ in range(replay):
+            issue(next(batches))
         first = next(batches, None)
         if first is None:
+            self._state.end()
             return
         pending = issue(first)
         del first
@@ -290,9 +318,12 @@ class DeviceLoader:
             following = issue(batch)     # overlaps the user's step on the batch handed out next
             del batch
             out, pending = pending, following
+            self._state.served += 1
             yield hand_out(*out)
             del out
+        self._state.served += 1
         yield hand_out(*pending)
+        self._state.end()
 
     def __repr__(self) -> str:
         steps = ", ".join(map(repr, self.steps)) or "none"

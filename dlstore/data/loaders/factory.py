@@ -4,17 +4,15 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils.data import (
     BatchSampler,
     DataLoader,
-    Dataset,
     RandomSampler,
     SequentialSampler,
-    get_worker_info,
 )
 from torch.utils.data.distributed import DistributedSampler
 
@@ -24,6 +22,7 @@ from ...transforms import compiled
 from ..dataset import StoreDataset
 from ..gpu.dataset import GPUDataset
 from ..gpu.loader import GPULoader
+from .dataloader import StoreDataLoader
 from .device import DeviceLoader, host_stage
 from .shm_ring import ShmRingLoader, batch_spec, ring_bytes, shm_free, shm_message
 from .threads import ThreadLoader
@@ -31,29 +30,6 @@ from .threads import ThreadLoader
 # threads=None picks min(usable CPUs, this): beyond it memory bandwidth, not CPU, bounds a
 # gather, and every thread keeps two batches in flight (2 x 9.6 MB at 64x3x224x224).
 MAX_AUTO_THREADS = 8
-
-
-class _Batches(Dataset):
-    """Index lists in, ``StoreDataset.get_batch`` out: what ``loader`` iterates over.
-
-    In the main process (``num_workers=0``) the random parameters come from the
-    loader's generator; in a worker from torch's default generator, which the
-    DataLoader seeds per worker from that same generator.
-    """
-
-    def __init__(self, dataset: StoreDataset, generator: torch.Generator | None):
-        self.dataset = dataset
-        self.generator = generator
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, Any]:
-        generator = self.generator if get_worker_info() is None else None
-        return self.dataset.get_batch(indices, generator=generator)
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {"dataset": self.dataset, "generator": None}   # workers use their seeded default
 
 
 class _EpochBatchSampler(BatchSampler):
@@ -65,10 +41,6 @@ class _EpochBatchSampler(BatchSampler):
         self.epoch = epoch
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
-
-
-def _as_is(batch: Any) -> Any:
-    return batch
 
 
 def threads_apply(dataset: StoreDataset) -> bool:
@@ -304,14 +276,13 @@ def loader(
                           stacklevel=2)
             spec = None
 
-    def dataloader() -> DataLoader:
+    def dataloader() -> StoreDataLoader:
         options: dict[str, Any] = {}
         if num_workers > 0:
             options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
                            multiprocessing_context=multiprocessing_context)
-        return DataLoader(_Batches(dataset, generator), sampler=batches,
-                          batch_size=None, num_workers=num_workers, collate_fn=_as_is, pin_memory=pin_memory,
-                          worker_init_fn=worker_init_fn, generator=generator, **options)
+        return StoreDataLoader(dataset, batches, num_workers=num_workers, pin_memory=pin_memory,
+                               worker_init_fn=worker_init_fn, generator=generator, **options)
 
     if spec is not None:
         return ShmRingLoader(dataset, batches, workers=num_workers, prefetch=num_workers * (prefetch_factor or 2),

@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import pickle
 import random
 import shutil
@@ -394,6 +395,12 @@ class ShmRingLoader(ThreadLoader):
             self._pool.stop()
             self._pool = None
 
+    def state_dict(self) -> dict[str, Any]:
+        if self._fallback_loader is not None:
+            raise UsageError("dlstore.loader: this loader took the DataLoader path (the shared memory was "
+                             "short), which cannot resume mid-epoch; free /dev/shm or use threads")
+        return super().state_dict()
+
     def close(self) -> None:
         """Stop the workers (persistent ones too) and drop the ring; batches the user holds stay valid."""
         self._stop_workers()
@@ -421,8 +428,9 @@ class ShmRingLoader(ThreadLoader):
         return LoaderIterator(batches, functools.partial(_stop_unstarted, self, batches, self._pass))
 
     def _pass_batches(self) -> Iterator[tuple[torch.Tensor, Any]]:
-        base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
         epoch = self._epoch()
+        skip = self._state.begin(self.generator, epoch)
+        base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
         self._pass += 1          # before _start: an unstarted iterator collected from here on
         pass_id = self._pass     # (its finalizer, _stop_unstarted) leaves this pass's workers alone
         ring, pool = self._start()
@@ -431,7 +439,7 @@ class ShmRingLoader(ThreadLoader):
         # received and not handed out; resumed, it raises (below)
         pool.busy -= pool.ready
         pool.ready.clear()
-        batches = enumerate(iter(self.batch_sampler))
+        batches = itertools.islice(enumerate(iter(self.batch_sampler)), skip, None)   # (resumed: past those)
         pending: dict[int, int] = {}      # k -> slot: dispatched this pass, not yet handed out
         ready: dict[int, tuple] = {}      # k -> (slot, rows, labels, error): reported this pass
         exhausted = False
@@ -455,10 +463,11 @@ class ShmRingLoader(ThreadLoader):
 
         try:
             dispatch()
-            k = 0
+            k = skip
             while True:
                 if k not in pending:      # then nothing of this pass is in flight
                     if exhausted:
+                        self._state.end()
                         return
                     if pool.busy:         # slots busy with a pass that ended: they come back
                         self._receive(pool, pass_id, ready, pending)
@@ -494,6 +503,7 @@ class ShmRingLoader(ThreadLoader):
                         labels = labels.pin_memory()
                 dispatch()
                 k += 1
+                self._state.served = k
                 yield images, labels
                 del images, labels    # this frame keeps no reference to a batch handed out
                 if self._pass != pass_id:

@@ -40,7 +40,7 @@ import torch
 from torch.utils.data import BatchSampler
 
 from ...errors import ArgumentError
-from ..passes import LoaderIterator
+from ..passes import LoaderIterator, PassState
 
 
 def batch_seed(base: int, epoch: int, k: int) -> int:
@@ -86,6 +86,7 @@ class ThreadLoader:
             pin_memory = False
         self.pin_memory = pin_memory
         self.epoch = 0
+        self._state = PassState()
 
     @property
     def sampler(self) -> BatchSampler:
@@ -100,6 +101,16 @@ class ThreadLoader:
 
     def __len__(self) -> int:
         return len(self.batch_sampler)
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this loader stands in its epoch: ``load_state_dict`` on a loader made with the same
+        arguments (in another process too) continues with the same batches and augmentations."""
+        return self._state.state_dict(self.generator, self._epoch())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume from ``state_dict()``: the epoch is set, and the next pass skips the batches
+        already handed out (without building them)."""
+        self.set_epoch(self._state.load_state_dict(state, len(self)))
 
     def _epoch(self) -> int:
         # the sampler's own record when it keeps one, so loader.sampler.set_epoch(e) (the
@@ -118,15 +129,16 @@ class ThreadLoader:
         return LoaderIterator(self._thread_batches())
 
     def _thread_batches(self) -> Generator[tuple[torch.Tensor, Any], None, None]:
-        base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
         epoch = self._epoch()
+        skip = self._state.begin(self.generator, epoch)
+        base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
         _open_handles(self.dataset)
         # Buffers in use at once: the batches in flight, the one the user holds and the one
         # before it (still bound to the loop variable while next() runs), one for a last,
         # smaller batch; fewer and the dataset would allocate (and page-fault) new ones.
         keep = getattr(self.dataset, "_keep_buffers", None)
         release = keep(self.prefetch + 4) if keep is not None else None
-        batches = enumerate(iter(self.batch_sampler))
+        batches = itertools.islice(enumerate(iter(self.batch_sampler)), skip, None)   # (resumed: past those)
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-loader")
         pending: deque[Future] = deque()
 
@@ -142,7 +154,9 @@ class ThreadLoader:
                     submit(*nxt)
                 # yielded straight from the future: this frame keeps no reference to the batch
                 # the user holds, so its buffer is recycled as soon as the user lets go of it
+                self._state.served += 1
                 yield pending.popleft().result()
+            self._state.end()
         finally:
             pool.shutdown(wait=True, cancel_futures=True)
             if release is not None:       # the dataset's other passes keep what they asked for
