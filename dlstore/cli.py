@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import sys
 import tempfile
@@ -15,8 +16,21 @@ from . import formats
 from .errors import DlstoreError
 
 
+# The library names an option both ways, ``keyword=value (--flag value)`` or ``--flag
+# (keyword=value)``; on the command line only the flag means anything.
+_BOTH_WAYS = re.compile(r'\b\w+=(?:"[^"]*"|[^\s()]+) \((--[\w-]+(?: [^()\s]+)?)\)|(--[\w-]+) \(\w+=[^()]*\)')
+
+
+def _as_flags(text: str) -> str:
+    return _BOTH_WAYS.sub(lambda m: m.group(1) or m.group(2), text)
+
+
+def _say(message: str) -> None:
+    click.echo(_as_flags(message), err=True)
+
+
 def _fail(exc: BaseException) -> None:
-    click.echo(f"error: {exc}", err=True)
+    _say(f"error: {exc}")
     sys.exit(2)
 
 
@@ -106,13 +120,13 @@ def convert(src, dst, root, fmt, static, workers, overwrite, on_error, shard_siz
                              exif_transpose=exif_transpose, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
                              encoding=encoding, quality=quality, root=root, mode=mode,
                              distributed=env_world_size() > 1,
-                             progress=not quiet, log=lambda msg: click.echo(msg, err=True))
+                             progress=not quiet, log=_say)
     except KeyboardInterrupt:
         click.echo(f"interrupted: stopped the workers; {dst} was not written", err=True)
         sys.exit(130)
     except (DlstoreError, ValueError, OSError) as exc:
         if env_world_size() > 1:
-            click.echo(f"error: [rank {rank}] {exc}", err=True)
+            _say(f"error: [rank {rank}] {exc}")
             sys.exit(2)
         _fail(exc)
     finally:
@@ -313,7 +327,7 @@ def _demo(workdir: Path, images: int, workers: int | None) -> None:
 
     click.echo(f"2. dlstore convert {folder} {store} --static {static}")
     result = run_convert(folder, store, static=static, workers=workers, overwrite=True,
-                         log=lambda msg: click.echo(msg, err=True))
+                         log=_say)
     click.echo("   " + str(result).replace("\n", "\n   "))
 
     click.echo("3. reading one epoch (batch 64, shuffled) through a DataLoader")
@@ -512,7 +526,7 @@ def bench(src, workdir, formats, static, workers, batch_size, cache, orders, sam
                            batch_size=batch_size, cache=cache, orders=orders, samples=samples, repeats=repeats,
                            quality=quality, convert_workers=convert_workers,
                            disk_test_bytes=parse_bytes(disk_test_size), drop_caches=drop_caches, keep=keep,
-                           progress=not quiet, log=lambda msg: click.echo(msg, err=True))
+                           progress=not quiet, log=_say)
         written = report.write(out)
     except KeyboardInterrupt:
         click.echo("interrupted: the bench folder under --dir was removed (unless --keep)", err=True)
