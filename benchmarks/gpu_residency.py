@@ -85,8 +85,8 @@ def residency_comparison(path: str | os.PathLike, device: str | torch.device = "
             ds = dlstore.GPUDataset(path, device, torch.float16, normalize=normalize, **ds_kw)
             sync(device)
             preloads.append(time.perf_counter() - t0)
-        loader = ds.loader(batch, shuffle=True, seed=0, drop_last=True, channels_last=True,
-                           transform=transform, **loader_kw)
+        loader = dlstore.loader(ds, batch, shuffle=True, seed=0, drop_last=True, channels_last=True,
+                                transform=transform, **loader_kw)
         first = [x for x, _ in loader]   # warm-up epoch (epoch 0), kept for the equality check
         sync(device)
         if reference is None:

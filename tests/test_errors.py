@@ -16,6 +16,7 @@ import pytest
 import torch
 
 import dlstore
+from dlstore.data import GPULoader
 from dlstore import errors, tools
 from dlstore import transforms as T
 from dlstore.sources.demo import make_image_folder
@@ -107,7 +108,7 @@ CASES = [
     ("gpu-not-a-source", lambda e: dlstore.GPUDataset(5, "cpu"), errors.ArgumentTypeError, "int"),
     ("gpu-bad-normalize", lambda e: dlstore.GPUDataset(e["store"], "cpu", normalize=(1, 2, 3)), errors.ArgumentError,
      "normalize"),
-    ("gpu-zero-batch", lambda e: dlstore.GPUDataset(e["store"], "cpu").loader(0), errors.ArgumentError, "batch_size"),
+    ("gpu-zero-batch", lambda e: GPULoader(dlstore.GPUDataset(e["store"], "cpu"), 0), errors.ArgumentError, "batch_size"),
     ("gpu-bad-overflow", lambda e: dlstore.GPUDataset(e["store"], "cpu", on_overflow="spill"), errors.ArgumentError,
      "spill"),
     ("parse-static-interpolation", lambda e: T.parse_static("resize=1:zzz"), errors.TransformSpecError, "zzz"),

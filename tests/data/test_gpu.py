@@ -10,6 +10,7 @@ from _helpers import run_two_ranks, split_store
 from torchvision.transforms import v2
 
 import dlstore
+from dlstore.data import GPULoader
 from dlstore import DeviceMemoryError, GPUDataset, VariableShapeError
 from dlstore.sources.demo import make_image_folder
 
@@ -199,8 +200,8 @@ def test_overflow_uint8_keeps_uint8_and_converts_per_batch(store, stored):
     assert ds.mode == "uint8" and ds.data.dtype == torch.uint8 and torch.equal(ds.data, stored[0])
     assert ds.nbytes < ref.nbytes
     assert torch.equal(ds[5][0], ref[5][0])
-    got = list(ds.loader(8, shuffle=True, seed=3))
-    want = list(ref.loader(8, shuffle=True, seed=3))
+    got = list(GPULoader(ds, 8, shuffle=True, seed=3))
+    want = list(GPULoader(ref, 8, shuffle=True, seed=3))
     assert len(got) == len(want) == 3
     for (gi, gl), (wi, wl) in zip(got, want):
         assert gi.dtype == torch.float16 and torch.equal(gi, wi) and torch.equal(gl, wl)
@@ -217,9 +218,9 @@ def test_overflow_stream_serves_the_same_batches(store, stored):
     assert ds.mode == "stream" and ds.data is None and ds.nbytes == 8 * N
     assert torch.equal(ds[7][0], ref[7][0]) and ds[7][1] == ref[7][1]
     for loader_kw in ({"seed": 1, "shuffle": True}, {"seed": 1, "shuffle": True, "drop_last": True}, {}):
-        got = list(ds.loader(5, **loader_kw))
-        want = list(ref.loader(5, **loader_kw))
-        assert len(got) == len(want) == len(ds.loader(5, **loader_kw))
+        got = list(GPULoader(ds, 5, **loader_kw))
+        want = list(GPULoader(ref, 5, **loader_kw))
+        assert len(got) == len(want) == len(GPULoader(ds, 5, **loader_kw))
         for (gi, gl), (wi, wl) in zip(got, want):
             assert torch.equal(gi, wi) and torch.equal(gl, wl)
     assert _no_prefetch_threads()
@@ -227,7 +228,7 @@ def test_overflow_stream_serves_the_same_batches(store, stored):
 
 def test_abandoned_stream_epoch_stops_its_reader(store):
     ds = GPUDataset(store, CPU, torch.uint8, max_memory=1000, on_overflow="stream")
-    it = iter(ds.loader(2, shuffle=True, seed=0))
+    it = iter(GPULoader(ds, 2, shuffle=True, seed=0))
     next(it)
     it.close()
     assert _no_prefetch_threads()
@@ -257,7 +258,7 @@ def _sample_ids(images, stored_images):
 
 
 def test_every_sample_once_per_epoch_with_matching_labels(u8, stored):
-    loader = u8.loader(6, shuffle=True, seed=11)
+    loader = GPULoader(u8, 6, shuffle=True, seed=11)
     assert len(loader) == 4
     images, labels = _epoch(loader)
     ids = _sample_ids(images, stored[0])
@@ -266,27 +267,27 @@ def test_every_sample_once_per_epoch_with_matching_labels(u8, stored):
 
 
 def test_new_order_each_epoch_same_order_for_same_seed(u8):
-    a = u8.loader(4, shuffle=True, seed=5)
+    a = GPULoader(u8, 4, shuffle=True, seed=5)
     first, second = _epoch(a)[1], _epoch(a)[1]
     orders = [a.indices(e) for e in range(4)]
     assert len({tuple(o.tolist()) for o in orders}) == 4
     assert all(sorted(o.tolist()) == list(range(N)) for o in orders)
-    b = u8.loader(4, shuffle=True, seed=5)
+    b = GPULoader(u8, 4, shuffle=True, seed=5)
     assert torch.equal(_epoch(b)[1], first) and torch.equal(_epoch(b)[1], second)
     b.set_epoch(0)
     assert torch.equal(_epoch(b)[1], first)
-    assert not torch.equal(u8.loader(4, shuffle=True, seed=6).indices(0), a.indices(0))
+    assert not torch.equal(GPULoader(u8, 4, shuffle=True, seed=6).indices(0), a.indices(0))
 
 
 def test_unshuffled_order_is_store_order(u8, stored):
-    images, labels = _epoch(u8.loader(5, shuffle=False))
+    images, labels = _epoch(GPULoader(u8, 5, shuffle=False))
     assert torch.equal(images, stored[0]) and torch.equal(labels, stored[1])
 
 
 @pytest.mark.parametrize("batch_size", [1, 4, 5, N, 50])
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_len_matches_the_batches(u8, batch_size, drop_last):
-    loader = u8.loader(batch_size, shuffle=True, drop_last=drop_last, seed=0)
+    loader = GPULoader(u8, batch_size, shuffle=True, drop_last=drop_last, seed=0)
     sizes = [len(x) for x, _ in loader]
     assert len(sizes) == len(loader) == (N // batch_size if drop_last else -(-N // batch_size))
     assert all(s == batch_size for s in sizes[:-1])
@@ -301,12 +302,12 @@ def test_distributed_shares_are_disjoint_complete_and_equal(u8, world_size):
     for epoch in (0, 1):
         shares = []
         for rank in range(world_size):
-            loader = u8.loader(3, shuffle=True, seed=9, rank=rank, world_size=world_size)
+            loader = GPULoader(u8, 3, shuffle=True, seed=9, rank=rank, world_size=world_size)
             loader.set_epoch(epoch)
             shares.append(loader.indices().tolist())
             assert len(list(loader)) == len(loader)
         assert len({len(s) for s in shares}) == 1  # equal lengths: no rank waits for another
-        assert len({len(u8.loader(3, shuffle=True, rank=r, world_size=world_size)) for r in range(world_size)}) == 1
+        assert len({len(GPULoader(u8, 3, shuffle=True, rank=r, world_size=world_size)) for r in range(world_size)}) == 1
         flat = [i for s in shares for i in s]
         assert set(flat) == set(range(N))  # complete
         padding = len(shares[0]) * world_size - N
@@ -314,8 +315,8 @@ def test_distributed_shares_are_disjoint_complete_and_equal(u8, world_size):
 
 
 def test_distributed_shares_have_different_samples(u8, stored):
-    a = _sample_ids(_epoch(u8.loader(4, shuffle=True, seed=2, rank=0, world_size=2))[0], stored[0])
-    b = _sample_ids(_epoch(u8.loader(4, shuffle=True, seed=2, rank=1, world_size=2))[0], stored[0])
+    a = _sample_ids(_epoch(GPULoader(u8, 4, shuffle=True, seed=2, rank=0, world_size=2))[0], stored[0])
+    b = _sample_ids(_epoch(GPULoader(u8, 4, shuffle=True, seed=2, rank=1, world_size=2))[0], stored[0])
     assert len(a) == len(b) == 12 and len(set(a) & set(b)) == 1  # 23 -> padded to 24: one repeat
     assert set(a) | set(b) == set(range(N))
 
@@ -323,7 +324,7 @@ def test_distributed_shares_have_different_samples(u8, stored):
 # Each rank of a 2-process gloo group (``_helpers.run_two_ranks``).
 _DDP_WORKER = """
 ds = dlstore.GPUDataset(store, "cpu", torch.uint8)   # rank and world size from torch.distributed
-loader = ds.loader(4, shuffle=True)                                  # no seed: the same default on every rank
+loader = dlstore.loader(ds, 4, shuffle=True)                                # no seed: the same default on every rank
 epochs = []
 for epoch in (0, 1):
     loader.set_epoch(epoch)
@@ -348,7 +349,7 @@ def test_under_torch_distributed_ranks_split_each_epoch(store, tmp_path):
 
 def test_dataset_rank_is_the_loader_default(store):
     ds = GPUDataset(store, CPU, torch.uint8, rank=1, world_size=2)
-    loader = ds.loader(4, shuffle=True, seed=0)
+    loader = GPULoader(ds, 4, shuffle=True, seed=0)
     assert (loader.rank, loader.world_size, len(loader)) == (1, 2, 3)
 
 
@@ -360,11 +361,11 @@ def test_transform_gets_the_batch_and_a_generator(u8):
         flip = torch.rand(len(images), generator=generator, device=images.device) < 0.5
         return torch.where(flip.view(-1, 1, 1, 1), images.flip(-1), images)
 
-    a = _epoch(u8.loader(8, shuffle=True, seed=4, transform=flip_some))[0]
-    b = _epoch(u8.loader(8, shuffle=True, seed=4, transform=flip_some))[0]
+    a = _epoch(GPULoader(u8, 8, shuffle=True, seed=4, transform=flip_some))[0]
+    b = _epoch(GPULoader(u8, 8, shuffle=True, seed=4, transform=flip_some))[0]
     assert torch.equal(a, b)  # augmentation is reproducible from the seed
     assert all(isinstance(g, torch.Generator) for g in seen)
-    plain = _epoch(u8.loader(8, shuffle=True, seed=4))[0]
+    plain = _epoch(GPULoader(u8, 8, shuffle=True, seed=4))[0]
     flipped = [not torch.equal(x, p) for x, p in zip(a, plain)]
     assert any(flipped) and not all(flipped)
     assert all(torch.equal(x, p.flip(-1)) for x, p, f in zip(a, plain, flipped) if f)
@@ -382,23 +383,23 @@ def test_per_sample_batch_transforms_run_on_groups_of_batches(u8, stored):
             return images
 
     grouped = Record()
-    loader = u8.loader(4, shuffle=True, seed=1, transform=BatchCompose([grouped]))
+    loader = GPULoader(u8, 4, shuffle=True, seed=1, transform=BatchCompose([grouped]))
     assert loader.group_batches > 1
     batches = list(loader)
     assert grouped.sizes == [N] and [len(x) for x, _ in batches] == [4, 4, 4, 4, 4, 3]
     ids = _sample_ids(torch.cat([x for x, _ in batches]), stored[0])
     assert sorted(ids) == list(range(N)) and torch.equal(torch.cat([y for _, y in batches]), stored[1][ids])
     grouped.sizes.clear()
-    assert [len(x) for x, _ in u8.loader(4, shuffle=True, seed=1, drop_last=True, transform=grouped)] == [4] * 5
+    assert [len(x) for x, _ in GPULoader(u8, 4, shuffle=True, seed=1, drop_last=True, transform=grouped)] == [4] * 5
     assert grouped.sizes == [20]
     # a callable that is not a dlstore batch transform may depend on the batch: one at a time
     sizes = []
-    list(u8.loader(4, shuffle=True, seed=1, transform=BatchCompose([grouped, lambda x, g=None: sizes.append(len(x)) or x])))
+    list(GPULoader(u8, 4, shuffle=True, seed=1, transform=BatchCompose([grouped, lambda x, g=None: sizes.append(len(x)) or x])))
     assert sizes == [4, 4, 4, 4, 4, 3]
 
 
 def test_transform_without_generator_and_channels_last(u8):
-    loader = u8.loader(8, shuffle=True, seed=0, transform=lambda x: x.float(), channels_last=True)
+    loader = GPULoader(u8, 8, shuffle=True, seed=0, transform=lambda x: x.float(), channels_last=True)
     for images, _ in loader:
         assert images.dtype == torch.float32
         assert images.is_contiguous(memory_format=torch.channels_last)
@@ -411,11 +412,11 @@ def test_batch_transforms_from_dlstore_transforms(store):
     ds = GPUDataset(store, CPU)
     aug = transforms.BatchCompose([transforms.BatchRandomCrop((12, 10), padding=2),
                                    transforms.BatchRandomHorizontalFlip()])
-    loader = ds.loader(8, shuffle=True, seed=0, transform=aug)
+    loader = GPULoader(ds, 8, shuffle=True, seed=0, transform=aug)
     out = list(loader)
     assert [tuple(x.shape) for x, _ in out] == [(8, 3, 12, 10), (8, 3, 12, 10), (7, 3, 12, 10)]
     assert all(x.dtype == torch.float16 for x, _ in out)
-    again = list(ds.loader(8, shuffle=True, seed=0, transform=aug))
+    again = list(GPULoader(ds, 8, shuffle=True, seed=0, transform=aug))
     assert all(torch.equal(a[0], b[0]) for a, b in zip(out, again))
 
 
@@ -429,21 +430,21 @@ def test_torchvision_pipelines_and_hybrids_as_open_dataset_takes_them(store, sto
     static = dlstore.open_dataset(store).manifest["static"]
     hybrid = HybridTransform(static, [v2.RandomCrop((12, 10), padding=2), v2.ColorJitter(0.5),
                                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
-    loader = u8.loader(8, transform=hybrid, seed=0)
+    loader = GPULoader(u8, 8, transform=hybrid, seed=0)
     steps = [fn for fn, _ in loader._plan]
     assert [type(s) for s in steps] == [BatchRandomCrop, _PerSample, BatchNormalize]
     images, _ = _epoch(loader)
     assert images.shape == (N, 3, 12, 10) and images.dtype == torch.float32
-    assert torch.equal(images, _epoch(u8.loader(8, transform=hybrid, seed=0))[0])   # seeded per-sample ops
+    assert torch.equal(images, _epoch(GPULoader(u8, 8, transform=hybrid, seed=0))[0])   # seeded per-sample ops
     with pytest.raises(dlstore.StaticMismatchError):
-        u8.loader(8, transform=HybridTransform("center_crop=8", [v2.RandomHorizontalFlip()]))
+        GPULoader(u8, 8, transform=HybridTransform("center_crop=8", [v2.RandomHorizontalFlip()]))
     fp16 = GPUDataset(store, CPU, normalize=(MEAN, STD))
     with pytest.raises(TransformSpecError, match="ColorJitter.*dtype=torch.uint8"):
-        fp16.loader(8, transform=v2.Compose([v2.RandomHorizontalFlip(), v2.ColorJitter(0.5)]))
+        GPULoader(fp16, 8, transform=v2.Compose([v2.RandomHorizontalFlip(), v2.ColorJitter(0.5)]))
     with pytest.raises(TransformSpecError, match="already does"):
-        fp16.loader(8, transform=[v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
+        GPULoader(fp16, 8, transform=[v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
     with pytest.raises(TransformSpecError, match="callable"):
-        fp16.loader(8, transform="flip")
+        GPULoader(fp16, 8, transform="flip")
 
 
 def test_generator_goes_only_to_a_parameter_named_generator():
@@ -474,7 +475,7 @@ def test_cuda_preload_equals_cpu_preload(store):
     gpu = GPUDataset(store, "cuda", normalize=(MEAN, STD), chunk_size=4)
     assert gpu.data.is_cuda and gpu.labels.is_cuda
     assert torch.equal(gpu.data.cpu(), cpu.data) and torch.equal(gpu.labels.cpu(), cpu.labels)
-    images, labels = next(iter(gpu.loader(8, shuffle=True, seed=0)))
+    images, labels = next(iter(GPULoader(gpu, 8, shuffle=True, seed=0)))
     assert images.is_cuda and labels.is_cuda
 
 
@@ -500,7 +501,7 @@ def test_cuda_overflow_and_failures_leak_no_memory(store, tmp_path):
 def test_cuda_stream_mode_matches_preload(store):
     ref = GPUDataset(store, "cuda")
     ds = GPUDataset(store, "cuda", max_memory=1000, on_overflow="stream")
-    for (a, la), (b, lb) in zip(ds.loader(5, shuffle=True, seed=0), ref.loader(5, shuffle=True, seed=0)):
+    for (a, la), (b, lb) in zip(GPULoader(ds, 5, shuffle=True, seed=0), GPULoader(ref, 5, shuffle=True, seed=0)):
         assert a.is_cuda and torch.equal(a, b) and torch.equal(la, lb)
 
 
@@ -545,8 +546,8 @@ def test_dlstore_loader_serves_a_gpu_dataset_through_its_own_loader(store):
     """One entry point: dlstore.loader(GPUDataset) is the GPU loader, same batches, same defaults."""
     ds = GPUDataset(store, CPU, torch.uint8)
     got = list(dlstore.loader(ds, 5, shuffle=True, seed=3))
-    want = list(ds.loader(5, shuffle=True, seed=3))
-    assert len(got) == len(want) == len(ds.loader(5))
+    want = list(GPULoader(ds, 5, shuffle=True, seed=3))
+    assert len(got) == len(want) == len(GPULoader(ds, 5))
     for (a, la), (b, lb) in zip(got, want):
         assert torch.equal(a, b) and torch.equal(la, lb)
     in_order = torch.cat([labels for _, labels in dlstore.loader(ds, 5)])
@@ -571,9 +572,14 @@ def test_dlstore_loader_reaches_every_option_of_the_gpu_loader(store, fused):
     ds = GPUDataset(store, device=CPU, dtype=torch.uint8)
     crop_flip = v2.Compose([v2.RandomCrop(8, padding=2), v2.RandomHorizontalFlip()])
     one = dlstore.loader(ds, 4, shuffle=True, seed=3, transform=crop_flip, fused=fused, prefetch_factor=3)
-    other = ds.loader(4, shuffle=True, seed=3, transform=crop_flip, fused=fused, prefetch=3)
+    other = GPULoader(ds, 4, shuffle=True, seed=3, transform=crop_flip, fused=fused, prefetch=3)
     assert one.fused == fused and one.fused == other.fused
     for (a, la), (b, lb) in zip(one, other, strict=True):
         assert torch.equal(a, b) and torch.equal(la, lb)
     with pytest.raises(dlstore.ArgumentError, match="fused= and compile= apply to a GPUDataset"):
         dlstore.loader(dlstore.open_dataset(store), 4, fused=True)
+
+
+def test_the_old_loader_method_names_the_one_entry(store):
+    with pytest.raises(dlstore.errors.UsageError, match=r"now dlstore.loader\(dataset, \.\.\.\)"):
+        GPUDataset(store, device=CPU, dtype=torch.uint8).loader(4)

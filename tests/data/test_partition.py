@@ -17,6 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dlstore
+from dlstore.data import GPULoader
 from dlstore.data.gpu.partition import epoch_order, per_rank, rank_share
 from dlstore.errors import ArgumentError
 
@@ -95,7 +96,7 @@ def test_sharded_dataset_without_a_group_holds_its_share(store):
         assert len(ds) == len(share) and ds.sharded
         assert np.array_equal(ds.data.numpy(), images[share])
         assert ds.targets == labels[share].tolist()
-        loader = ds.loader(4, shuffle=True, seed=3)
+        loader = GPULoader(ds, 4, shuffle=True, seed=3)
         assert len(loader) == -(-per_rank(N, 3) // 4)  # every rank the same number of batches
         served = torch.cat([labels for _, labels in loader])
         assert len(served) == per_rank(N, 3)
@@ -117,7 +118,7 @@ def test_shard_needs_more_samples_than_ranks(store):
 # Each rank of a 2-process gloo group (``_helpers.run_two_ranks``).
 _WORKER = """
 ds = dlstore.GPUDataset(store, "cpu", torch.uint8, shard=True)    # rank, world size from the group
-loader = ds.loader(4, shuffle=True, seed=11)
+loader = dlstore.loader(ds, 4, shuffle=True, seed=11)
 epochs = []
 for epoch in (0, 1):
     loader.set_epoch(epoch)

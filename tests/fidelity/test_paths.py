@@ -76,6 +76,7 @@ from hypothesis import strategies as st
 from torchvision.transforms import v2
 
 import dlstore
+from dlstore.data import GPULoader
 import dlstore.data.dataset as dataset_module
 from dlstore.data.loaders.shm_ring import ShmRingLoader
 from dlstore.errors import TransformSpecError
@@ -427,9 +428,9 @@ def test_gpu_loader_equals_torchvision(gpu_sets, raw, case, residency, device):
     transform = v2.Compose(CASES[case]) if _torchvision(case) else CASES[case]
     if _refused(case, residency):
         with pytest.raises(TransformSpecError, match="Normalize|RandomErasing"):
-            ds.loader(5, transform=transform, seed=2)
+            GPULoader(ds, 5, transform=transform, seed=2)
         return
-    loader = ds.loader(5, transform=transform, seed=2)
+    loader = GPULoader(ds, 5, transform=transform, seed=2)
     ops = _reference_ops(case)
     got = torch.cat([x for x, _ in loader])
     what = f"{case} {residency} {device}"
@@ -456,7 +457,7 @@ def test_gpu_loader_any_padding_batch_and_seed(gpu_sets, raw, residency, padding
     ops = [BatchRandomCrop((H, W), padding=padding, fill=fill), BatchRandomHorizontalFlip(p)]
     if cutout:
         ops.append(BatchCutout(3, fill=255 - fill))
-    loader = ds.loader(batch_size, transform=BatchCompose(ops), seed=seed)
+    loader = GPULoader(ds, batch_size, transform=BatchCompose(ops), seed=seed)
     got = torch.cat([x for x, _ in loader])
     check_path(ops, raw, got, finish=lambda x: convert(x, ds.dtype, ds.normalize), what=residency)
 
@@ -465,7 +466,7 @@ def test_gpu_loader_takes_plain_modules_and_calls_generator_only_by_name(gpu_set
     """nn.Identity / nn.Sequential forward **kwargs: they must not get generator=."""
     ds = gpu_sets("uint8", "cpu")
     for t in (torch.nn.Identity(), torch.nn.Sequential(), torch.nn.Sequential(v2.RandomHorizontalFlip(1.0))):
-        x, _ = next(iter(ds.loader(8, transform=t)))
+        x, _ = next(iter(GPULoader(ds, 8, transform=t)))
         assert x.shape == (8, 3, H, W)
     seen = []
 
@@ -473,14 +474,14 @@ def test_gpu_loader_takes_plain_modules_and_calls_generator_only_by_name(gpu_set
         seen.append(kwargs)
         return images
 
-    next(iter(ds.loader(4, transform=kw_only)))
+    next(iter(GPULoader(ds, 4, transform=kw_only)))
     assert seen == [{}]
 
 
 def test_gpu_loader_random_crop_draws_per_sample(gpu_sets, raw):
     """A plain v2.RandomCrop(12) is mapped to a batch op: every sample its own offset."""
     ds = gpu_sets("uint8", "cpu")
-    x, _ = next(iter(ds.loader(12, transform=v2.RandomCrop((9, 7)), seed=0)))
+    x, _ = next(iter(GPULoader(ds, 12, transform=v2.RandomCrop((9, 7)), seed=0)))
     offsets = set()
     for j in range(12):
         hits = [(t, l) for t in range(H - 9 + 1) for l in range(W - 7 + 1)

@@ -18,6 +18,7 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 import dlstore
+from dlstore.data import GPULoader
 from dlstore.errors import StaticMismatchError
 from dlstore.sources.demo import make_image_folder
 from dlstore.transforms.hybrid import strip_static_prefix
@@ -182,7 +183,7 @@ def test_gpu_loader_equals_imagefolder_and_refuses_a_partial_prefix(stores, fold
     flip = v2.Compose([v2.Resize(40), v2.CenterCrop(32), v2.PILToTensor(), v2.RandomHorizontalFlip(p=1.0)])
     gpu = dlstore.GPUDataset(stores["shards"], device="cpu", dtype=torch.uint8, shard=shard,
                              rank=0, world_size=2 if shard else 1)
-    loader = gpu.loader(64, transform=flip, seed=0)
+    loader = GPULoader(gpu, 64, transform=flip, seed=0)
     assert [type(t).__name__ for t in loader.already_applied] == ["Resize", "CenterCrop", "PILToTensor"]
     reference = _reference(folder, flip)
     images, labels = next(iter(loader))                          # shuffle=False: the held samples in order
@@ -190,9 +191,9 @@ def test_gpu_loader_equals_imagefolder_and_refuses_a_partial_prefix(stores, fold
     assert torch.equal(images, torch.stack([reference[i][0] for i in held]))
     assert labels.tolist() == [reference[i][1] for i in held]
     with pytest.raises(StaticMismatchError):
-        gpu.loader(4, transform=v2.Compose([v2.Resize(40), v2.RandomCrop(32)]))
+        GPULoader(gpu, 4, transform=v2.Compose([v2.Resize(40), v2.RandomCrop(32)]))
     with pytest.raises(StaticMismatchError):   # a hybrid is checked on a rank's share too
-        gpu.loader(4, transform=dlstore.HybridTransform("resize=64,center_crop=32", v2.RandomHorizontalFlip()))
+        GPULoader(gpu, 4, transform=dlstore.HybridTransform("resize=64,center_crop=32", v2.RandomHorizontalFlip()))
 
 
 @settings(max_examples=12, deadline=None)

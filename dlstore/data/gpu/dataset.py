@@ -45,6 +45,7 @@ from ...errors import (
     ArgumentTypeError,
     DeviceMemoryError,
     SampleIndexError,
+    UsageError,
     VariableShapeError,
 )
 from ...transforms.batch import _as_fill, _as_padding
@@ -53,7 +54,7 @@ from ...units import human_bytes
 from ..dataset import StoreDataset, open_dataset
 from .budget import free_memory, overflow_message
 from .fused import fill_vector, pad_map
-from .loader import GPULoader, _resolve_distributed
+from .loader import _resolve_distributed
 from .partition import SubsetSource, rank_share
 from .preload import ChunkRing
 
@@ -519,35 +520,11 @@ class GPUDataset(Dataset):
         host = self._read_into(np.array([i], dtype=np.int64), self._host_buffer(1))
         return self._finish(host.to(self.device, non_blocking=self._pin))[0], label
 
-    def loader(
-        self,
-        batch_size: int,
-        shuffle: bool = False,
-        *,
-        drop_last: bool = False,
-        transform: Any = None,
-        seed: int | None = None,
-        channels_last: bool = False,
-        rank: int | None = None,
-        world_size: int | None = None,
-        prefetch: int = 2,
-        fused: bool | None = None,
-        compile: bool = False,
-    ) -> GPULoader:
-        """Batches ``(images, labels)`` on the device; see :class:`GPULoader`.
-
-        ``transform`` takes what ``open_dataset`` takes (a torchvision pipeline, a
-        :class:`HybridTransform`) or dlstore batch transforms: the result is
-        torchvision's per sample (on the uint8 pixels, padding black included)
-        followed by this dataset's conversion to ``dtype`` and ``normalize``.
-        ``fused`` / ``compile``: crop + flip + conversion + channels_last as one
-        gather (bit-identical), see :class:`GPULoader`.
-        """
-        return GPULoader(self, batch_size, shuffle, drop_last=drop_last, transform=transform,
-                         seed=seed, channels_last=channels_last,
-                         rank=self.rank if rank is None else rank,
-                         world_size=self.world_size if world_size is None else world_size,
-                         prefetch=prefetch, fused=fused, compile=compile)
+    def loader(self, *args: Any, **kwargs: Any) -> None:
+        """Gone: ``dlstore.loader(dataset, ...)`` builds a GPUDataset's loader, every option included."""
+        raise UsageError("GPUDataset.loader(...) is now dlstore.loader(dataset, ...): the one loader entry, with "
+                         "the same arguments (prefetch= is prefetch_factor=; rank=/world_size= come from the "
+                         "process group with distributed=True, or pass them to dlstore.data.GPULoader)")
 
     def __repr__(self) -> str:
         c, h, w = self.shape

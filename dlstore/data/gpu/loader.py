@@ -419,6 +419,9 @@ class GPULoader:
             else:
                 self._fused = built
                 self.fused_reason = ""
+        # by default the dataset's rank and world size (its share, when sharded)
+        rank = dataset.rank if rank is None else rank
+        world_size = dataset.world_size if world_size is None else world_size
         self.rank, self.world_size = _resolve_distributed(rank, world_size)
         if dataset.sharded and (self.rank, self.world_size) != (dataset.rank, dataset.world_size):
             raise ArgumentError(f"this GPUDataset holds rank {dataset.rank} of {dataset.world_size}'s share "

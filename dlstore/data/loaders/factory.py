@@ -191,9 +191,9 @@ def loader(
             rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         else:
             rank = world_size = None
-        return dataset.loader(batch_size, shuffle, drop_last=drop_last, transform=transform, seed=seed,
-                              channels_last=channels_last, rank=rank, world_size=world_size,
-                              prefetch=2 if prefetch_factor is None else prefetch_factor, fused=fused, compile=compile)
+        return GPULoader(dataset, batch_size, shuffle, drop_last=drop_last, transform=transform, seed=seed,
+                         channels_last=channels_last, rank=rank, world_size=world_size,
+                         prefetch=2 if prefetch_factor is None else prefetch_factor, fused=fused, compile=compile)
     if fused is not None or compile:
         raise ArgumentError("dlstore.loader: fused= and compile= apply to a GPUDataset (its gather on the device); "
                             "a StoreDataset's crop + flip is fused into its batch copy already")
