@@ -140,7 +140,7 @@ def preload_bandwidth(path: str | os.PathLike, device: str | torch.device = "cud
     ``chunk_mib``: chunk sizes to try (None: the default, 64 MiB); rows are keyed
     ``"ring R"`` or ``"ring R, chunk C MiB"``.
     """
-    from dlstore.data.gpu import dataset as gpu_module
+    from dlstore.data.gpu import preload as gpu_module
 
     device = torch.device(device)
     store = dlstore.open_dataset(path)

@@ -31,7 +31,6 @@ from ..errors import (
     ArgumentError,
     ArgumentTypeError,
     SampleIndexError,
-    StaticMismatchError,
     StoreCorruptError,
     TransformSpecError,
     UsageError,
@@ -46,13 +45,9 @@ from ..transforms.functional import (
     crop_flip_loop,
     crop_flip_windows,
 )
-from ..transforms.hybrid import (
-    HybridTransform,
-    _flatten,
-    batch_plan,
-    strip_static_prefix,
-)
-from ..transforms.static import describe, parse_static
+from ..transforms.hybrid import HybridTransform
+from ..transforms.planner import plan
+from ..transforms.static import describe
 
 # Batch buffers of at least this size are recycled in the main process (see _new_batch).
 _POOL_MIN_BYTES = 4 << 20
@@ -161,25 +156,14 @@ class StoreDataset(Dataset):
         sample = self.manifest["sample"]
         shape = sample["shape"] if sample["encoding"] == "raw" else sample.get("decoded_shape")
         self.shape: tuple[int, int, int] | None = tuple(shape) if shape is not None else None
-        self.hybrid: HybridTransform | None = None
+        planned = plan(transform, self.manifest.get("static") or [], where=self.path)
+        self.hybrid: HybridTransform | None = planned.hybrid
         # The leading ops of a whole pipeline that the store already applied: not run again.
-        self.already_applied: list[Any] = []
-        planned = strip_static_prefix(transform, self.manifest.get("static") or [], where=self.path)
-        if planned is not None:
-            transform, self.already_applied = planned
-        if isinstance(transform, HybridTransform):
-            _check_static(self.path, self.manifest, transform)
-            self.hybrid = transform
-            ops = transform.dynamic_ops
-            transform = transform.dynamic
-        elif transform is not None and type(transform).__module__.startswith("torchvision."):
-            ops = _flatten(transform)
-        else:
-            ops = [] if transform is None else [transform]
-        self.transform = transform
+        self.already_applied: list[Any] = planned.already_applied
+        self.transform = planned.transform
         self.target_transform = target_transform
         self.batch_transform = batch_transform
-        self.per_sample_ops, self.batch_ops = batch_plan(ops, fixed_shape=self.shape is not None)
+        self.per_sample_ops, self.batch_ops = planned.split(fixed_shape=self.shape is not None)
         if batch_transform is not None:
             self.batch_ops.append(batch_transform)
         # Leading crop (constant padding) and flip run inside the copy that assembles the batch.
@@ -560,21 +544,6 @@ def _check_sealed(module: Any, path: Path) -> None:
     if problem is not None:
         raise StoreCorruptError(f"{data}: damaged (every sample it holds is suspect): {problem}; "
                                 "convert again or restore a copy")
-
-
-def _check_static(path: Path, manifest: dict[str, Any], hybrid: HybridTransform) -> None:
-    stored = parse_static(manifest.get("static") or [])
-    wanted = hybrid.static_spec
-    if stored == wanted:
-        return
-    detail = ""
-    if describe(stored) == describe(wanted):  # differ in a field describe() leaves out
-        detail = f"\n  store:     {stored}\n  transform: {wanted}"
-    raise StaticMismatchError(
-        f"{path}: the store was converted with static transforms {describe(stored)!r}, but the hybrid "
-        f"transform's static part is {describe(wanted)!r}{detail}. Training on it would not see the data "
-        f"the pipeline describes. Convert again with dlstore.convert(src, {str(path)!r}, static=hybrid, "
-        f"overwrite=True), or open it with a hybrid whose static part is {describe(stored)!r}.")
 
 
 def _stack(samples: list[torch.Tensor], path: Path) -> torch.Tensor:

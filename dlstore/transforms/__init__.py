@@ -10,7 +10,9 @@
 * ``hybrid``: ``split_transforms`` cuts a torchvision pipeline into static and
   dynamic parts; ``strip_static_prefix`` plans a whole pipeline given at read time
   (the store's static ops are not run again); ``batch_plan`` maps the dynamic ops
-  to batch transforms.
+  to batch transforms;
+* ``planner``: the one plan every read path takes of a read-time transform (what the
+  store already applied, per sample / per batch, host / device stage, GPU batch steps).
 """
 
 from .batch import (

@@ -43,7 +43,7 @@ def _check_generator(generator: Any, device: Any, name: str) -> None:
             f"use torch.Generator(device={str(device)!r})")
 
 
-def _as_padding(padding: Any) -> tuple[int, int, int, int]:
+def as_padding(padding: Any) -> tuple[int, int, int, int]:
     """torchvision's padding forms -> (left, top, right, bottom)."""
     if padding is None:
         return (0, 0, 0, 0)
@@ -63,7 +63,7 @@ def _as_padding(padding: Any) -> tuple[int, int, int, int]:
     return tuple(values)  # type: ignore[return-value]
 
 
-def _as_fill(fill: Any, name: str) -> int | float | tuple[float, ...]:
+def as_fill(fill: Any, name: str) -> int | float | tuple[float, ...]:
     """A fill value: one number, or one number per channel (a tuple)."""
     def number(v: Any) -> bool:
         return isinstance(v, (int, float)) and not isinstance(v, bool)
@@ -128,11 +128,11 @@ class BatchRandomCrop(BatchTransform):
     def __init__(self, size: int | Sequence[int], padding: Any = 0, *, pad_if_needed: bool = False,
                  fill: int | float | Sequence[float] = 0, padding_mode: str = "constant"):
         self.size = tuple(_size_pair(list(size) if isinstance(size, tuple) else size, "BatchRandomCrop"))
-        self.padding = _as_padding(padding)
+        self.padding = as_padding(padding)
         if padding_mode not in PADDING_MODES:
             raise TransformSpecError(
                 f"BatchRandomCrop: unknown padding_mode {padding_mode!r}; valid: {', '.join(PADDING_MODES)}")
-        self.fill = _as_fill(fill, "BatchRandomCrop")
+        self.fill = as_fill(fill, "BatchRandomCrop")
         if isinstance(self.fill, tuple) and padding_mode != "constant":
             raise TransformSpecError(f"BatchRandomCrop: a per-channel fill needs padding_mode='constant', "
                                      f"got {padding_mode!r}")
@@ -326,7 +326,7 @@ class BatchCutout(BatchTransform):
         if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
             raise TransformSpecError(f"BatchCutout: size must be a positive int, got {size!r}")
         self.size = size
-        self.fill = _as_fill(fill, "BatchCutout")
+        self.fill = as_fill(fill, "BatchCutout")
 
     def sample(self, shape: Sequence[int], *, generator: Any = None, device: Any = "cpu") -> BatchParams:
         b, _, h, w = shape

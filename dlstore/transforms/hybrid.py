@@ -34,14 +34,19 @@ from .static import (
 # ---------------------------------------------------------------------------
 
 
-def _flatten(pipeline: Any) -> list[Any]:
+def is_torchvision(t: Any) -> bool:
+    """Whether ``t`` is a torchvision transform (or Compose): the ops the planner reads by name."""
+    return type(t).__module__.startswith("torchvision.")
+
+
+def flatten(pipeline: Any) -> list[Any]:
     """The ops of a torchvision pipeline, nested Compose flattened; a list is taken as a Compose."""
     if pipeline is None:
         return []
     if isinstance(pipeline, (list, tuple)):
-        return [op for t in pipeline for op in _flatten(t)]
+        return [op for t in pipeline for op in flatten(t)]
     if type(pipeline).__name__ == "Compose" and hasattr(pipeline, "transforms"):
-        return [op for t in pipeline.transforms for op in _flatten(t)]
+        return [op for t in pipeline.transforms for op in flatten(t)]
     return [pipeline]
 
 
@@ -125,9 +130,9 @@ class HybridTransform:
                  notes: Sequence[str] = ()):
         self._static = parse_static(static)
         if device is None:
-            self.host_ops, self.device_ops = split_stages(_flatten(dynamic))
+            self.host_ops, self.device_ops = split_stages(flatten(dynamic))
         else:
-            self.host_ops, self.device_ops = _flatten(dynamic), _flatten(device)
+            self.host_ops, self.device_ops = flatten(dynamic), flatten(device)
         self.dynamic_ops = self.host_ops + self.device_ops
         self.dynamic = _compose(self.dynamic_ops)
         self.notes = list(notes)
@@ -183,7 +188,7 @@ def split_transforms(pipeline: Any) -> HybridTransform:
     Returns:
         A HybridTransform whose ``repr`` explains where each op went.
     """
-    ops = _flatten(pipeline)
+    ops = flatten(pipeline)
     for t in ops:
         if not callable(t):
             raise ArgumentTypeError(f"split_transforms takes torchvision transforms (a Compose, a list or one "
@@ -267,7 +272,7 @@ def strip_static_prefix(transform: Any, stored: Any, *, where: Any = "the store"
     stored = parse_static(stored)
     if not stored or isinstance(transform, HybridTransform):
         return None
-    ops = _flatten(transform)
+    ops = flatten(transform)
     matched: StaticSpec = []
     taken = 0
     differing: Any = None       # the op where the pipeline leaves the store's spec, if any
@@ -277,7 +282,7 @@ def strip_static_prefix(transform: Any, stored: Any, *, where: Any = "the store"
             break
         if type(t).__name__ in _TO_TENSOR_NAMES:
             continue
-        if not (type(t).__module__.startswith("torchvision.") or isinstance(t, ResizeMax)):
+        if not (is_torchvision(t) or isinstance(t, ResizeMax)):
             differing = t     # _from_torchvision reads names: another library's "Resize" is not one
             break
         try:

@@ -10,8 +10,8 @@ from _helpers import run_two_ranks, split_store
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data import GPULoader
 from dlstore import DeviceMemoryError, GPUDataset, VariableShapeError
+from dlstore.data import GPULoader
 from dlstore.sources.demo import make_image_folder
 
 CPU = "cpu"
@@ -423,16 +423,16 @@ def test_batch_transforms_from_dlstore_transforms(store):
 def test_torchvision_pipelines_and_hybrids_as_open_dataset_takes_them(store, stored):
     """Ops with a batch equivalent run per batch, others per sample (uint8 pixels), or a clear error."""
     from dlstore import TransformSpecError
-    from dlstore.data.gpu.loader import _PerSample
     from dlstore.transforms import BatchNormalize, BatchRandomCrop, HybridTransform
+    from dlstore.transforms.planner import PerSample
 
     u8 = GPUDataset(store, CPU, torch.uint8)
     static = dlstore.open_dataset(store).manifest["static"]
     hybrid = HybridTransform(static, [v2.RandomCrop((12, 10), padding=2), v2.ColorJitter(0.5),
                                       v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)])
     loader = GPULoader(u8, 8, transform=hybrid, seed=0)
-    steps = [fn for fn, _ in loader._plan]
-    assert [type(s) for s in steps] == [BatchRandomCrop, _PerSample, BatchNormalize]
+    steps = [fn for fn, _ in loader.steps]
+    assert [type(s) for s in steps] == [BatchRandomCrop, PerSample, BatchNormalize]
     images, _ = _epoch(loader)
     assert images.shape == (N, 3, 12, 10) and images.dtype == torch.float32
     assert torch.equal(images, _epoch(GPULoader(u8, 8, transform=hybrid, seed=0))[0])   # seeded per-sample ops
@@ -448,7 +448,7 @@ def test_torchvision_pipelines_and_hybrids_as_open_dataset_takes_them(store, sto
 
 
 def test_generator_goes_only_to_a_parameter_named_generator():
-    from dlstore.data.gpu.loader import _accepts_generator
+    from dlstore.transforms.planner import accepts_generator
 
     def named(x, generator=None):
         return x
@@ -459,9 +459,9 @@ def test_generator_goes_only_to_a_parameter_named_generator():
     def var_kw(x, **kwargs):
         return x
 
-    assert _accepts_generator(named) and _accepts_generator(kw_only)
-    assert not _accepts_generator(var_kw) and not _accepts_generator(lambda x, g=None: x)
-    assert not _accepts_generator(torch.nn.Identity()) and not _accepts_generator(v2.RandomHorizontalFlip())
+    assert accepts_generator(named) and accepts_generator(kw_only)
+    assert not accepts_generator(var_kw) and not accepts_generator(lambda x, g=None: x)
+    assert not accepts_generator(torch.nn.Identity()) and not accepts_generator(v2.RandomHorizontalFlip())
 
 
 # --- CUDA (skipped without a GPU) ----------------------------------------------------------

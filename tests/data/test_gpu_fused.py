@@ -16,8 +16,8 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 import dlstore
-from dlstore.data import GPULoader
 from dlstore import GPUDataset
+from dlstore.data import GPULoader
 from dlstore.sources.demo import make_image_folder
 from dlstore.transforms import (
     BatchCompose,
@@ -267,7 +267,7 @@ def test_padded_copy_is_torchvision_pad(sets, raw, residency, padding, mode, fil
     want = F.pad(raw, padding if isinstance(padding, list) else [padding], fill=list(fill) if
                  isinstance(fill, tuple) else fill, padding_mode=mode)
     if ds.data.is_floating_point():   # held converted: the conversion of the padded pixels
-        want = ds._finish(want)
+        want = ds.conversion(want)
     assert torch.equal(ds.data, want)
     assert ds.needed_bytes == want.numel() * want.element_size() + 8 * N
     assert torch.equal(ds[3][0], plain[3][0]) and ds[3][1] == plain[3][1]

@@ -68,7 +68,6 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 import dlstore
-from dlstore.data.gpu.loader import _PerSample
 from dlstore.sources.demo import make_image_folder
 from dlstore.transforms import (
     BatchCompose,
@@ -78,6 +77,7 @@ from dlstore.transforms import (
     BatchRandomHorizontalFlip,
     BatchRandomResizedCrop,
 )
+from dlstore.transforms.planner import PerSample as _PerSample
 
 FP16_REL = 2.0 ** -11
 FP16_ABS = 2.0 ** -25

@@ -1,19 +1,12 @@
-"""A dataset that lives in device memory, and a loader that serves batches from there.
+"""A dataset that lives in device memory, served a batch at a time by its loader (``loader.py``).
 
 For datasets that fit in GPU memory (CIFAR, ImageNet subsets, most fine-tuning
 sets on a large card) the fastest loader has no workers at all: the whole
 dataset sits on the device, converted once to fp16 (optionally normalised), and
 every batch is an ``index_select`` plus batch augmentations on the device.
 
-Preload pipeline (bounded host memory: a ring of PRELOAD_RING chunks on CUDA, 2 on CPU;
-see preload.py)::
-
-    reader threads                   main thread (CUDA: a side stream)
-    ──────────────                   ───────────────────────────────────
-    store ─read─▶ host chunk k+1..   host chunk k ─copy, non_blocking─▶ device uint8
-    (pinned when the device is       ─to float32, /255, (x-mean)/std─▶ dtype
-     CUDA; a buffer is refilled      ─▶ data[start:stop] of one preallocated tensor
-     once its copy's event is done)  (─▶ its border, when the dataset holds padding)
+The preload reads the store in chunks on threads, ahead of the copies to the
+device, with bounded host memory (``preload.py``).
 
 Before allocating anything the bytes needed are compared with what the device
 has free (``torch.cuda.mem_get_info`` minus a headroom) or with ``max_memory``;
@@ -31,15 +24,12 @@ import os
 import time
 import traceback
 from collections.abc import Sequence
-from contextlib import nullcontext
-from functools import partial
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from ..._system import usable_cpus
 from ...errors import (
     ArgumentError,
     ArgumentTypeError,
@@ -48,24 +38,23 @@ from ...errors import (
     UsageError,
     VariableShapeError,
 )
-from ...transforms.batch import _as_fill, _as_padding
+from ...transforms.batch import as_fill, as_padding
 from ...transforms.static import PADDING_MODES
 from ...units import human_bytes
 from ..dataset import StoreDataset, open_dataset
 from .budget import free_memory, overflow_message
-from .fused import fill_vector, pad_map
-from .loader import _resolve_distributed
-from .partition import SubsetSource, rank_share
-from .preload import ChunkRing
+from .convert import Conversion
+from .padding import fill_vector, interior
+from .partition import SubsetSource, rank_share, resolve_distributed
+from .preload import preload
 
 ON_OVERFLOW = ("error", "uint8", "stream")
 HOLD = ("dtype", "uint8")
-# Pinned host buffers of the CUDA preload (chunk_size samples each), filled by PRELOAD_RING - 1
-# reader threads while the consumer copies one out: bounded host memory, reads in parallel.
-PRELOAD_RING = 4
 DEFAULT_CHUNK_BYTES = 64 << 20
 # uint8 bytes converted to float32 at a time: bounds the float32 workspace and keeps it in cache.
 CONVERT_BLOCK_BYTES = 8 << 20
+
+
 def _check_device(device: Any) -> torch.device:
     """``device`` as a torch.device that exists here; ArgumentError naming it otherwise."""
     try:
@@ -183,9 +172,9 @@ class GPUDataset(Dataset):
         if padding_mode not in PADDING_MODES:
             raise ArgumentError(f"padding_mode must be one of {', '.join(map(repr, PADDING_MODES))}, "
                                 f"got {padding_mode!r}")
-        self.padding: tuple[int, int, int, int] = _as_padding(padding)
+        self.padding: tuple[int, int, int, int] = as_padding(padding)
         self.padding_mode = padding_mode
-        self.padding_fill = _as_fill(padding_fill, "GPUDataset padding_fill")
+        self.padding_fill = as_fill(padding_fill, "GPUDataset padding_fill")
         if on_overflow not in ON_OVERFLOW:
             raise ArgumentError(f"on_overflow must be one of {', '.join(map(repr, ON_OVERFLOW))}, "
                                 f"got {on_overflow!r}")
@@ -221,7 +210,7 @@ class GPUDataset(Dataset):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype
         self.classes: list[str] = list(getattr(self.source, "classes", []))
-        self.rank, self.world_size = _resolve_distributed(rank, world_size)
+        self.rank, self.world_size = resolve_distributed(rank, world_size)
         if not isinstance(shard, bool):
             raise ArgumentTypeError(f"shard must be True or False, got {shard!r}")
         self.sharded = shard
@@ -232,7 +221,7 @@ class GPUDataset(Dataset):
         else:
             self.store_indices = np.arange(total, dtype=np.int64)
         self.total_samples = total
-        self._pin = self.device.type == "cuda"
+        self.pin = self.device.type == "cuda"
         self._sample_bytes = int(np.prod(self.shape))
         left, top, right, bottom = self.padding
         c, h, w = self.shape
@@ -244,26 +233,10 @@ class GPUDataset(Dataset):
         if int(chunk_size) < 1:
             raise ArgumentError(f"chunk_size must be >= 1, got {chunk_size}")
         self.chunk_size = min(int(chunk_size), max(1, n))
-        if normalize is not None:
-            mean, std = normalize
-            mean_t = torch.as_tensor(mean, dtype=torch.float32).reshape(-1)
-            std_t = torch.as_tensor(std, dtype=torch.float32).reshape(-1)
-            c = self.shape[0]
-            if mean_t.numel() not in (1, c) or std_t.numel() not in (1, c):
-                raise ArgumentError(f"normalize needs 1 or {c} values for mean and std, got "
-                                 f"{mean_t.numel()} and {std_t.numel()}")
-            if (std_t == 0).any():
-                raise ArgumentError(f"normalize: std must not be zero, got {std_t.tolist()}")
-            self._mean = mean_t.view(1, -1, 1, 1).to(self.device)
-            self._std = std_t.view(1, -1, 1, 1).to(self.device)
-        else:
-            self._mean = self._std = None
+        self.conversion = Conversion(dtype, normalize, self.shape[0], self.device)
         self.normalize = normalize
 
-        labels = getattr(self.source, "_labels", None)
-        if labels is None:
-            labels = np.asarray(self.source.targets)
-        labels = np.asarray(labels)   # (N,) int labels, or (N, K) target vectors kept in their dtype
+        labels = np.asarray(self.source.targets)   # (N,) int labels, or (N, K) target vectors in their dtype
         self._host_labels = labels if labels.ndim == 2 else labels.astype(np.int64, copy=False)
 
         held_uint8 = hold == "uint8" or dtype == torch.uint8
@@ -302,7 +275,7 @@ class GPUDataset(Dataset):
                 max_memory, keep, on_overflow))
 
         self.data: torch.Tensor | None = None
-        self._held_fill: torch.Tensor | None = None
+        self.held_fill: torch.Tensor | None = None
         self.labels: torch.Tensor = torch.empty(0, dtype=torch.int64)
         self.load_seconds = 0.0
         start = time.perf_counter()
@@ -312,9 +285,9 @@ class GPUDataset(Dataset):
                 storage = dtype if self.mode == "preload" else torch.uint8
                 pixel = fill_vector(self.padding_fill, c, torch.uint8, self.device)
                 # the fill as held: converted like every pixel where the data are held converted
-                self._held_fill = self._finish(pixel.view(1, c, 1, 1)).view(c) if storage != torch.uint8 else pixel
+                self.held_fill = self.conversion(pixel.view(1, c, 1, 1)).view(c) if storage != torch.uint8 else pixel
                 self.data = torch.empty((n, *self._resident_shape), dtype=storage, device=self.device)
-                self._preload()
+                preload(self, chunk_size=self.chunk_size, block=self._block)
         except torch.cuda.OutOfMemoryError as exc:
             self._release(exc)
             raise DeviceMemoryError(
@@ -343,12 +316,13 @@ class GPUDataset(Dataset):
             exc = exc.__cause__ or exc.__context__
         self.data = None
         self.labels = torch.empty(0, dtype=torch.int64)
-        self._mean = self._std = self._held_fill = None
+        self.held_fill = None
+        self.conversion.mean = self.conversion.std = None
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def _read_into(self, indices: np.ndarray, out: torch.Tensor) -> torch.Tensor:
-        """Samples ``indices`` of the source, uint8, gathered into ``out`` (B, C, H, W)."""
+    def read_into(self, indices: np.ndarray, out: torch.Tensor) -> torch.Tensor:
+        """Samples ``indices`` of the source, uint8, gathered into the host tensor ``out`` (B, C, H, W)."""
         reader = getattr(self.source, "reader", None)
         get_batch = getattr(reader, "get_batch", None)
         if get_batch is not None:  # every dlstore reader fills a given out= (fixed-shape stores)
@@ -363,130 +337,14 @@ class GPUDataset(Dataset):
         out.copy_(images)
         return out
 
-    def _host_buffer(self, count: int) -> torch.Tensor:
-        return torch.empty((count, *self.shape), dtype=torch.uint8, pin_memory=self._pin)
+    def read(self, indices: np.ndarray) -> torch.Tensor:
+        """Samples ``indices`` of the source, uint8, in a new host tensor (pinned when on CUDA)."""
+        out = torch.empty((len(indices), *self.shape), dtype=torch.uint8, pin_memory=self.pin)
+        return self.read_into(indices, out)
 
-    def _read_chunk(self, buffers: list[torch.Tensor | None], threads: int, bounds: tuple[int, int],
-                    slot: int) -> tuple[int, int, torch.Tensor]:
-        """Read chunk ``bounds`` into host buffer ``slot`` (made on first use), or straight into place."""
-        start, stop = bounds
-        if self.device.type == "cpu" and self.data.dtype == torch.uint8 and self.padding == (0, 0, 0, 0):
-            buf = self.data[start:stop]  # nothing to convert or upload: read straight into place
-        else:
-            if buffers[slot] is None:
-                buffers[slot] = self._host_buffer(self.chunk_size)
-            buf = buffers[slot][:stop - start]
-        read_range = getattr(getattr(self.source, "reader", None), "read_range", None)
-        if read_range is not None:  # every raw dlstore reader: shards reads with preadv in threads
-            read_range(start, stop, out=buf.numpy(), threads=threads)
-            return start, stop, buf
-        return start, stop, self._read_into(np.arange(start, stop, dtype=np.int64), buf)
-
-    def _preload(self) -> None:
-        n = len(self._host_labels)
-        bounds = [(s, min(s + self.chunk_size, n)) for s in range(0, n, self.chunk_size)]
-        self._upload(bounds)
-
-    def _upload(self, bounds: list[tuple[int, int]]) -> None:
-        side = None
-        if self.device.type == "cuda":
-            side = torch.cuda.Stream(self.device)
-            # The side stream must see what the default stream did first (the data tensor,
-            # mean and std uploaded from pageable memory).
-            side.wait_stream(torch.cuda.current_stream(self.device))
-        workspace = None
-        if self.data.dtype != torch.uint8:
-            with torch.cuda.stream(side) if side is not None else nullcontext():
-                workspace = torch.empty((self._block, *self.shape), dtype=torch.float32, device=self.device)
-        ring_size = PRELOAD_RING if side is not None else 2
-        readers = min(ring_size, len(bounds))
-        buffers: list[torch.Tensor | None] = [None] * ring_size
-        threads = max(1, min(8, usable_cpus() // max(1, readers)))
-        ring = ChunkRing(bounds, partial(self._read_chunk, buffers, threads), ring=ring_size,
-                         readers=readers - 1 if side is not None and readers > 1 else readers)
-        try:
-            for _ in bounds:
-                start, stop, host = ring.get()
-                chunk = self.data[start:stop]
-                target = self._interior(chunk)
-                if side is None:
-                    if host.data_ptr() != target.data_ptr():
-                        self._convert_into(host, target, workspace)
-                    self._pad_chunk(chunk)
-                    ring.done()
-                    continue
-                with torch.cuda.stream(side):
-                    if workspace is None:
-                        target.copy_(host, non_blocking=True)
-                    else:
-                        self._convert_into(host.to(self.device, non_blocking=True), target, workspace)
-                    self._pad_chunk(chunk)
-                    copied = torch.cuda.Event()
-                    copied.record(side)
-                # The host buffer goes back to a reader once its copy is done (the reader waits
-                # for the event); meanwhile the other readers have been filling the next ones.
-                ring.done(copied)
-        finally:
-            ring.close()
-            if side is not None:  # also on error: nothing may still write into freed memory
-                side.synchronize()
-        if side is not None:
-            torch.cuda.current_stream(self.device).wait_stream(side)
-
-    def _interior(self, data: torch.Tensor) -> torch.Tensor:
-        """The samples inside ``data``'s resident padding (a view; ``data`` itself without padding)."""
-        left, top, _, _ = self.padding
-        _, h, w = self.shape
-        return data if self.padding == (0, 0, 0, 0) else data[:, :, top:top + h, left:left + w]
-
-    def _samples(self) -> torch.Tensor | None:
-        """The resident samples as stored (a view inside any padding); None in stream mode."""
-        return None if self.data is None else self._interior(self.data)
-
-    def _pad_chunk(self, chunk: torch.Tensor) -> None:
-        """Write the border of ``chunk`` (its interior written), as ``F.pad`` pads each sample."""
-        if self.padding == (0, 0, 0, 0):
-            return
-        left, top, right, bottom = self.padding
-        _, h, w = self.shape
-        if self.padding_mode == "constant":
-            fill = self._held_fill.view(1, -1, 1, 1)
-            for border in (chunk[:, :, :top], chunk[:, :, top + h:], chunk[:, :, :, :left], chunk[:, :, :, left + w:]):
-                border.copy_(fill.expand_as(border))
-            return
-        rows = pad_map(h, top, bottom, self.padding_mode).to(chunk.device) + top
-        cols = pad_map(w, left, right, self.padding_mode).to(chunk.device) + left
-        chunk.copy_(chunk.index_select(2, rows).index_select(3, cols))
-
-    def _convert_into(self, images: torch.Tensor, out: torch.Tensor, workspace: torch.Tensor | None) -> None:
-        """Write uint8 ``images`` (on the device, or a host chunk on CPU) into ``out``.
-
-        Float output goes through ``workspace`` (float32) a block at a time, with the
-        same operations as :meth:`_to_float32`, so both give identical numbers.
-        """
-        if workspace is None:
-            out.copy_(images)
-            return
-        for b in range(0, len(images), len(workspace)):
-            e = min(len(images), b + len(workspace))
-            x = workspace[:e - b]
-            x.copy_(images[b:e])
-            x.mul_(1.0 / 255.0)
-            if self._mean is not None:
-                x.sub_(self._mean).div_(self._std)
-            out[b:e].copy_(x)
-
-    def _to_float32(self, images: torch.Tensor) -> torch.Tensor:
-        x = images.to(torch.float32).mul_(1.0 / 255.0)
-        if self._mean is not None:
-            x.sub_(self._mean).div_(self._std)
-        return x
-
-    def _finish(self, images: torch.Tensor) -> torch.Tensor:
-        """A uint8 batch on the device -> what ``dtype`` promises."""
-        if self.dtype == torch.uint8:
-            return images
-        return self._to_float32(images).to(self.dtype)
+    def held_samples(self) -> torch.Tensor | None:
+        """The resident samples as held (a view inside any padding); None in stream mode."""
+        return None if self.data is None else interior(self.data, self.padding, self.shape)
 
     # --- the dataset interface ------------------------------------------------------------
 
@@ -514,11 +372,11 @@ class GPUDataset(Dataset):
             raise SampleIndexError(f"index {i} out of range for a dataset of {n} samples")
         label = int(self._host_labels[i]) if self._host_labels.ndim == 1 else self.labels[i]
         if self.mode == "preload":
-            return self._samples()[i], label
+            return self.held_samples()[i], label
         if self.mode == "uint8":
-            return self._finish(self._samples()[i:i + 1])[0], label
-        host = self._read_into(np.array([i], dtype=np.int64), self._host_buffer(1))
-        return self._finish(host.to(self.device, non_blocking=self._pin))[0], label
+            return self.conversion(self.held_samples()[i:i + 1])[0], label
+        host = self.read(np.array([i], dtype=np.int64))
+        return self.conversion(host.to(self.device, non_blocking=self.pin))[0], label
 
     def loader(self, *args: Any, **kwargs: Any) -> None:
         """Gone: ``dlstore.loader(dataset, ...)`` builds a GPUDataset's loader, every option included."""

@@ -32,10 +32,9 @@ more than one crop, stream mode.
 
 from __future__ import annotations
 
-import copy
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -44,36 +43,10 @@ from ...transforms.batch import (
     BatchRandomCrop,
     BatchRandomHorizontalFlip,
 )
-
-if TYPE_CHECKING:
-    from .dataset import GPUDataset
+from .padding import fill_vector, pad_map, unpadded_crop
+from .resident import Resident
 
 log = logging.getLogger(__name__)
-
-
-def pad_map(size: int, before: int, after: int, mode: str) -> torch.Tensor:
-    """Source index of each position of an axis of ``size`` padded by (before, after), -1 for the fill.
-
-    torchvision's ``F.pad`` applied to ``arange(size)``: exactly its index arithmetic for
-    every padding mode (and its errors, e.g. reflect padding wider than the image).
-    """
-    from torchvision.transforms.v2 import functional as F
-
-    line = torch.arange(size, dtype=torch.float64).view(1, size, 1)
-    if mode == "constant":
-        padded = F.pad(line, [0, before, 0, after], fill=-1.0)
-    else:
-        padded = F.pad(line, [0, before, 0, after], padding_mode=mode)
-    return padded.view(-1).round().long()
-
-
-def fill_vector(fill: Any, channels: int, dtype: torch.dtype, device: Any) -> torch.Tensor:
-    """(C,) the value ``F.pad(images of dtype, fill=fill)`` writes into each channel."""
-    from torchvision.transforms.v2 import functional as F
-
-    fill = list(fill) if isinstance(fill, tuple) else fill
-    pixel = F.pad(torch.zeros((channels, 1, 1), dtype=dtype), [1, 0, 0, 0], fill=fill)[:, 0, 0]
-    return pixel.to(device)
 
 
 def _axis(size: int, before: int, after: int, mode: str, out: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -118,11 +91,11 @@ class FusedGather:
         geometry: the crop / flip ops, in plan order (a first crop whose padding is the
             dataset's resident padding has it removed: it reads the padded copy).
         resident: whether that is the case.
-        convert: the conversion step (the dataset's ``_finish`` or a ``BatchNormalize``), or None.
+        convert: the conversion step (the dataset's ``conversion`` or a ``BatchNormalize``), or None.
         compiled: whether the gather runs through ``torch.compile``.
     """
 
-    def __init__(self, ds: GPUDataset, geometry: list[Any], convert: Callable[..., torch.Tensor] | None, *,
+    def __init__(self, ds: Resident, geometry: list[Any], convert: Callable[..., torch.Tensor] | None, *,
                  channels_last: bool, compile: bool, resident: bool = False):
         self.ds = ds
         self.resident = resident
@@ -148,7 +121,7 @@ class FusedGather:
         return self._consts[key]
 
     @classmethod
-    def build(cls, ds: GPUDataset, plan: list[tuple[Callable[..., torch.Tensor], bool]], *,
+    def build(cls, ds: Resident, plan: list[tuple[Callable[..., torch.Tensor], bool]], *,
               channels_last: bool, compile: bool = False) -> FusedGather | str:
         """The fused gather for ``plan`` on ``ds``, or the reason it does not apply (a str)."""
         if ds.mode not in ("preload", "uint8") or ds.data is None:
@@ -160,8 +133,8 @@ class FusedGather:
                 return f"{fn!r} runs after the conversion"
             if type(fn) in (BatchRandomCrop, BatchRandomHorizontalFlip):
                 geometry.append(fn)
-            elif type(fn) is BatchNormalize or fn == ds._finish:
-                convert = fn if fn == ds._finish else (lambda x, op=fn: op.apply(x, {}))
+            elif type(fn) is BatchNormalize or fn is ds.conversion:
+                convert = fn if fn is ds.conversion else (lambda x, op=fn: op.apply(x, {}))
             else:
                 return f"{fn!r} is not a crop, a flip or the conversion"
         if sum(type(op) is BatchRandomCrop for op in geometry) > 1:
@@ -236,22 +209,3 @@ class FusedGather:
                 self._kernel = None
                 self.compiled = False
         return _gather(data, *index, keep, fill, None)
-
-
-def unpadded_crop(op: BatchRandomCrop, ds: GPUDataset) -> BatchRandomCrop:
-    """``op`` reading ``ds``'s padded resident copy when its padding is the dataset's, else ``op``.
-
-    The copy has no padding of its own; its draws are the same (the padded image has
-    the same size), so it gives the same pixels as ``op`` on the unpadded samples.
-    """
-    h, w = ds.shape[1:]
-    if ds.data is None or op.padding_for(h, w) != ds.padding or op.padding_mode != ds.padding_mode:
-        return op
-    # the fill as held (the loader's plan already maps a crop's fill to held values)
-    if op.padding_mode == "constant" and not torch.equal(
-            fill_vector(op.fill, ds.shape[0], ds.data.dtype, "cpu"), ds._held_fill.cpu()):
-        return op
-    reads = copy.copy(op)
-    reads.padding = (0, 0, 0, 0)
-    reads.pad_if_needed = False
-    return reads

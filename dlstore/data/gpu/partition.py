@@ -38,6 +38,22 @@ import torch
 from ...errors import ArgumentError
 
 
+def resolve_distributed(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    """(rank, world_size): the given values, else torch.distributed's, else (0, 1)."""
+    dist = torch.distributed
+    initialised = dist.is_available() and dist.is_initialized()
+    if world_size is None:
+        world_size = dist.get_world_size() if initialised else 1
+    if rank is None:
+        rank = dist.get_rank() if initialised else 0
+    world_size, rank = int(world_size), int(rank)
+    if world_size < 1:
+        raise ArgumentError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ArgumentError(f"rank must be in [0, {world_size}), got {rank}")
+    return rank, world_size
+
+
 def _check(n: int, rank: int, world_size: int) -> None:
     if world_size < 1:
         raise ArgumentError(f"world_size must be >= 1, got {world_size}")
@@ -115,10 +131,7 @@ class SubsetSource:
         self.classes = list(getattr(source, "classes", []))
         self.path = getattr(source, "path", None)
         self.manifest = getattr(source, "manifest", None)   # the loader checks transforms against its static spec
-        labels = getattr(source, "_labels", None)
-        if labels is None:
-            labels = np.asarray(source.targets)
-        labels = np.asarray(labels)   # (N,) int labels, or (N, K) target vectors kept in their dtype
+        labels = np.asarray(source.targets)   # (N,) int labels, or (N, K) target vectors kept in their dtype
         self._labels = (labels if labels.ndim == 2 else labels.astype(np.int64, copy=False))[self.indices]
         self.targets = self._labels.tolist() if self._labels.ndim == 1 else self._labels
         reader = getattr(source, "reader", None)

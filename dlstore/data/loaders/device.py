@@ -1,7 +1,7 @@
 """``DeviceLoader``: uint8 batches from the host stage, moved to a device, finished there.
 
 ``dlstore.loader(ds, batch_size, device="cuda")`` cuts the dataset's read-time
-transforms in two (``split_stages``): the host stage (random crops and flips on
+transforms in two (``planner.stages``): the host stage (random crops and flips on
 uint8, in the loader's threads or worker processes) and the device stage (the
 float tail: ``ToDtype``, ``Normalize`` and every op after them). Only uint8
 crosses the worker boundary, the pinned buffers and the host-to-device copy: a
@@ -33,7 +33,8 @@ import torch
 
 from ...errors import ArgumentError, ArgumentTypeError
 from ...transforms.batch import BatchNormalize, BatchTransform
-from ...transforms.hybrid import _flatten, batch_steps, split_stages
+from ...transforms.hybrid import batch_steps
+from ...transforms.planner import stages
 from ..passes import LoaderIterator, PassState
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -57,13 +58,9 @@ def host_stage(dataset: Any) -> tuple[Any, list[Any]]:
         (host dataset, device steps): each step a BatchTransform / batch callable
         ``step(images, generator)``, or a per-sample torchvision op (run sample by sample).
     """
-    transform, hybrid = dataset.transform, dataset.hybrid
-    if hybrid is not None:
-        host_ops, device_ops = hybrid.host_ops, hybrid.device_ops
-    elif transform is not None and type(transform).__module__.startswith("torchvision."):
-        host_ops, device_ops = split_stages(_flatten(transform))
-    else:
-        host_ops, device_ops = [], []                 # a plain callable: one op, kept whole on the host
+    hybrid = dataset.hybrid
+    # a plain callable is one op, kept whole on the host
+    host_ops, device_ops = stages(hybrid if hybrid is not None else dataset.transform)
     steps = batch_steps(device_ops)
     if dataset.batch_transform is not None:
         steps.append(_Batched(dataset.batch_transform))
