@@ -68,22 +68,14 @@ files (the parts of a store); any other path there is refused, named.
 from __future__ import annotations
 
 import datetime
-import glob
 import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..errors import (
-    ArgumentError,
-    DistributedError,
-    SourceError,
-    StoreCorruptError,
-)
-from ..formats._common import write_synced
+from ..errors import ArgumentError, DistributedError, SourceError
 from .assemble import (
     assemble,
     check_parts_folder,
@@ -92,8 +84,16 @@ from .assemble import (
 )
 from .destination import DestinationLock, check_destination, remove_path, staging_path
 from .job import ConvertResult, _feed, _finish, disk_usage
+from .parts import PLAN, convert_part, keep_for_resume, resumable, write_json
+from .ranks import (
+    Exchange,
+    RankStatus,
+    describe_error,
+    failed_ranks,
+    mark_failed,
+    raise_if_failed,
+)
 
-_PLAN = "plan.json"  # the ranks and the job's fingerprint: what a --resume must match
 DEFAULT_TIMEOUT_S = 2 * 3600  # a collective may wait this long for the slowest rank (scan, conversion)
 
 
@@ -166,77 +166,6 @@ def _part_name(rank: int, suffix: str) -> str:
     return f"part-{rank:05d}{suffix}"
 
 
-@dataclass
-class _Status:
-    rank: int
-    error: str | None = None  # "ExcType: message" of a failure
-    aborted: bool = False  # stopped because another rank failed
-    count: int = 0
-    resumed: int = 0  # samples of ``count`` written before a --resume
-    skipped: list[dict[str, Any]] | None = None
-    labels_seen: list[int] | None = None  # [largest label, any -1]: names the classes of an unnamed source
-    bad_input: bool = False  # failed on the source (DecodeError, SourceError): nothing worth resuming
-
-
-class _Exchange:
-    """Collectives over the conversion's gloo group, with failures turned into DistributedError."""
-
-    def __init__(self, group: Any):
-        import torch.distributed as dist
-
-        self.dist = dist
-        self.group = group
-        self.rank = dist.get_rank(group)
-        self.world = dist.get_world_size(group)
-
-    def _call(self, fn: Any, *args: Any, **kwargs: Any) -> None:
-        try:
-            fn(*args, group=self.group, **kwargs)
-        except RuntimeError as exc:  # gloo: timeout, or a peer that died
-            raise DistributedError(
-                f"rank {self.rank}: lost contact with the other ranks of the conversion ({exc}); a rank "
-                "crashed or hung: see its log") from exc
-
-    def gather(self, status: _Status) -> list[_Status]:
-        out: list[Any] = [None] * self.world
-        self._call(self.dist.all_gather_object, out, status)
-        return out
-
-    def broadcast(self, obj: Any) -> Any:
-        box = [obj]
-        self._call(self.dist.broadcast_object_list, box, src=self._global(0))
-        return box[0]
-
-    def scatter(self, objs: list[Any] | None) -> Any:
-        box: list[Any] = [None]
-        self._call(self.dist.scatter_object_list, box, objs, src=self._global(0))
-        return box[0]
-
-    def _global(self, group_rank: int) -> int:
-        if self.group is None or self.group is self.dist.group.WORLD:
-            return group_rank
-        return self.dist.get_global_rank(self.group, group_rank)
-
-
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-
-
-def _raise_if_failed(statuses: list[_Status], rank: int, own: BaseException | None) -> None:
-    """Raise on every rank if any rank failed: a rank's own error, or DistributedError for the others."""
-    failed = [s for s in statuses if s.error is not None and not s.aborted]
-    if not failed and not any(s.error for s in statuses):
-        return
-    if own is not None and not isinstance(own, DistributedError):
-        raise own
-    if not failed:  # only aborts (cannot happen without a first failure, but say something useful)
-        failed = [s for s in statuses if s.error is not None]
-    first = failed[0]
-    others = f" (and {len(failed) - 1} more rank(s))" if len(failed) > 1 else ""
-    raise DistributedError(f"rank {first.rank} of the distributed conversion failed{others}: {first.error}; "
-                           f"rank {rank} stopped too and nothing was written") from own
-
-
 def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, job_for: Any,
                         overwrite: bool, resume: bool, progress: bool, log: Any) -> Any:
     """Run the conversion ``dlstore.convert`` describes on every rank of ``group``; see the module doc.
@@ -248,14 +177,14 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
     the interrupted conversion kept in the work folder (same ranks, same settings).
     Every rank returns the same ConvertResult (``workers`` is per rank).
     """
-    ex = _Exchange(group)
+    ex = Exchange(group)
     rank, world = ex.rank, ex.world
     fmt = module.FORMAT
     work = work_path(dst)
     lock: DestinationLock | None = None
     stage = "check"  # then "convert", "assemble", "done": what rank 0 keeps for --resume depends on it
     keep = False
-    statuses: list[_Status] = []
+    statuses: list[RankStatus] = []
     start = time.perf_counter()
     try:
         # --- phase 0: rank 0 checks, locks, scans, hands out ranges ---------------------
@@ -275,13 +204,13 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
                         f"label index: {', '.join(source.empty_classes)}")
                 total = len(source)
                 plan = json.loads(json.dumps({"ranks": world, "job": job_for(source).fingerprint()}))
-                resumed = resume and _resumable(work, plan, dst, log)
+                resumed = resume and resumable(work, plan, dst, log)
                 if not resumed:
                     remove_path(work)
                     (work / "parts").mkdir(parents=True)
-                    _write_json(work / _PLAN, plan)
+                    write_json(work / PLAN, plan)
                 stage = "convert"
-                for r in _failed_ranks(work):  # (markers of the interrupted run)
+                for r in failed_ranks(work):  # (markers of the interrupted run)
                     (work / f"FAILED-rank-{r:05d}").unlink()
                 listing = source.origin_kind == "path"  # small and picklable: send it
                 parts_msg = [(source.part(a, b) if listing else (a, b), a, total, resumed)
@@ -289,7 +218,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
                 del source
             except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
                 error = exc
-        verdict = ex.broadcast(None if error is None else _describe(error))
+        verdict = ex.broadcast(None if error is None else describe_error(error))
         if verdict is not None:
             if error is not None:
                 raise error
@@ -302,24 +231,24 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
         # --- phase 1: every rank converts its range into a part ---------------------------
         job = job_for(part)
         part_path = work / "parts" / _part_name(rank, module.SUFFIXES[0])
-        status = _Status(rank)
+        status = RankStatus(rank)
         own: BaseException | None = None
         try:
-            status.count, status.skipped, status.resumed = _convert_part(
+            status.count, status.skipped, status.resumed = convert_part(
                 job, part_path, first, total, work, rank, world, progress, dst.name, _feed, _finish,
                 resume=resumed, log=log)
             status.labels_seen = list(job.labels_seen)
         except BaseException as exc:  # noqa: BLE001 - reported to all ranks, then re-raised below
             own = exc
-            status.error = _describe(exc)
+            status.error = describe_error(exc)
             status.aborted = isinstance(exc, DistributedError)
             status.bad_input = isinstance(exc, SourceError)
             if not status.aborted:
-                _mark_failed(work, rank)
+                mark_failed(work, rank)
         statuses = ex.gather(status)
         if own is not None and isinstance(own, (KeyboardInterrupt, SystemExit)):
             raise own
-        _raise_if_failed(statuses, rank, own)
+        raise_if_failed(statuses, rank, own)
 
         # --- phase 2: rank 0 assembles and publishes ---------------------------------------
         stage = "assemble"
@@ -348,7 +277,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
                     empty_classes=part.empty_classes, resumed=sum(s.resumed for s in statuses))
             except Exception as exc:  # noqa: BLE001 - reported to every rank
                 error = exc
-        verdict = ex.broadcast(("error", _describe(error)) if error is not None else ("ok", result))
+        verdict = ex.broadcast(("error", describe_error(error)) if error is not None else ("ok", result))
         if verdict[0] == "error":
             if error is not None:
                 raise error
@@ -358,7 +287,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
         return result
     except BaseException as exc:
         if lock is not None and stage != "check":
-            keep = _keep_for_resume(work, stage, fmt, exc, statuses)
+            keep = keep_for_resume(work, stage, fmt, exc, statuses)
             if keep:
                 log(f"partial conversion kept in {work}; run the same command with --resume on {world} ranks "
                     "to continue")
@@ -372,148 +301,3 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
             lock.release()
 
 
-def _convert_part(job: Any, part_path: Path, first: int, total: int, work: Path, rank: int, world: int,
-                  progress: bool, name: str, feed: Any, finish: Any, *, resume: bool = False,
-                  log: Any = lambda message: None) -> tuple[int, list[dict[str, str]], int]:
-    """Convert ``job.source`` (this rank's range) into the part store ``part_path``.
-
-    The rank's checkpoint ``work/rank-RRRRR.json`` is saved at every unit of the writer (as a
-    single-process conversion saves progress.json) and at the end (``done``): ``resume``
-    continues from it, or returns the finished part's counts at once. Returns the part's sample
-    count, its skipped items, and how many of its samples an interrupted run had written.
-    """
-    from tqdm.auto import tqdm
-
-    def check() -> None:
-        failed = _failed_ranks(work)
-        if failed:
-            raise DistributedError(f"rank {failed[0]} failed; rank {rank} stopped converting")
-
-    state_path = work / f"rank-{rank:05d}.json"
-    rows_path = work / f"rank-{rank:05d}.targets"   # target vectors of the samples written (see _targets)
-    fingerprint = json.loads(json.dumps(job.fingerprint()))
-    state = _read_state(state_path, fingerprint, rank) if resume else None
-    if state is not None and "done" in state:
-        job.labels_seen[:] = state["labels_seen"]
-        return state["done"], state["skipped"], state["done"]
-    module, writer, pos, skipped, resumed = job.module, None, 0, [], 0
-    if state is not None and hasattr(module.Writer, "resume"):
-        try:
-            writer = module.Writer.resume(part_path, state["writer"], shape=job.record_shape, **job.options)
-        except StoreCorruptError as exc:  # e.g. an HDF5 file whose writer was killed: the part starts over
-            log(f"rank {rank}: its part cannot be resumed ({exc}); converting it again")
-        else:
-            pos, skipped = state["source_pos"], list(state["skipped"])
-            resumed = pos - len(skipped)
-            job.labels_seen[:] = state["labels_seen"]
-            if job.targets is not None:
-                job.targets.restore(rows_path, int(state["target_rows"]))
-            unit = "files" if job.source.origin_kind == "path" else "items"
-            log(f"rank {rank}: resuming after {pos} of the {len(job.source)} {unit} of its part")
-    if writer is None:
-        state_path.unlink(missing_ok=True)
-        rows_path.unlink(missing_ok=True)
-        remove_with_siblings(part_path)  # (a part written before the first checkpoint)
-        writer = module.Writer(part_path, shape=job.record_shape, **job.options)
-
-    def save(source_pos: int) -> None:
-        state = {"job": fingerprint, "source_pos": source_pos, "skipped": skipped, "labels_seen": job.labels_seen,
-                 "writer": writer.checkpoint()}
-        if job.targets is not None:
-            state["target_rows"] = len(job.targets)
-            job.targets.save(rows_path, len(job.targets))
-        _write_json(state_path, state)
-
-    try:
-        with tqdm(total=len(job.source), initial=pos, unit="img", dynamic_ncols=True,
-                  disable=not progress or rank != 0,
-                  desc=f"convert {name} [rank {rank}/{world}: files {first}..{first + len(job.source)} "
-                       f"of {total}]") as bar:
-            feed(job, writer, pos, skipped, bar, save if hasattr(writer, "checkpoint") else None, check=check)
-        count = len(job.source) - len(skipped)
-        finish(job, writer, count, skipped, files=len(job.source))
-    finally:
-        writer.close()
-    _write_json(state_path, {"job": fingerprint, "done": count, "skipped": skipped, "labels_seen": job.labels_seen})
-    check()
-    return count, skipped, resumed
-
-
-def _mark_failed(work: Path, rank: int) -> None:
-    try:
-        (work / f"FAILED-rank-{rank:05d}").touch()
-    except OSError:
-        pass  # the status exchange still reports the failure; the marker only stops others early
-
-
-def _failed_ranks(work: Path) -> list[int]:
-    return sorted(int(n[len("FAILED-rank-"):]) for n in _listdir(work) if n.startswith("FAILED-rank-"))
-
-
-# --- what an interrupted conversion keeps for --resume (rank 0 holds the lock) ----------------
-
-def _keep_for_resume(work: Path, stage: str, fmt: str, exc: BaseException, statuses: list[_Status]) -> bool:
-    """Whether the work folder holds something ``--resume`` can continue after ``exc``."""
-    if isinstance(exc, SourceError) or any(s.bad_input for s in statuses):
-        return False  # bad input: nothing worth resuming
-    if stage != "convert" and not (stage == "assemble" and fmt == "lmdb"):  # shards, HDF5: parts moved
-        return False
-    return any(name.startswith("rank-") for name in _listdir(work))
-
-
-def _resumable(work: Path, plan: dict[str, Any], dst: Path, log: Any) -> bool:
-    """True if ``work`` holds an interrupted run of ``plan``; raise, naming it, if it ran otherwise."""
-    try:
-        old = json.loads((work / _PLAN).read_text())
-    except (OSError, ValueError):
-        single = staging_path(dst)
-        if any(single.parent.glob(glob.escape(single.name) + "*")):
-            raise ArgumentError(f"{single}: the interrupted conversion ran in one process; resume it in one process "
-                                "(without torchrun, distributed=False), or rerun without --resume") from None
-        log("nothing to resume (no interrupted distributed conversion found); starting over")
-        return False
-    if old.get("ranks") != plan["ranks"]:
-        raise ArgumentError(f"{work}: the interrupted conversion ran on {old.get('ranks')} ranks, this one on "
-                            f"{plan['ranks']}; resume it on {old.get('ranks')} ranks (torchrun --nproc-per-node "
-                            f"{old.get('ranks')}), or rerun without --resume to start over")
-    if old.get("job") != plan["job"]:
-        raise SourceError(f"{work}: the interrupted conversion used other settings or another source listing "
-                          f"({_changes(old.get('job') or {}, plan['job'])}); rerun with the original settings, "
-                          "or without --resume to start over")
-    log(f"resuming the distributed conversion kept in {work}")
-    return True
-
-
-def _read_state(path: Path, fingerprint: dict[str, Any], rank: int) -> dict[str, Any] | None:
-    """A rank's checkpoint, or None (no unit written yet: the part starts over)."""
-    try:
-        state = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    if state.get("job") != fingerprint:
-        raise SourceError(f"{path}: rank {rank}'s part of the interrupted conversion used other settings "
-                          f"({_changes(state.get('job') or {}, fingerprint)}); rerun without --resume")
-    return state
-
-
-def _changes(old: dict[str, Any], new: dict[str, Any]) -> str:
-    """``key: old -> new`` for every setting that differs."""
-    def short(value: Any) -> str:
-        text = json.dumps(value)
-        return text if len(text) <= 60 else text[:57] + "..."
-
-    keys = [k for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)]
-    return "; ".join(f"{k}: {short(old.get(k))} -> {short(new.get(k))}" for k in keys)
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    write_synced(tmp, json.dumps(obj).encode("utf-8"))
-    os.replace(tmp, path)  # a checkpoint is whole or the previous one
-
-
-def _listdir(folder: Path) -> list[str]:
-    try:
-        return os.listdir(folder)
-    except OSError:
-        return []

@@ -277,8 +277,9 @@ def test_ranks_stop_converting_when_another_rank_has_failed(tmp_path):
     from PIL import Image
 
     from dlstore import formats
-    from dlstore.conversion.distributed import _convert_part, _mark_failed
     from dlstore.conversion.job import _feed, _finish, _Job
+    from dlstore.conversion.parts import convert_part
+    from dlstore.conversion.ranks import mark_failed
     from dlstore.sources import scan
     from dlstore.sources.demo import synthetic_image
     from dlstore.transforms import parse_static
@@ -292,11 +293,11 @@ def test_ranks_stop_converting_when_another_rank_has_failed(tmp_path):
                module=formats.get_format("shards"), decode={}, workers=0, on_error="fail", options={})
     work = tmp_path / "work"
     work.mkdir()
-    count, _, _ = _convert_part(job, work / "part-00000.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
+    count, _, _ = convert_part(job, work / "part-00000.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
     assert count == 300  # no marker: the whole range
-    _mark_failed(work, 1)
+    mark_failed(work, 1)
     with pytest.raises(DistributedError, match="rank 1 failed; rank 0 stopped"):
-        _convert_part(job, work / "part-00000b.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
+        convert_part(job, work / "part-00000b.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
     assert not (work / "part-00000b.shards" / "manifest.json").exists()  # stopped mid-range, not at the end
 
 
