@@ -178,7 +178,7 @@ def usable_cpus() -> int:
     return cpu_info().usable
 
 
-def _memory_limit_bytes(cgroup_root: Path = _CGROUP_ROOT) -> int | None:
+def memory_limit_bytes(cgroup_root: Path = _CGROUP_ROOT) -> int | None:
     """Physical memory, capped by the cgroup memory limit (v2 ``memory.max``, v1
     ``memory/memory.limit_in_bytes``); None when unknown."""
     try:

@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from .._system import CpuInfo, _memory_limit_bytes, cpu_info, usable_cpus
+from .._system import CpuInfo, cpu_info, memory_limit_bytes, usable_cpus
 from ..errors import ArgumentError, StoreNotFoundError
 from ..transforms import compiled
 from ..units import human_bytes
@@ -363,7 +363,7 @@ def tune(
                      f"(first: {skipped[0]}); give more --budget for a fuller search")
     batch_bytes = _batch_bytes(dataset, batch_size, loader_extra)
     in_flight = best.num_workers * max(best.prefetch_factor, 1) * batch_bytes
-    limit = _memory_limit_bytes()
+    limit = memory_limit_bytes()
     if best.num_workers and limit and in_flight > memory_warn_fraction * limit:
         notes.append(
             f"memory-heavy: {best.num_workers} workers x prefetch {best.prefetch_factor} x "
