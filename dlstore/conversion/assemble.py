@@ -18,11 +18,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, ConversionInterrupted, StoreExistsError
-from ..formats._common import (
+from ..formats.common import (
     save_npy_synced,
     write_synced,
 )
-from ..formats._integrity import SUMS_ALGORITHM, SUMS_DTYPE, seal_sidecar
+from ..formats.integrity import SUMS_ALGORITHM, SUMS_DTYPE, seal_sidecar
 from ..formats.manifest import dumps
 from .destination import fsync_dir, publish, remove_path, staging_path
 from .job import manifest_for
@@ -60,7 +60,7 @@ def check_parts_folder(dst: Path, overwrite: bool) -> None:
 def remove_old_parts(dst: Path) -> None:
     """After a single-process HDF5 store replaced a distributed one at ``dst``: remove the old
     store's ``DST.parts`` folder, if it holds nothing but part files (readers of the old store
-    hold their parts open: see formats._integrity.hold_virtual_sources)."""
+    hold their parts open: see formats.integrity.hold_virtual_sources)."""
     parts = hdf5_parts_path(dst)
     if parts.is_dir() and not parts.is_symlink() and all(_PART_FILE.fullmatch(n) for n in os.listdir(parts)):
         remove_path(parts)
@@ -103,8 +103,8 @@ def assemble(job: Any, dst: Path, parts: list[Path], counts: list[int], count: i
 
 def _assemble_shards(parts: list[Path], staged: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """Move every part's data files into ``staged`` (renames, no copy); concatenate labels/index."""
-    from ..formats._targets import read_shards
     from ..formats.shards import ShardReader, read_manifest
+    from ..formats.targets import read_shards
     from ..sources.origins import Origins
 
     staged.mkdir()
@@ -158,9 +158,9 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
     """Write the main file: /labels, /shapes, and /images as a virtual dataset over the parts."""
     import h5py
 
-    from ..formats._targets import digest, read_hdf5
-    from ..formats._hdf5_open import open_readonly
     from ..formats.hdf5 import LIBVER, VLEN_CHUNK
+    from ..formats.hdf5_open import open_readonly
+    from ..formats.targets import digest, read_hdf5
     from ..sources.origins import Origins
 
     origins = []
@@ -232,7 +232,7 @@ def _assemble_hdf5(parts: list[Path], counts: list[int], staged: Path,
     layout.pop("chunks", None)
     layout["provenance"] = {"kind": merged.kind, "group": "provenance"}
     # each part's own checksums: a reader checks that the part it opens by name is this store's (an
-    # overwrite publishes its parts under the same names before its main file: _integrity.hold_virtual_sources)
+    # overwrite publishes its parts under the same names before its main file: integrity.hold_virtual_sources)
     layout["virtual"] = {"folder": folder, "parts": [{"file": p.name, "count": c, "checksums": s}
                                                      for p, c, s in zip(parts, counts, part_checksums)]}
     return layout, checksums
@@ -261,8 +261,8 @@ def _publish_hdf5(parts_dir: Path, staged: Path, dst: Path, overwrite: bool) -> 
 def _merge_lmdb(job: Any, parts: list[Path], staged: Path, count: int, skipped: list[dict[str, str]],
                 total: int, finish: Any) -> None:
     """Copy the parts' records in order into one environment at ``staged`` (the documented merge step)."""
-    from ..formats._targets import TargetRows
     from ..formats.lmdb import LmdbReader
+    from ..formats.targets import TargetRows
     from ..sources.origins import Origins
 
     writer = job.module.Writer(staged, shape=job.record_shape, **job.options)

@@ -28,7 +28,7 @@ of the same folder: same sample order, labels, sample bytes):
              together (the mapping uses a relative path). HDF5 finds the parts by
              name, and an overwrite publishes the new ``DST.parts`` before the new
              ``DST``: ``DST``'s manifest records each part's own checksums, and a
-             reader refuses parts that are not those (formats._integrity.hold_virtual_sources).
+             reader refuses parts that are not those (formats.integrity.hold_virtual_sources).
     lmdb     a merge step on rank 0 copies the parts' records in order into one
              environment (LMDB has one writer at a time and no cross-environment
              view); this copies the sample data once.

@@ -12,9 +12,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import DecodeError, SourceError
-from ..formats._targets import TargetRows
-from ..formats._targets import describe as describe_targets
 from ..formats.manifest import dumps, make_manifest
+from ..formats.targets import TargetRows
+from ..formats.targets import describe as describe_targets
 from ..sources.origins import Origins
 from ..transforms.static import StaticSpec, describe
 from ..units import human_bytes

@@ -31,9 +31,9 @@ from ..errors import (
     SourceError,
     WriterKilledError,
 )
-from ..formats._common import write_error
-from ..formats._targets import PARTIAL_SUFFIX
+from ..formats.common import write_error
 from ..formats.encoding import ENCODINGS
+from ..formats.targets import PARTIAL_SUFFIX
 from ..sources import open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS
 from ..transforms.static import output_shape, parse_static

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ArgumentError, DistributedError, SourceError, StoreCorruptError
-from ..formats._common import write_synced
+from ..formats.common import write_synced
 from .assemble import remove_with_siblings
 from .destination import staging_path
 from .ranks import RankStatus, failed_ranks, listdir
@@ -41,7 +41,7 @@ def convert_part(job: Any, part_path: Path, first: int, total: int, work: Path, 
             raise DistributedError(f"rank {failed[0]} failed; rank {rank} stopped converting")
 
     state_path = work / f"rank-{rank:05d}.json"
-    rows_path = work / f"rank-{rank:05d}.targets"   # target vectors of the samples written (see _targets)
+    rows_path = work / f"rank-{rank:05d}.targets"   # target vectors of the samples written (see targets)
     fingerprint = json.loads(json.dumps(job.fingerprint()))
     state = _read_state(state_path, fingerprint, rank) if resume else None
     if state is not None and "done" in state:

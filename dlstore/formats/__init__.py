@@ -60,7 +60,7 @@ def detect_format(path: str | os.PathLike) -> str:
         with open(p, "rb") as f:
             head = f.read(520)
         # HDF5 looks for its signature at 0, 512, 1024, ...; dlstore's own files have a 512-byte
-        # user block (the seal, see _common) -- or its damaged remains: a sealed store is an
+        # user block (the seal, see common) -- or its damaged remains: a sealed store is an
         # HDF5 store even when its signature is gone, so that the damage is reported as such.
         if head[:8] == _HDF5_SIGNATURE or head[512:520] == _HDF5_SIGNATURE or head.startswith(b"dlstore-seal "):
             return "hdf5"

@@ -13,7 +13,7 @@ Every format stores the same JSON document in its native place (shards:
                  # encoded stores ("jpeg"/"png") add "decoded_shape" and "quality"
       "classes": ["n01440764", ...],    # label i is classes[i]; [] when unlabelled (-1)
       "targets": {"dtype": "float32", "shape": [K]},  # only in stores of target vectors
-                                        # (N, K) int64 or float32; see formats._targets
+                                        # (N, K) int64 or float32; see formats.targets
       "static": [{"op": "resize", ...}], # canonical static spec that produced the samples
       "source": {"kind": "folder", "root": "/data/train", "files": 1281167,
                  "skipped": [{"path": "n01/x.JPEG", "reason": "..."}]},

@@ -24,8 +24,8 @@ import re
 from pathlib import Path
 
 from ..errors import DlstoreError
-from ._hdf5_open import open_readonly
-from ._integrity import SEAL_MAGIC
+from .hdf5_open import open_readonly
+from .integrity import SEAL_MAGIC
 
 # Every name a shards store folder holds (see shards/layout.py).
 _SHARDS_ENTRY = re.compile(

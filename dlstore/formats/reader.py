@@ -10,7 +10,7 @@ with its handles open; the base class does the rest::
                                  sequential path overrides it)
 
 Readers only fetch stored samples (uint8 CHW arrays); decoding and transforms
-live elsewhere. Indices are positions 0..count-1 (see ``_common.check_index``).
+live elsewhere. Indices are positions 0..count-1 (see ``common.check_index``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import SampleIndexError, VariableShapeError
-from ._common import ForkSafe, batch_out, check_index, check_indices
-from ._integrity import SampleChecks
+from .common import ForkSafe, batch_out, check_index, check_indices
+from .integrity import SampleChecks
 
 
 class StoreReader(SampleChecks, ForkSafe):

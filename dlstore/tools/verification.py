@@ -16,7 +16,7 @@ What the checksums cover (recorded by each Writer, recomputed here):
   ``labels`` = sha256 of the int64 little-endian labels, ``shapes`` (variable
   shape stores) = sha256 of the int64 (N, 3) shapes; and the whole data file
   against its seal (``data.mdb.sha256``; the HDF5 user block), which covers
-  the bytes no sample reaches (see ``formats._common``). The seal is checked
+  the bytes no sample reaches (see ``formats.common``). The seal is checked
   before the file is handed to LMDB or HDF5.
 """
 
@@ -32,8 +32,9 @@ import numpy as np
 
 from .. import formats
 from ..errors import DlstoreError, StoreCorruptError
-from ..formats import _targets, encoding
-from ..formats._common import safe_member, sha256_file
+from ..formats import encoding
+from ..formats.common import safe_member, sha256_file
+from ..formats.targets import digest as targets_digest
 
 
 @dataclass
@@ -147,7 +148,7 @@ def _check_targets(reader: Any, manifest: dict[str, Any], report: VerifyReport) 
     expected = manifest["checksums"]["files"].get("targets")
     if expected is None:
         report.problem("targets", "the manifest records no sha256 of the target vectors")
-    elif _targets.digest(targets) != expected:
+    elif targets_digest(targets) != expected:
         report.problem("targets", "sha256 mismatch: the target vectors changed since conversion")
     else:
         report.checked.append(f"targets: sha256 of {targets.shape} {targets.dtype} matches")

@@ -32,7 +32,7 @@ concatenated in sample order (the same digest an LMDB store of the same source r
 little-endian shapes, ``targets`` = sha256 of the little-endian target vectors.
 
 Reading: the file opens read-only, lazily, once per process, with the file locking of a plain
-``h5py.File(path, "r")``, which can then share the file with an open dataset (``_hdf5_open``
+``h5py.File(path, "r")``, which can then share the file with an open dataset (``hdf5_open``
 says how, and what happens where locks are not supported). The chunk cache is sized for
 random access to one-sample chunks: a chunk is reused only when the same sample is read
 again, which the OS page cache already serves, so fixed-shape stores get no chunk cache

@@ -14,22 +14,22 @@ from ...errors import (
     StoreNotFoundError,
 )
 from ...sources.origins import Origins
-from .._common import (
+from ..common import (
     StorePin,
     check_identity,
     library_errors_as_damage,
     next_prime,
 )
-from .._hdf5_open import open_readonly
-from .._integrity import (
+from ..hdf5_open import open_readonly
+from ..integrity import (
     check_virtual_sources,
     hold_virtual_sources,
     userblock_seal,
 )
-from .._targets import read_hdf5
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
 from ..reader import StoreReader
+from ..targets import read_hdf5
 from .layout import (
     FORMAT,
     FORMAT_VERSION,
@@ -87,7 +87,7 @@ class Hdf5Reader(StoreReader):
         self._file: h5py.File | None = None
         self._images: h5py.Dataset | None = None
         self._pid: int | None = None
-        self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see _common
+        self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see common
         self._identity = self._pin.identity
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
         # Read the metadata and close again: no HDF5 handle is held here if this process forks workers next.
@@ -150,7 +150,7 @@ class Hdf5Reader(StoreReader):
         self._file = _open_file(self.path, **cache)
         with library_errors_as_damage(self.path):
             self._images = self._file["images"]
-            if self._images.is_virtual:   # every part held open from here on (see _integrity)
+            if self._images.is_virtual:   # every part held open from here on (see integrity)
                 hold_virtual_sources(self.path, self._images, self.manifest["layout"])
         check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
 

@@ -19,7 +19,7 @@ from ...errors import (
     WriterKilledError,
 )
 from ...sources.origins import Origins
-from .._common import (
+from ..common import (
     SPACE_MARGIN,
     PartialRows,
     check_sample,
@@ -27,14 +27,14 @@ from .._common import (
     free_bytes,
     write_error,
 )
-from .._integrity import (
+from ..integrity import (
     SEAL_BLOCK,
     SUMS_ALGORITHM,
     SUMS_DTYPE,
     record_crc,
     seal_userblock,
 )
-from .._targets import HASHED, WithTargets, digest
+from ..targets import HASHED, WithTargets, digest
 from .layout import (
     COMPRESSIONS,
     DEFAULT_BATCH_BYTES,
@@ -283,7 +283,7 @@ class Hdf5Writer(WithTargets):
             self.checksums["shapes"] = hashlib.sha256(shapes.tobytes()).hexdigest()
             hashed["shapes"] = "shapes as int64 little-endian bytes"
             layout["shapes"] = "shapes"
-        if self.targets is not None:   # /targets (see _targets)
+        if self.targets is not None:   # /targets (see targets)
             with self._writing(self.targets.nbytes):
                 self._file.create_dataset("targets", data=self.targets)
             layout["targets"], self.checksums["targets"], hashed["targets"] = "targets", digest(self.targets), HASHED

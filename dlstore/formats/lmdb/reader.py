@@ -14,19 +14,19 @@ from ...errors import (
     StoreCorruptError,
 )
 from ...sources.origins import Origins
-from .._common import (
+from .._lmdb_env import data_file, shared
+from ..common import (
     StorePin,
     check_identity,
 )
-from .._integrity import (
+from ..integrity import (
     SUMS_DTYPE,
     check_sidecar_seal,
 )
-from .._lmdb_env import data_file, shared
-from .._targets import read_lmdb
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
 from ..reader import StoreReader
+from ..targets import read_lmdb
 from .layout import (
     FORMAT,
     FORMAT_VERSION,
@@ -116,7 +116,7 @@ class LmdbReader(StoreReader):
                  readahead: bool | None = None):
         self.path = _env_folder(path)
         data = data_file(self.path)
-        self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see _common
+        self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see common
         self._identity = self._pin.identity
         self.readahead = _default_readahead(data) if readahead is None else bool(readahead)
         self._env: lmdb.Environment | None = None

@@ -16,17 +16,17 @@ from ...errors import (
     StoreCorruptError,
 )
 from ...sources.origins import Origins
-from .._common import (
+from ..common import (
     PartialRows,
     check_sample,
     write_error,
 )
-from .._integrity import (
+from ..integrity import (
     SUMS_ALGORITHM,
     SUMS_DTYPE,
     seal_sidecar,
 )
-from .._targets import HASHED, LMDB_KEY, WithTargets, digest, npy_bytes
+from ..targets import HASHED, LMDB_KEY, WithTargets, digest, npy_bytes
 from .layout import (
     DEFAULT_BATCH_BYTES,
     DEFAULT_MAP_SIZE,
@@ -219,7 +219,7 @@ class LmdbWriter(WithTargets):
             self.checksums["shapes"] = hashlib.sha256(shapes).hexdigest()
             hashed["shapes"] = f"value of key {SHAPES_KEY.decode()}"
             layout["shapes_key"] = SHAPES_KEY.decode()
-        if self.targets is not None:   # __targets__ (see _targets)
+        if self.targets is not None:   # __targets__ (see targets)
             items.append((LMDB_KEY, npy_bytes(self.targets)))
             layout["targets_key"], self.checksums["targets"], hashed["targets"] = LMDB_KEY.decode(), \
                 digest(self.targets), HASHED
@@ -242,7 +242,7 @@ class LmdbWriter(WithTargets):
     def write_manifest(self, text: str) -> None:
         self._put([(MANIFEST_KEY, text.encode("utf-8"))], append=False)
         self._env.sync(True)
-        self.close()  # nothing writes data.mdb after this: seal it (see _common, whole-file seals)
+        self.close()  # nothing writes data.mdb after this: seal it (see common, whole-file seals)
         seal_sidecar(self.folder / "data.mdb")
 
     def close(self) -> None:

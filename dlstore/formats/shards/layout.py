@@ -6,14 +6,14 @@ On-disk layout of ``NAME.shards/`` (format version 1)::
     manifest.json.sha256   its sha256 (sha256sum format): every other file's digest is in the manifest
     labels.npy             int64 (N,)                      label of sample i; -1 if unlabelled
     targets.npy            int64 or float32 (N, K)         target vector of sample i (stores of target
-                                                           vectors only; their labels are -1, see _targets)
+                                                           vectors only; their labels are -1, see targets)
     # fixed-shape store (the static spec fixes (C, H, W)):
     shard-00000.npy        uint8 (k, C, H, W)              samples [0, k)
     shard-00001.npy        uint8 (k, C, H, W)              samples [k, 2k) ... last one shorter
     # variable-shape store:
     data-00000.bin         raw uint8 bytes, samples back to back, each C*H*W in CHW order
     index.npy              int64 (N, 5): file number, byte offset, C, H, W of sample i
-    crc32.npy              uint32 (N,): CRC32 of sample i's bytes (see _integrity, check="sample")
+    crc32.npy              uint32 (N,): CRC32 of sample i's bytes (see integrity, check="sample")
 
 Why this layout:
   * ``.npy`` with a plain uint8 dtype: ``numpy.load(f, mmap_mode="r")`` maps it

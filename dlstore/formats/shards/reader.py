@@ -12,7 +12,7 @@ import numpy as np
 
 from ...errors import ArgumentError, StoreCorruptError, VariableShapeError
 from ...sources.origins import Origins
-from .._common import (
+from ..common import (
     StorePin,
     advise_willneed,
     batch_out,
@@ -22,10 +22,10 @@ from .._common import (
     sha256_file,
     willneed_default,
 )
-from .._integrity import check_sidecar_seal
-from .._targets import read_shards
+from ..integrity import check_sidecar_seal
 from ..manifest import loads as load_manifest_text
 from ..reader import StoreReader
+from ..targets import read_shards
 from .layout import (
     FORMAT,
     FORMAT_VERSION,
@@ -58,10 +58,10 @@ class ShardReader(StoreReader):
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
                  willneed: bool | None = None):
         """``willneed``: posix_fadvise(WILLNEED) for each sample of a ``get_batch`` before the gather,
-        so a cold batch has all its reads in flight at once (see ``_common.advise_willneed``);
+        so a cold batch has all its reads in flight at once (see ``common.advise_willneed``);
         None: on only for big samples of a store that cannot stay cached."""
         self.path = Path(path)
-        self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see _common
+        self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see common
         self._identity = self._pin.identity
         self.manifest = manifest if manifest is not None else read_manifest(self.path)
         layout = self.manifest["layout"]

@@ -12,15 +12,15 @@ import numpy as np
 
 from ...errors import ArgumentError, StoreCorruptError
 from ...sources.origins import Origins
-from .._common import (
+from ..common import (
     PartialRows,
     check_sample,
     save_npy_synced,
     sha256_file,
     write_synced,
 )
-from .._integrity import SUMS_ALGORITHM, SUMS_DTYPE, record_crc, seal_sidecar
-from .._targets import WithTargets
+from ..integrity import SUMS_ALGORITHM, SUMS_DTYPE, record_crc, seal_sidecar
+from ..targets import WithTargets
 from .layout import (
     DEFAULT_SHARD_SIZE,
     FORMAT,
