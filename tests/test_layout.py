@@ -1,15 +1,17 @@
 """The package's layout, read from its source with ``ast`` (nothing is imported).
 
 DESIGN.md: dependencies point one way, cli -> tools/conversion/data -> formats ->
-transforms/sources -> errors/_system/units, with no import cycle, function-level
-imports included; modules stay a readable size; no module shadows a standard one.
+transforms/sources -> errors/_system/units, with no import cycle, typing-only and
+function-level imports included; no private name imported from another subpackage;
+modules stay a readable size; no module shadows a standard one.
 
 The import graph has one node per module (a package is its ``__init__``) and an edge
-for every import that can execute:
+for every import in its source, whether or not it runs at import time:
 
 - every ``import`` and ``from ... import`` statement anywhere in a module (function
-  bodies included), relative ones resolved; ``if TYPE_CHECKING:`` bodies are left out,
-  since they never run;
+  bodies included), relative ones resolved. ``if TYPE_CHECKING:`` bodies count too, in
+  the cycle check and the layer rules alike: a type named across a loop is a loop in
+  the design (two modules that each need the other's types), even if it never runs;
 - ``importlib.import_module`` calls: with a literal name, that module; with a computed
   one (the format registry looks its modules up in a dict), every literal string in the
   module that names a module of the package;
@@ -20,6 +22,15 @@ for every import that can execute:
   and runs nothing). For the same reason no edge is implied to the top-level package, which
   holds every module; an explicit ``import dlstore`` or ``from dlstore import x`` is an edge
   to it like any other, and the top-level package sits above every layer.
+
+Private names: a module's subpackage is the top-level one it lies in (``formats`` for
+``dlstore.formats.shards.reader``), or the top-level package for the modules at its root
+(``cli``, ``errors``, ``_system``). ``from X import _name`` and imports of a private module
+(``X._mod``) are refused where X lies in another subpackage than the importer; the
+ground-floor module ``_system`` is private as a module only (its public names are for
+everyone). Within the GPU subpackage (``PUBLIC_MEMBERS_ONLY``), its modules also touch
+no private member (``obj._x``, ``getattr(obj, "_x")``) of anything but ``self``/``cls``:
+the dataset, its loader and the fused gather talk through public methods.
 """
 
 from __future__ import annotations
@@ -47,6 +58,10 @@ FORBIDDEN = {
 # The bottom layer imports nothing from the package but errors.
 LEAVES = ("errors", "_system", "units")
 LEAF_MAY_IMPORT = ("errors",)
+# The ground floor: a private module whose public names every subpackage may import.
+GROUND = ("_system",)
+# Subpackages whose modules use no private member of another object.
+PUBLIC_MEMBERS_ONLY = ("data.gpu",)
 
 
 # --- building the graph ---------------------------------------------------------------------
@@ -62,23 +77,6 @@ def module_files(root: Path) -> dict[str, Path]:
     return modules
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
-
-
-def _executable_nodes(tree: ast.AST):
-    """Every node that can run: all of them but the bodies of ``if TYPE_CHECKING:``."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        yield node
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            todo.extend(node.orelse)
-        else:
-            todo.extend(ast.iter_child_nodes(node))
-
-
 def _is_import_module_call(node: ast.AST) -> bool:
     if not isinstance(node, ast.Call):
         return False
@@ -87,25 +85,34 @@ def _is_import_module_call(node: ast.AST) -> bool:
         isinstance(f, ast.Name) and f.id in ("import_module", "__import__"))
 
 
+def _package_of(module: str, path: Path) -> str:
+    return module if path.name == "__init__.py" else module.rpartition(".")[0]
+
+
+def _statement_names(package: str, node: ast.Import | ast.ImportFrom) -> list[str]:
+    """Absolute dotted names an import statement in ``package`` names (``from P import n``: ``P.n``)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        base = package.split(".")
+        base = base[: len(base) - (node.level - 1)]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module
+    return [f"{target}.{alias.name}" for alias in node.names]
+
+
 def imported_names(module: str, path: Path, modules: set[str]) -> set[str]:
     """Absolute dotted names ``module`` (in file ``path``) imports; ``from P import n`` gives ``P.n``,
     which the caller cuts back to ``P`` where ``n`` is not a module."""
     tree = ast.parse(path.read_text(), filename=str(path))
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    package = _package_of(module, path)
     names: set[str] = set()
     strings: set[str] = set()
     dynamic = False
-    for node in _executable_nodes(tree):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")
-                base = base[: len(base) - (node.level - 1)]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module
-            names.update(f"{target}.{alias.name}" for alias in node.names)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names.update(_statement_names(package, node))
         elif _is_import_module_call(node):
             arg = node.args[0] if node.args else None
             if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
@@ -200,6 +207,66 @@ def shadowing_names(root: Path) -> list[str]:
     return found
 
 
+def _is_private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+def _subpackage(module: str, modules: dict[str, Path]) -> str:
+    """The top-level subpackage holding ``module`` (``pkg.formats`` for ``pkg.formats.shards.reader``),
+    or the package itself for the modules at its root."""
+    parts = module.split(".")
+    top = ".".join(parts[:2])
+    if len(parts) > 2 or (top in modules and modules[top].name == "__init__.py"):
+        return top
+    return parts[0]
+
+
+def private_imports(root: Path) -> list[str]:
+    """``importer: name`` for each private name or private module imported from another subpackage."""
+    modules = module_files(root)
+    found = []
+    for module, path in modules.items():
+        package = _package_of(module, path)
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            for name in _statement_names(package, node):
+                target = name
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if not target or _subpackage(target, modules) == _subpackage(module, modules):
+                    continue   # outside the package, or within one subpackage
+                rest = name.split(".")[1:]
+                if rest and rest[0] in GROUND:
+                    rest = rest[1:]   # the ground floor's public names are for everyone
+                if any(_is_private(part) for part in rest):
+                    found.append(f"{module}: {name}")
+    return sorted(found)
+
+
+def private_members(root: Path, subpackages: tuple[str, ...]) -> list[str]:
+    """``module:line: expression`` for each private member of anything but ``self``/``cls`` used in
+    the modules of ``subpackages`` (``obj._x``, or ``getattr(obj, "_x")`` and its kin)."""
+    found = []
+    for module, path in module_files(root).items():
+        if not any(_under(module, root.name, sub) for sub in subpackages):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Attribute) and _is_private(node.attr):
+                owner = node.value
+                if isinstance(owner, ast.Name) and owner.id in ("self", "cls"):
+                    continue
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in (
+                    "getattr", "hasattr", "setattr") and len(node.args) >= 2:
+                name = node.args[1]
+                if not (isinstance(name, ast.Constant) and isinstance(name.value, str) and _is_private(name.value)):
+                    continue
+            else:
+                continue
+            found.append((module, node.lineno, ast.unparse(node)))
+    return [f"{module}:{line}: {text}" for module, line, text in sorted(found)]
+
+
 def line_counts(root: Path) -> dict[str, int]:
     return {module: len(path.read_text().splitlines()) for module, path in module_files(root).items()}
 
@@ -216,7 +283,10 @@ def test_the_graph_sees_the_package(graph):
     assert {"dlstore", "dlstore.errors", "dlstore.formats", "dlstore.formats.shards", "dlstore.cli"} <= set(graph)
     assert "dlstore.errors" in graph["dlstore.formats"]
     assert {"dlstore.formats.shards", "dlstore.formats.lmdb", "dlstore.formats.hdf5"} <= graph["dlstore.formats"]
-    assert "dlstore.data.gpu.dataset" not in graph["dlstore.data.gpu.loader"]  # only under TYPE_CHECKING
+    assert "dlstore.data" in graph["dlstore"]  # the lazy exports, named under TYPE_CHECKING
+    # the GPU loader names the dataset it serves through a protocol below both
+    assert "dlstore.data.gpu.resident" in graph["dlstore.data.gpu.loader"]
+    assert "dlstore.data.gpu.dataset" not in graph["dlstore.data.gpu.loader"]
 
 
 def test_no_import_cycle(graph):
@@ -227,6 +297,17 @@ def test_no_import_cycle(graph):
 def test_lower_layers_never_import_higher_ones(graph):
     violations = layer_violations(graph, "dlstore")
     assert not violations, "imports against the layering (DESIGN.md):\n" + "\n".join(violations)
+
+
+def test_no_private_name_is_imported_from_another_subpackage():
+    found = private_imports(ROOT)
+    assert not found, ("private names imported across subpackages (make the name public where it is an "
+                       "API of its module, or move it where it belongs):\n" + "\n".join(found))
+
+
+def test_gpu_modules_use_only_public_members_of_each_other():
+    found = private_members(ROOT, PUBLIC_MEMBERS_ONLY)
+    assert not found, "private members of other objects used:\n" + "\n".join(found)
 
 
 def test_no_module_is_named_like_a_standard_module_or_builtin():
@@ -262,13 +343,32 @@ FAKE = {
         "from typing import TYPE_CHECKING\n"
         "from ..formats import a\n"
         "if TYPE_CHECKING:\n"
-        "    from ..tools import bench\n"  # never runs: neither an edge nor a violation
+        "    from ..tools import bench\n"  # typing only: still an edge, and a layer violation
         "else:\n"
         "    from .. import units\n"),
     "tools/__init__.py": "",
     "tools/bench/__init__.py": "",
     "tools/bench/run.py": "from ...formats import get\nimport pkg.data.loader\n",
     "tools/open.py": "x = 1\n" * 700,  # shadows a builtin, and too long
+    # private names: of another subpackage (refused), of the ground floor (its public ones
+    # allowed), of the importer's own subpackage (allowed)
+    "formats/_common.py": "def helper():\n    pass\n",
+    "formats/b/__init__.py": "from .._common import helper\nfrom ..a import _f\n",
+    "tools/_own.py": "",
+    "tools/verify.py": (
+        "import pkg.formats._common\n"
+        "from ..formats import _common, a\n"
+        "from ..formats.a import _f, f\n"
+        "from .._system import usable, _limit\n"
+        "from . import _own\n"
+        "from ._own import _x\n"),
+    # private members of another object, in a subpackage held to public ones
+    "data/gpu/__init__.py": "",
+    "data/gpu/loader.py": (
+        "def f(ds):\n"
+        "    ds.conversion(self._cache, cls._table)\n"
+        "    ds._finish(1)\n"
+        "    return getattr(ds, '_held', getattr(ds, 'data'))\n"),
 }
 
 
@@ -290,9 +390,9 @@ def test_fake_package_graph(fake):
     assert graph["pkg.formats"] == {"pkg.formats.a"}  # the registry's import_module
     # the function-level import, and data/__init__ run on the way to data.loader
     assert graph["pkg.formats.a"] == {"pkg.errors", "pkg.data", "pkg.data.loader"}
-    # formats/__init__ runs before formats.a; TYPE_CHECKING left out, its else branch kept;
-    # data/__init__ is the importer's own package: no edge
-    assert graph["pkg.data.loader"] == {"pkg.formats", "pkg.formats.a", "pkg.units"}
+    # formats/__init__ runs before formats.a; both branches of TYPE_CHECKING count (tools/__init__
+    # on the way to tools.bench); data/__init__ is the importer's own package: no edge
+    assert graph["pkg.data.loader"] == {"pkg.formats", "pkg.formats.a", "pkg.units", "pkg.tools", "pkg.tools.bench"}
     assert graph["pkg.tools.bench.run"] == {"pkg.formats", "pkg.data", "pkg.data.loader"}
 
 
@@ -302,7 +402,8 @@ def test_fake_package_faults_are_all_reported(fake):
     assert cycle is not None and cycle[0] == cycle[-1]
     assert all(b in graph[a] for a, b in itertools.pairwise(cycle))  # a real path through the graph
     assert {"pkg.formats.a", "pkg.data.loader"} <= set(cycle)
-    assert layer_violations(graph, "pkg") == ["pkg.formats.a -> pkg.data", "pkg.formats.a -> pkg.data.loader"]
+    assert layer_violations(graph, "pkg") == ["pkg.data.loader -> pkg.tools", "pkg.data.loader -> pkg.tools.bench",
+                                              "pkg.formats.a -> pkg.data", "pkg.formats.a -> pkg.data.loader"]
     assert shadowing_names(fake) == ["pkg.formats.json", "pkg.tools.open"]
     assert line_counts(fake)["pkg.tools.open"] == 700
 
@@ -318,6 +419,8 @@ def test_fake_leaf_and_data_violations_are_reported(fake):
         "pkg.conversion.job -> pkg",
         "pkg.data -> pkg.conversion",
         "pkg.data -> pkg.conversion.job",
+        "pkg.data.loader -> pkg.tools",
+        "pkg.data.loader -> pkg.tools.bench",
         "pkg.formats.a -> pkg.data",
         "pkg.formats.a -> pkg.data.loader",
         "pkg.units -> pkg.formats",
@@ -328,3 +431,28 @@ def test_fake_leaf_and_data_violations_are_reported(fake):
 def test_acyclic_fake_package_has_no_cycle(fake):
     (fake / "formats" / "a.py").write_text("from ..errors import E\n")
     assert find_cycle(import_graph(fake)) is None
+
+
+def test_a_typing_only_loop_is_a_cycle(fake):
+    (fake / "formats" / "a.py").write_text("from ..errors import E\n")
+    (fake / "data" / "view.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .loader import Loader\n")
+    (fake / "data" / "loader.py").write_text("from .view import View\n")
+    cycle = find_cycle(import_graph(fake))
+    assert cycle is not None and set(cycle) == {"pkg.data.view", "pkg.data.loader"}
+
+
+def test_fake_private_imports_are_reported(fake):
+    assert private_imports(fake) == [
+        "pkg.tools.verify: pkg._system._limit",
+        "pkg.tools.verify: pkg.formats._common",
+        "pkg.tools.verify: pkg.formats._common",
+        "pkg.tools.verify: pkg.formats.a._f",
+    ]
+
+
+def test_fake_private_members_are_reported(fake):
+    assert private_members(fake, ("data.gpu",)) == [
+        "pkg.data.gpu.loader:3: ds._finish",
+        "pkg.data.gpu.loader:4: getattr(ds, '_held', getattr(ds, 'data'))",
+    ]
