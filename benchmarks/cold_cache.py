@@ -1,26 +1,38 @@
-"""Cold page cache, random order: how much of the disk's sequential bandwidth random batch reads get.
+"""Cold page cache, random order: how much of the disk's sequential rate each format and read path gets.
 
-Ratio (7) of issue 17 (target >= 0.60 of sequential). A fixed-shape shards store of
-224x224 samples is evicted from the page cache (posix_fadvise DONTNEED, checked with
-mincore) before every measurement; then, interleaved in each round:
+For each format (shards, LMDB, HDF5), interleaved in a shuffled order within each round:
 
-* sequential: the shard file read front to back in 8 MiB reads (the disk's bandwidth);
-* get_batch, willneed off / on: random-order batches gathered in one thread;
-* loader, willneed off / on: ``dlstore.loader(ds, shuffle=True, threads=2)``.
+* sequential: the store's data files read front to back in 8 MiB reads (the disk's rate);
+* a cold random epoch (every sample once, shuffled) through each read path, with the
+  readers' ``willneed`` off (before) and on (after):
+    threads  ``dlstore.loader(ds, batch_size, shuffle=True, threads=2)``
+    ring     ``dlstore.loader(ds, batch_size, shuffle=True, num_workers=2, shm_ring=True)``
+    dl0/dl2  ``torch.utils.data.DataLoader(ds, batch_size, shuffle=True, num_workers=0/2)``
+             over ``open_dataset(path)`` (its ``__getitems__`` and the default collate)
 
-A plain gather faults one page at a time: the disk sees one small read in flight.
-``willneed`` advises every sample of the batch first, so the kernel has all of them in
-flight at once. Bytes/s are sample bytes delivered; the ratio is to sequential in the
-same run (median over the rounds; and the best round).
+Each measurement runs in a fresh process after ``sync; echo 1 > /proc/sys/vm/drop_caches``
+(root), and the store's residency is checked (mincore) before it starts. The epoch is timed
+from the first ``iter()`` to the last batch (worker start-up included). Children run with
+``torch.set_num_threads(1)``, as torchrun sets it: the intra-op pool's collapse on a busy
+machine is another benchmark's subject (``contention.py``). Samples/s; the ratio is to the
+same format's sequential rate, medians over the rounds. The machine is shared: the load
+average is recorded beside every measurement, and the rounds are interleaved.
 
-    python benchmarks/cold_cache.py [--images 3000] [--rounds 3] [--dir /var/tmp]
+A warm section times, per format, random epochs with ``willneed`` off and on in turn in
+one process once the store is cached: what the advice costs where it is not needed.
+
+    python benchmarks/cold_cache.py [--images 2000] [--rounds 5] [--dir /var/tmp]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -28,105 +40,218 @@ from pathlib import Path
 import numpy as np
 from _common import machine_info, uptime, write_json
 
-import dlstore
-from dlstore.tools.bench.probes import resident_fraction
+FORMATS = {"shards": ".shards", "lmdb": ".lmdb", "hdf5": ".h5"}
+PATHS = ("threads", "ring", "dl0", "dl2")
 
 
-def evict(store: Path) -> float:
-    """Drop the store's files from the page cache; the fraction still resident after."""
-    for f in sorted(store.iterdir()):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    return resident_fraction(store)
+def data_files(store: Path) -> list[Path]:
+    if store.suffix == ".shards":
+        return sorted(store.glob("shard-*.npy"))
+    return [store / "data.mdb"] if store.suffix == ".lmdb" else [store]
 
 
-def sequential(store: Path) -> float:
-    n, start = 0, time.perf_counter()
-    for f in sorted(store.glob("shard-*.npy")):
-        with open(f, "rb", buffering=0) as fh:
-            while chunk := fh.read(8 << 20):
-                n += len(chunk)
-    return n / (time.perf_counter() - start)
+def drop_caches() -> None:
+    os.sync()
+    with open("/proc/sys/vm/drop_caches", "w") as f:
+        f.write("1\n")
 
 
-def random_batches(store: Path, order: np.ndarray, willneed: bool) -> float:
-    ds = dlstore.open_dataset(store, reader_options={"willneed": willneed})
-    out = np.empty((order.shape[1], *ds.shape), np.uint8)
+# --- what a child process measures -------------------------------------------------------
+
+def child_sequential(store: Path, count: int) -> float:
     start = time.perf_counter()
-    for batch in order:
-        ds.reader.get_batch(batch, out=out)
-    return order.size * out[0].nbytes / (time.perf_counter() - start)
+    for f in data_files(store):
+        with open(f, "rb", buffering=0) as fh:
+            while fh.read(8 << 20):
+                pass
+    return count / (time.perf_counter() - start)
 
 
-def through_loader(store: Path, batches: int, batch_size: int, willneed: bool, seed: int) -> float:
-    ds = dlstore.open_dataset(store, reader_options={"willneed": willneed})
+def make_loader(ds, path: str, batch_size: int, seed: int):
     import torch
 
-    loader = dlstore.loader(ds, batch_size=batch_size, shuffle=True, threads=2,
-                            generator=torch.Generator().manual_seed(seed))
+    import dlstore
+
+    g = torch.Generator().manual_seed(seed)
+    if path == "threads":
+        return dlstore.loader(ds, batch_size=batch_size, shuffle=True, threads=2, generator=g)
+    if path == "ring":
+        return dlstore.loader(ds, batch_size=batch_size, shuffle=True, num_workers=2, shm_ring=True, generator=g)
+    workers = {"dl0": 0, "dl2": 2}[path]
+    return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, generator=g)
+
+
+def epoch_rate(loader) -> float:
     n, start = 0, time.perf_counter()
-    for k, (images, _) in enumerate(loader):
-        n += images.numel()
-        if k + 1 == batches:
-            break
+    for images, _labels in loader:
+        n += len(images)
     return n / (time.perf_counter() - start)
+
+
+def child_random(store: Path, path: str, willneed: bool, batch_size: int, seed: int) -> float:
+    import dlstore
+
+    ds = dlstore.open_dataset(store, reader_options={"willneed": willneed})
+    return epoch_rate(make_loader(ds, path, batch_size, seed))
+
+
+def child_warm(store: Path, batch_size: int, epochs: int) -> dict[str, float]:
+    import dlstore
+
+    sets = {w: dlstore.open_dataset(store, reader_options={"willneed": w}) for w in (False, True)}
+    epoch_rate(make_loader(sets[False], "threads", batch_size, 0))    # warms the page cache
+    rates: dict[bool, list[float]] = {False: [], True: []}
+    for e in range(epochs):
+        for w in ((False, True) if e % 2 == 0 else (True, False)):
+            rates[w].append(epoch_rate(make_loader(sets[w], "threads", batch_size, e)))
+    return {"off": statistics.median(rates[False]), "on": statistics.median(rates[True])}
+
+
+def child(argv: list[str]) -> None:
+    """Import everything first, say "ready", wait for "go" (the parent drops the cache in between)."""
+    import torch
+    import torch.utils.data
+
+    import dlstore
+    import dlstore.data.loaders.shm_ring  # noqa: F401 - imported before the cache is dropped
+    import dlstore.data.loaders.threads  # noqa: F401
+    import dlstore.formats.hdf5  # noqa: F401
+    import dlstore.formats.lmdb  # noqa: F401
+    import dlstore.formats.shards  # noqa: F401
+
+    torch.set_num_threads(1)
+    dlstore.open_dataset   # (resolves the lazy attribute)
+    print("ready", flush=True)
+    if sys.stdin.readline().strip() != "go":
+        return
+    kind, store = argv[0], Path(argv[1])
+    if kind == "sequential":
+        result = child_sequential(store, int(argv[2]))
+    elif kind == "warm":
+        result = child_warm(store, int(argv[2]), int(argv[3]))
+    else:
+        result = child_random(store, kind, argv[2] == "1", int(argv[3]), int(argv[4]))
+    print(json.dumps(result))
+
+
+# --- the parent: stores, rounds, report --------------------------------------------------
+
+def run_child(args: list[str], before=None) -> tuple[object, object]:
+    """Start a fresh process for one measurement; once it has imported what it needs, run ``before``
+    (drop the cache), then let it measure. (its result, what ``before`` returned)"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                       os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([sys.executable, __file__, "--child", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    ready = proc.stdout.readline().strip()
+    got = before() if before is not None and ready == "ready" else None
+    out, err = proc.communicate("go\n")
+    if proc.returncode != 0 or ready != "ready":
+        raise RuntimeError(f"child {args} failed:\n{err[-3000:]}")
+    return json.loads(out.strip().splitlines()[-1]), got
+
+
+def cells() -> list[tuple[str, str, bool]]:
+    """(format, path, willneed); path "sequential" has no willneed."""
+    out = [(fmt, "sequential", False) for fmt in FORMATS]
+    out += [(fmt, path, w) for fmt in FORMATS for path in PATHS for w in (False, True)]
+    return out
+
+
+def cell_name(fmt: str, path: str, willneed: bool) -> str:
+    return f"{fmt} {path}" + ("" if path == "sequential" else f" willneed={'on' if willneed else 'off'}")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        child(argv[1:])
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--images", type=int, default=3000)
+    parser.add_argument("--images", type=int, default=2000)
     parser.add_argument("--size", type=int, default=224)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--batches", type=int, default=20, help="random batches per measurement")
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--dir", default=None, help="where the store goes (a disk, not tmpfs)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--warm-epochs", type=int, default=4)
+    parser.add_argument("--dir", default="/var/tmp", help="where the stores go (a disk, not tmpfs)")
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cold_cache.json"))
     args = parser.parse_args(argv)
+    if os.geteuid() != 0:
+        print("needs root (echo 1 > /proc/sys/vm/drop_caches before each cold read)", file=sys.stderr)
+        return 2
+
+    import dlstore
+    from dlstore.tools.bench.probes import resident_fraction
 
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
-        store = Path(tmp) / "cold.shards"
         images = np.random.default_rng(0).integers(0, 256, (args.images, args.size, args.size, 3), dtype=np.uint8)
-        dlstore.convert((images, np.arange(args.images) % 10), store, workers=0, progress=False)
+        stores = {}
+        for fmt, suffix in FORMATS.items():
+            stores[fmt] = Path(tmp) / f"cold{suffix}"
+            dlstore.convert((images, np.arange(args.images) % 10), stores[fmt], workers=0, progress=False)
         del images
-        print(f"store: {args.images} x 3x{args.size}x{args.size}, "
-              f"{sum(f.stat().st_size for f in store.iterdir()) / 1e6:,.0f} MB; {uptime()}")
-        names = ["sequential", "get_batch", "get_batch willneed", "loader threads=2", "loader threads=2 willneed"]
-        rates: dict[str, list[float]] = {name: [] for name in names}
-        left: list[float] = []
+        mb = {fmt: sum(f.stat().st_size for f in data_files(s)) / 1e6 for fmt, s in stores.items()}
+        print(f"stores: {args.images} x 3x{args.size}x{args.size}, " +
+              ", ".join(f"{fmt} {v:,.0f} MB" for fmt, v in mb.items()) + f"; {uptime()}", flush=True)
+        runs: dict[str, list[dict]] = {cell_name(*c): [] for c in cells()}
+        warm: dict[str, list[dict]] = {fmt: [] for fmt in FORMATS}
         for r in range(args.rounds):
-            order = np.random.default_rng(r).permutation(args.images)[:args.batches * args.batch_size]
-            order = order.reshape(args.batches, args.batch_size)
-            runs = {
-                "sequential": lambda: sequential(store),
-                "get_batch": lambda order=order: random_batches(store, order, False),
-                "get_batch willneed": lambda order=order: random_batches(store, order, True),
-                "loader threads=2": lambda r=r: through_loader(store, args.batches, args.batch_size, False, r),
-                "loader threads=2 willneed": lambda r=r: through_loader(store, args.batches, args.batch_size, True, r),
-            }
-            for name in names:
-                left.append(evict(store))
-                rates[name].append(runs[name]())
-            print(f"round {r + 1}: " + ", ".join(f"{n} {rates[n][-1] / 1e6:,.0f} MB/s" for n in names))
-    med = {name: statistics.median(v) for name, v in rates.items()}
-    # the sequential rate of this virtual disk moves 2-4x between rounds: the ratio is to its median
-    # over the rounds (and, stricter, to the best round)
-    best = max(rates["sequential"])
-    ratios = {name: {"ratio": med[name] / med["sequential"], "vs_best_sequential": med[name] / best,
-                     "target": 0.6} for name in names[1:]}
-    print(f"\nmost resident after an eviction: {max(left):.3f} (0: every read below came from the disk)")
-    print(f"{'':28} {'MB/s':>8} {'/ sequential':>13} {'/ best sequential':>18}")
-    for name in names:
-        ratio = f"{ratios[name]['ratio']:13.2f} {ratios[name]['vs_best_sequential']:18.2f}" if name in ratios else (
-            f"{1:13.2f} {med[name] / best:18.2f}")
-        print(f"{name:28} {med[name] / 1e6:8,.0f} {ratio}")
-    print(f"\n{uptime()}")
-    write_json(args.out, {"machine": machine_info(), "uptime": uptime(), "config": vars(args),
-                          "resident_after_eviction_max": max(left), "bytes_per_s": rates,
-                          "median_bytes_per_s": med, "ratios_vs_sequential": ratios})
+            order = cells()
+            random.Random(r).shuffle(order)
+            for fmt, path, willneed in order:
+                def cold(store=stores[fmt]):
+                    drop_caches()
+                    return resident_fraction(store), os.getloadavg()[0]
+                child_args = ([path, str(stores[fmt]), str(args.images)] if path == "sequential" else
+                              [path, str(stores[fmt]), "1" if willneed else "0", str(args.batch_size), str(r)])
+                rate, (left, load) = run_child(child_args, before=cold)
+                runs[cell_name(fmt, path, willneed)].append({"samples_per_s": rate, "load1": load,
+                                                              "resident_before": left})
+            for fmt in FORMATS:
+                warm[fmt].append(run_child(["warm", str(stores[fmt]), str(args.batch_size),
+                                            str(args.warm_epochs)])[0])
+            print(f"round {r + 1}/{args.rounds} done; {uptime()}", flush=True)
+    report(args, runs, warm)
     return 0
+
+
+def report(args: argparse.Namespace, runs: dict[str, list[dict]], warm: dict[str, list[dict]]) -> None:
+    med = {name: statistics.median(x["samples_per_s"] for x in v) for name, v in runs.items()}
+    rows, table = [], {}
+    for fmt in FORMATS:
+        seq = med[cell_name(fmt, "sequential", False)]
+        for path in PATHS:
+            off, on = med[cell_name(fmt, path, False)], med[cell_name(fmt, path, True)]
+            table[f"{fmt} {path}"] = {"sequential": seq, "off": off, "on": on, "ratio_off": off / seq,
+                                      "ratio_on": on / seq, "target": 0.6}
+            rows.append(f"| {fmt} | {path} | {seq:,.0f} | {off:,.0f} | {on:,.0f} | {off / seq:.2f} | "
+                        f"{on / seq:.2f} |")
+    warm_med = {fmt: {k: statistics.median(w[k] for w in v) for k in ("off", "on")} for fmt, v in warm.items()}
+    loads = [x["load1"] for v in runs.values() for x in v]
+    resident = max(x["resident_before"] for v in runs.values() for x in v)
+    lines = [
+        f"# Cold random epochs vs the disk's sequential rate ({args.images} samples 3x{args.size}x{args.size}, "
+        f"batch {args.batch_size}, {args.rounds} rounds, medians)",
+        "",
+        f"Load average (1 min) at the measurements: median {statistics.median(loads):.2f}, "
+        f"min {min(loads):.2f}, max {max(loads):.2f} (a shared machine: other jobs ran throughout). "
+        f"Most of a store resident after dropping the cache: {resident:.3f}. {uptime()}",
+        "",
+        "| format | path | sequential/s | random/s willneed off | random/s willneed on | ratio off | ratio on |",
+        "|---|---|---:|---:|---:|---:|---:|",
+        *rows,
+        "",
+        "Warm (store cached), loader threads=2, random epochs, willneed on / off in one process:",
+        "",
+        *[f"- {fmt}: {w['on'] / w['off']:.2f}x ({w['off']:,.0f} -> {w['on']:,.0f} samples/s)"
+          for fmt, w in warm_med.items()],
+    ]
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    out = Path(args.out)
+    write_json(out, {"machine": machine_info(), "uptime": uptime(), "config": vars(args), "runs": runs,
+                     "median_samples_per_s": med, "table": table, "warm": warm, "warm_median": warm_med})
+    out.with_suffix(".md").write_text(text)
 
 
 if __name__ == "__main__":

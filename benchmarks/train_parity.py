@@ -1,4 +1,4 @@
-"""Training parity: the same CNN trained through three loaders on real data reaches the same accuracy.
+"""Training parity: the same CNN trained through four loaders on real data reaches the same accuracy.
 
 Data: scikit-learn's ``load_digits`` (1,797 real 8x8 handwritten digits, grey levels 0-16,
 shipped inside the package: no download), written as an ImageFolder of 32x32 PNGs: values
@@ -25,6 +25,10 @@ triangular learning rate, batch size, epochs and seeds (the seed fixes the model
   (c) gpu          GPUDataset(shards, device, float16, normalize=(mean, std)) + its loader with the random
                    crop; device cuda when present, else cpu. The crop is the pipeline's own v2.RandomCrop
                    when the GPU loader takes torchvision ops, else BatchRandomCrop(32, padding=4) (printed)
+  (d) block        (b) in a block-shuffled order: BlockShuffleSampler(block_size=8, window=16), drawn per
+                   epoch from the loader's generator. The store is in class order (ImageFolder's), so a
+                   window of 128 samples (2 batches, 9.5 % of the store) holds about 7 of the 10 classes:
+                   a more local order than the defaults give ImageNet (a window of 76 batches there)
 Controls, not parity paths: the store through dlstore.loader with a deliberately drifted
 augmentation (Batch* transforms), to show how large a drift each accuracy can see:
 
@@ -33,8 +37,10 @@ augmentation (Batch* transforms), to show how large a drift each accuracy can se
                    that pads after normalising, with fill 0, does
   (p) padding 2    RandomCrop(32, padding=2): offsets from a narrower range (each one is also a
                    padding-4 offset: the pixel check passes it, only the shifted set can see it)
+  (k) block 64x2   (d) with blocks of 64 and windows of 2: each batch from 2 runs of one class or two,
+                   an order too local, to show what the accuracies see of one
 
-All three run by default, on the first 2 seeds (--control-seeds; --controls n for the no-crop
+All four run by default, on the first 2 seeds (--control-seeds; --controls n for the no-crop
 one only, --controls '' for none).
 
 Every path is evaluated by the same code on two in-memory test sets of the same 450 images:
@@ -43,7 +49,7 @@ same through the pipeline's RandomCrop once first (torchvision's, under torch.ma
 one fixed offset and black padding per image). Digits are centred, so the plain test set hardly
 needs the augmentation (the control (n) scores about as well as (a) on it); the shifted set is
 the one that sees a drifted augmentation (see the controls' rows). Parity target, on both sets:
-|mean(b) - mean(a)| and |mean(c) - mean(a)| <= max(1 point, 2 std(a)). Epoch time is wall time
+|mean(x) - mean(a)| <= max(1 point, 2 std(a)) for x = b, c, d. Epoch time is wall time
 of data + training steps; "data" is the part spent waiting for the next batch. Training runs in
 this process with one torch thread.
 
@@ -54,13 +60,12 @@ and the samples must not all share one offset. Accuracy can miss a small drift; 
 distribution of the offsets is left to the differential harness of issue 13).
 
     python benchmarks/train_parity.py [--seeds 5] [--epochs 8] [--batch-size 64] [--width 8] [--lr 0.1]
-                                      [--controls nmp] [--control-seeds 2] [--device cuda|cpu]
+                                      [--controls nmpk] [--control-seeds 2] [--device cuda|cpu]
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -69,110 +74,26 @@ import time
 from collections.abc import Iterable
 from pathlib import Path
 
-import numpy as np
 import torch
-from PIL import Image
 from torch import nn
 from torch.utils.data import DataLoader
 from torchvision import datasets
-from torchvision.transforms import v2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json  # noqa: E402
+from _digits import PADDING, SIZE, Setup, pixel_check, prepare  # noqa: E402
 
 import dlstore  # noqa: E402
 from dlstore.transforms import BatchCompose, BatchNormalize, BatchRandomCrop  # noqa: E402
 
-PATHS = ("a", "b", "c")
-# Controls: deliberately drifted augmentations, to show what drift the accuracies can see.
-CONTROLS = {"n": "no crop", "m": "mean fill", "p": "padding 2"}
-NAMES = {"a": "torchvision", "b": "store", "c": "gpu", **CONTROLS}
-SIZE, PADDING = 32, 4
-TEST_FRACTION = 0.25
-SHIFT_SEED = 12345
+PATHS = ("a", "b", "c", "d")
+# Controls: deliberately drifted augmentations or orders, to show what drift the accuracies can see.
+CONTROLS = {"n": "no crop", "m": "mean fill", "p": "padding 2", "k": "block 64x2"}
+NAMES = {"a": "torchvision", "b": "store", "c": "gpu", "d": "block shuffle", **CONTROLS}
+BLOCKS = {"d": (8, 16), "k": (64, 2)}   # (block_size, window) of the block-shuffled paths
 
 
-# --- data ----------------------------------------------------------------------------------
-
-def write_digits(root: Path, *, test_fraction: float = TEST_FRACTION, seed: int = 0
-                 ) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    """sklearn's digits as ``root/train`` and ``root/test`` ImageFolders of 32x32 grayscale PNGs.
-
-    Class folders are ``0`` ... ``9`` (ImageFolder's sorted order is the digit's value), files
-    ``NNNN.png`` after the sample's index in ``load_digits``.
-
-    Returns:
-        Per split, the pixels written (uint8 (N, 1, 32, 32)) and the labels, in ImageFolder's order.
-    """
-    from sklearn.datasets import load_digits
-
-    digits = load_digits()
-    images = np.rint(digits.images * (255 / 16)).astype(np.uint8)
-    rng = np.random.RandomState(seed)
-    written: dict[str, tuple[list, list]] = {"train": ([], []), "test": ([], [])}
-    for label in range(10):
-        members = rng.permutation(np.flatnonzero(digits.target == label))
-        n_test = round(len(members) * test_fraction)
-        for split, chosen in (("test", members[:n_test]), ("train", members[n_test:])):
-            folder = root / split / str(label)
-            folder.mkdir(parents=True, exist_ok=True)
-            for i in sorted(chosen):
-                img = Image.fromarray(images[i], mode="L").resize((SIZE, SIZE), Image.BILINEAR)
-                img.save(folder / f"{i:04d}.png")
-                written[split][0].append(np.asarray(img))
-                written[split][1].append(label)
-    return {split: (torch.from_numpy(np.stack(x))[:, None], torch.tensor(y)) for split, (x, y) in written.items()}
-
-
-def pipeline(mean: float, std: float, *, augment: bool = True) -> v2.Compose:
-    """The torchvision pipeline every path implements (``augment=False``: the evaluation one)."""
-    crop = [v2.RandomCrop(SIZE, padding=PADDING)] if augment else []
-    return v2.Compose([v2.Grayscale(1), v2.CenterCrop(SIZE), v2.PILToTensor(), *crop,
-                       v2.ToDtype(torch.float32, scale=True), v2.Normalize([mean], [std])])
-
-
-@dataclasses.dataclass
-class Setup:
-    """Everything the paths share: folders, store, pipeline, the reference pixels, the test sets."""
-
-    train_dir: Path
-    test_dir: Path
-    store: Path
-    mean: float
-    std: float
-    pipeline: v2.Compose
-    hybrid: dlstore.HybridTransform
-    base: torch.Tensor       # the training pixels written to the PNGs, uint8 (N, 1, 32, 32), ImageFolder order
-    test_x: torch.Tensor     # the test pixels through ToDtype + Normalize: float32 (M, 1, 32, 32)
-    test_y: torch.Tensor
-    shifted_x: torch.Tensor  # the test pixels through RandomCrop (seed SHIFT_SEED) + ToDtype + Normalize
-    convert_s: float
-
-
-def prepare(root: Path) -> Setup:
-    """Write the folders, measure mean/std on the training pixels, convert the store, make the test sets."""
-    written = write_digits(root)
-    base, test_u8, test_y = written["train"][0], *written["test"]
-    pixels = base.double() / 255
-    mean, std = round(pixels.mean().item(), 4), round(pixels.std().item(), 4)
-    pipe = pipeline(mean, std)
-    hybrid = dlstore.split_transforms(pipe)
-    store = root / "digits.shards"
-    t0 = time.perf_counter()
-    dlstore.convert(root / "train", store, static=hybrid, workers=0, progress=False)
-    convert_s = time.perf_counter() - t0
-    # The test sets as torchvision makes them from the same pixels (the PNGs are lossless; whether
-    # the decoders give these pixels back is the pixel check's business).
-    to_float = v2.Compose([v2.ToDtype(torch.float32, scale=True), v2.Normalize([mean], [std])])
-    crop = v2.RandomCrop(SIZE, padding=PADDING)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(SHIFT_SEED)
-        shifted = torch.stack([crop(x) for x in test_u8])
-    return Setup(root / "train", root / "test", store, mean, std, pipe, hybrid, base,
-                 to_float(test_u8), test_y, to_float(shifted), convert_s)
-
-
-# --- the three paths -----------------------------------------------------------------------
+# --- the paths -----------------------------------------------------------------------
 
 def device_default() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
@@ -204,10 +125,13 @@ def make_loader(path: str, setup: Setup, *, seed: int, batch_size: int, shuffle:
         train = datasets.ImageFolder(str(setup.train_dir), transform=setup.pipeline)
         return DataLoader(train, batch_size=batch_size, shuffle=shuffle, drop_last=shuffle,
                           num_workers=0, generator=generator)
-    if path == "b":
+    if path in ("b", *BLOCKS):
         ds = dlstore.open_dataset(setup.store, transform=setup.hybrid)
-        return dlstore.loader(ds, batch_size, shuffle=shuffle, drop_last=shuffle, num_workers=0,
-                              generator=generator)
+        if path == "b" or not shuffle:
+            return dlstore.loader(ds, batch_size, shuffle=shuffle, drop_last=shuffle, generator=generator)
+        block_size, window = BLOCKS[path]   # a new order each epoch, drawn as (b)'s RandomSampler draws
+        sampler = dlstore.BlockShuffleSampler(ds, block_size=block_size, window=window, generator=generator)
+        return dlstore.loader(ds, batch_size, sampler=sampler, drop_last=True, generator=generator)
     if path in CONTROLS:
         norm = BatchNormalize([setup.mean], [setup.std])
         fill = round(setup.mean * 255)
@@ -226,32 +150,12 @@ def make_loader(path: str, setup: Setup, *, seed: int, batch_size: int, shuffle:
     raise ValueError(f"unknown path {path!r}; valid: {', '.join((*PATHS, *CONTROLS))}")
 
 
+def classes_per_batch(path: str, setup: Setup, *, batch_size: int) -> float:
+    """Distinct classes per batch over one shuffled epoch of a store path: how mixed its order is."""
+    return statistics.fmean(len(set(y.tolist())) for _, y in make_loader(path, setup, seed=0, batch_size=batch_size))
+
+
 # --- pixel check ---------------------------------------------------------------------------
-
-def pixel_check(images: torch.Tensor, base: torch.Tensor, setup: Setup, *, tolerance: float) -> dict:
-    """Does each of ``images`` equal torchvision's crop+ToDtype+Normalize of ``base`` for some offset?
-
-    Args:
-        images: a batch from a path, (B, 1, 32, 32), any float dtype, any device.
-        base: the pixels written to those samples' PNGs, uint8 (B, 1, 32, 32).
-        tolerance: largest absolute difference that counts as equal.
-
-    Returns:
-        matched (samples within tolerance for some offset), samples, distinct (offsets among the
-        matched; 1 for a batch would mean one crop shared by every sample), worst (largest,
-        over samples, of the smallest difference over offsets).
-    """
-    h, w = base.shape[-2:]
-    padded = v2.functional.pad(base, [PADDING] * 4, fill=0)                  # uint8: exact
-    ref = v2.Normalize([setup.mean], [setup.std])(v2.ToDtype(torch.float32, scale=True)(padded))
-    windows = ref.unfold(2, h, 1).unfold(3, w, 1)                             # B, C, Y, X, h, w
-    out = images.detach().to("cpu", torch.float32)[:, :, None, None]
-    error = (windows - out).abs().amax(dim=(1, 4, 5)).flatten(1)             # B, Y*X
-    best, where = error.min(dim=1)
-    ok = best <= tolerance
-    return {"matched": int(ok.sum()), "samples": len(images), "distinct": len(set(where[ok].tolist())),
-            "worst": float(best.max())}
-
 
 def check_pixels(path: str, setup: Setup, *, batch_size: int = 128, device: str = "cpu",
                  gpu: dict | None = None) -> dict:
@@ -392,7 +296,7 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=8, help="channels of the first conv block")
     parser.add_argument("--lr", type=float, default=0.1, help="peak learning rate")
     parser.add_argument("--device", default=device_default(), help="training device, and path (c)'s")
-    parser.add_argument("--controls", default="nmp", help="control paths to run too, any of "
+    parser.add_argument("--controls", default="nmpk", help="control paths to run too, any of "
                         + ", ".join(f"{k} ({v})" for k, v in CONTROLS.items()) + "; '' for none")
     parser.add_argument("--control-seeds", type=int, default=2,
                         help="seeds of the controls (the first ones); they show the scale of a drift")
@@ -415,6 +319,10 @@ def main() -> None:
         paths = (*PATHS, *(args.controls if args.control_seeds > 0 else ""))
         pixels = {path: check_pixels(path, setup, device=args.device, gpu=gpu) for path in paths}
         print(f"(c) {gpu['dataset']!r}, crop: {gpu['crop_repr']}")
+        mixing = {path: classes_per_batch(path, setup, batch_size=args.batch_size) for path in ("b", *BLOCKS)
+                  if path in paths}
+        print("classes per batch of " + str(args.batch_size) + ": "
+              + ", ".join(f"({p}) {NAMES[p]} {v:.1f}" for p, v in mixing.items()))
         runs: dict[str, list[dict]] = {path: [] for path in paths}
         for seed in range(args.seeds):  # paths interleaved per seed: load changes hit them alike
             for path in paths:
@@ -442,6 +350,7 @@ def main() -> None:
                  "mean": setup.mean, "std": setup.std},
         "pipeline": repr(setup.pipeline), "hybrid": repr(setup.hybrid), "gpu_crop": gpu["crop_repr"],
         "gpu_dataset": repr(gpu["dataset"]), "pixels": pixels, "paths": summary,
+        "blocks": {p: dict(zip(("block_size", "window"), BLOCKS[p])) for p in BLOCKS}, "classes_per_batch": mixing,
     })
     print(f"wrote {path}")
 

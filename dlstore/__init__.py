@@ -50,6 +50,7 @@ from .errors import (
 if TYPE_CHECKING:
     from .conversion import ConvertResult, convert
     from .data import (
+        BlockShuffleSampler,
         GPUDataset,
         HDF5Dataset,
         LMDBDataset,
@@ -67,6 +68,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "ConvertResult": "dlstore.conversion",
     "convert": "dlstore.conversion",
+    "BlockShuffleSampler": "dlstore.data",
     "GPUDataset": "dlstore.data",
     "HDF5Dataset": "dlstore.data",
     "LMDBDataset": "dlstore.data",
@@ -83,6 +85,7 @@ _LAZY = {
 __all__ = [
     "ArgumentError",
     "ArgumentTypeError",
+    "BlockShuffleSampler",
     "ConversionInterrupted",
     "ConvertResult",
     "DecodeError",

@@ -192,3 +192,36 @@ def memory_limit_bytes(cgroup_root: Path = _CGROUP_ROOT) -> int | None:
             continue
         total = limit if total is None else min(total, limit)
     return total
+
+
+def memory_available(proc: Path = Path("/proc"), cgroup_root: Path = _CGROUP_ROOT) -> int | None:
+    """Bytes this process can still fill without evicting its own page cache: the kernel's
+    ``MemAvailable``, capped by what its own memory cgroup (v2 ``memory.max`` - ``memory.current``,
+    v1 ``limit_in_bytes`` - ``usage_in_bytes``, plus its inactive page cache) leaves; None when neither is known."""
+    found: list[int] = []
+    try:
+        for line in (proc / "meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                found.append(int(line.split()[1]) * 1024)
+        groups = (proc / "self" / "cgroup").read_text().splitlines()
+    except (OSError, ValueError, IndexError):
+        groups = []
+    for line in groups:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":          # v2: one unified hierarchy
+            folder, files = cgroup_root / path.lstrip("/"), ("memory.max", "memory.current")
+        elif "memory" in controllers.split(","):
+            folder, files = cgroup_root / "memory" / path.lstrip("/"), ("memory.limit_in_bytes",
+                                                                        "memory.usage_in_bytes")
+        else:
+            continue
+        try:
+            limit, usage = (int((folder / name).read_text().strip()) for name in files)
+            stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
+        except (OSError, ValueError):   # absent, or "max"
+            continue
+        # inactive page cache is reclaimed before anything is evicted that is in use
+        idle = int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
+        if limit < (1 << 60):           # v1 writes "no limit" as a huge number
+            found.append(max(0, limit - usage + idle))
+    return min(found) if found else None

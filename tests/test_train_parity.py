@@ -1,4 +1,4 @@
-"""Training parity, fast: benchmarks/train_parity.py's three paths, one seed, two epochs, a tiny CNN.
+"""Training parity, fast: benchmarks/train_parity.py's four paths, one seed, two epochs, a tiny CNN.
 
 The benchmark (5 seeds, the full model) is the measurement; this keeps its code running in CI
 and catches a path that stops learning, drifts far from torchvision, or serves other pixels.
@@ -65,9 +65,22 @@ def test_pixel_check_sees_a_drifted_crop(parity, setup, control, matched, distin
     assert result["matched"] <= matched and result["distinct"] <= distinct, result
 
 
+def test_block_shuffled_paths_cover_the_epoch_and_mix_less(parity, setup):
+    """(d) and the control (k) read every sample at most once per epoch, all but the dropped last
+    batch, in orders more local than (b)'s full shuffle: fewer classes per batch, (k) fewest."""
+    for path in parity.BLOCKS:
+        labels = torch.cat([y for _, y in parity.make_loader(path, setup, seed=1, batch_size=64)])
+        assert len(labels) == len(setup.base) // 64 * 64
+        full = torch.bincount(setup.test_y.new_tensor(parity.datasets.ImageFolder(str(setup.train_dir)).targets))
+        assert (torch.bincount(labels, minlength=10) <= full).all()
+    mixing = {path: parity.classes_per_batch(path, setup, batch_size=64) for path in ("b", "d", "k")}
+    assert mixing["k"] < mixing["d"] < mixing["b"], mixing
+
+
 @pytest.mark.slow  # about 8 s of CPU (three trainings); CI runs it, `-m 'not slow'` skips it
 def test_every_path_learns_and_stays_near_torchvision(parity, setup):
-    """Test and shifted-test accuracy: every path far above chance and within TOLERANCE of (a)."""
+    """Test and shifted-test accuracy: every path (block shuffle included) far above chance and
+    within TOLERANCE of (a)."""
     torch.set_num_threads(1)  # deterministic, and fair to the other jobs on the machine
     gpu: dict = {}
     runs = {path: parity.run_path(path, setup, seed=0, epochs=2, batch_size=32, width=4, lr=0.1, device="cpu",

@@ -28,15 +28,12 @@ from torch.utils.data import Dataset, get_worker_info
 
 from .. import formats
 from ..errors import (
-    ArgumentError,
     ArgumentTypeError,
-    SampleIndexError,
     StoreCorruptError,
     TransformSpecError,
     UsageError,
     WrongFormatError,
 )
-from ..formats.encoding import DecodingReader
 from ..sources.origins import OriginPairs
 from ..transforms import compiled
 from ..transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip
@@ -48,10 +45,13 @@ from ..transforms.functional import (
 from ..transforms.hybrid import HybridTransform
 from ..transforms.planner import plan
 from ..transforms.static import describe
+from .indices import sample_index, sample_indices
+from .store_reader import check_mode, open_reader
 
 # Batch buffers of at least this size are recycled in the main process (see _new_batch).
 _POOL_MIN_BYTES = 4 << 20
 _POOL_SIZE = 4
+_FORMAT_CLASSES: dict[str, str] = {}   # format -> the name of its class (ShardsDataset, ...), see stores.py
 
 
 class StoreDataset(Dataset):
@@ -92,6 +92,11 @@ class StoreDataset(Dataset):
 
     FORMAT: str | None = None   # set by the format-specific subclasses
 
+    def __init_subclass__(cls, **kwargs: Any):
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("FORMAT") is not None:   # a format's own class: named in WrongFormatError
+            _FORMAT_CLASSES.setdefault(cls.FORMAT, cls.__name__)
+
     def __init__(
         self,
         path: str | os.PathLike,
@@ -102,8 +107,7 @@ class StoreDataset(Dataset):
         reader_options: dict[str, Any] | None = None,
         check: str = "none",
     ):
-        if check not in CHECKS:
-            raise ArgumentError(f"check must be one of {', '.join(CHECKS)}, got {check!r}")
+        self.check = check_mode(check)
         if not isinstance(path, (str, os.PathLike)):
             raise ArgumentTypeError(f"{type(self).__name__} takes the path of a store (str or os.PathLike), "
                                     f"got {type(path).__name__}")
@@ -117,30 +121,12 @@ class StoreDataset(Dataset):
         if self.FORMAT is not None and self.format != self.FORMAT:
             raise WrongFormatError(
                 f"{self.path} is a {self.format} store, not {self.FORMAT}: open it with "
-                f"dlstore.{_CLASS_NAMES[self.format]} or dlstore.open_dataset (which detects the format)")
-        module = formats.get_format(self.format)
-        if reader_options is not None and not isinstance(reader_options, dict):
-            raise ArgumentTypeError(f"reader_options must be a dict of keyword options, got "
-                                    f"{type(reader_options).__name__} {reader_options!r}")
-        options = dict(reader_options or {})
-        unknown = sorted(set(options) - set(module.READER_OPTIONS))
-        if unknown:
-            valid = ", ".join(f"{name}: {', '.join(formats.get_format(name).READER_OPTIONS) or 'none'}"
-                              for name in formats.names())
-            raise ArgumentError(f"{self.path}: reader_options {unknown} do not apply to {self.format} stores "
-                                f"(options per format: {valid})")
-        self.check = check
-        if check == "open" and hasattr(module, "check_seal"):
-            _check_sealed(module, self.path)  # before the file reaches the C library (LMDB, HDF5)
-        self.reader = module.Reader(self.path, **options)
-        if check == "open" and hasattr(self.reader, "check_files"):
-            self.reader.check_files = True   # shards: each file's sha256, when first mapped
-        if check == "sample":
-            self.reader.enable_sample_check()   # every record read is checked against its CRC32
+                f"dlstore.{_FORMAT_CLASSES.get(self.format, 'StoreDataset')} or dlstore.open_dataset (which "
+                "detects the format)")
+        self.reader = open_reader(self.path, self.format, reader_options, check)
         self.manifest: dict[str, Any] = self.reader.manifest
-        vectors = getattr(self.reader, "targets", None)   # (N, K) target vectors, or None: int labels
-        if self.manifest["sample"]["encoding"] != "raw":  # JPEG/PNG records, decoded with PIL on read
-            self.reader = DecodingReader(self.reader)
+        # (N, K) target vectors, or None: int labels
+        vectors = getattr(getattr(self.reader, "raw", self.reader), "targets", None)
         self.classes: list[str] = list(self.manifest["classes"])
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         labels = np.asarray(self.reader.labels, dtype=np.int64)
@@ -225,31 +211,10 @@ class StoreDataset(Dataset):
         return len(self._labels)
 
     def _index(self, i: int) -> int:
-        n = len(self._labels)
-        if not isinstance(i, (int, np.integer)) or isinstance(i, bool):
-            raise ArgumentTypeError(f"{self.path}: sample index must be an int, got {type(i).__name__} {i!r}")
-        given = i = int(i)
-        if i < 0:  # Python sequence semantics: -1 is the last sample (readers take 0..n-1 only)
-            i += n
-        if not 0 <= i < n:
-            raise SampleIndexError(f"{self.path}: index {given} out of range for a dataset of {n} samples "
-                                   f"(valid: -{n}..{n - 1})")
-        return i
+        return sample_index(self.path, i, len(self._labels))
 
     def _indices(self, indices: Sequence[int]) -> np.ndarray:
-        """``_index`` for a whole batch, vectorised: int64 array, negatives wrapped, range-checked."""
-        n = len(self._labels)
-        given = np.asarray(indices)
-        if given.size and given.dtype.kind not in "iu":
-            raise ArgumentTypeError(f"{self.path}: sample indices must be ints, got {given.dtype} "
-                                    f"({given.reshape(-1)[:4].tolist()}...)")
-        idx = given.astype(np.int64, copy=False).reshape(-1)
-        idx = np.where(idx < 0, idx + n, idx)
-        bad = (idx < 0) | (idx >= n)
-        if bad.any():
-            raise SampleIndexError(f"index {int(np.asarray(indices).reshape(-1)[np.argmax(bad)])} out of range "
-                             f"for a store of {n} samples")
-        return idx
+        return sample_indices(self.path, indices, len(self._labels))
 
     def read(self, i: int) -> torch.Tensor:
         """Sample ``i`` as stored: uint8 (C, H, W), before any transform."""
@@ -280,10 +245,12 @@ class StoreDataset(Dataset):
     def __getitems__(self, indices: Sequence[int]) -> list[tuple[Any, Any]]:
         """Batched read used by DataLoader (torch >= 2.1 calls it with the whole batch).
 
-        Fixed-shape shards samples come back as views of the memory map, so the
-        DataLoader's ``default_collate`` (``torch.stack``) is the one and only copy.
+        The samples are read in one call of the reader (``get_many``: one transaction, reads in
+        file order, every sample's readahead first when ``willneed`` is on); the result equals
+        ``[ds[i] for i in indices]``. Fixed-shape shards samples come back as views of the memory
+        map, so the DataLoader's ``default_collate`` (``torch.stack``) is the one and only copy.
         """
-        if self.batch_transform is not None:
+        if self.batch_transform is not None and self.shape is not None:
             batch, labels_t = self.get_batch(indices)
             labels_out = (labels_t.tolist() if isinstance(labels_t, torch.Tensor) and labels_t.ndim == 1
                           else list(labels_t))
@@ -291,12 +258,14 @@ class StoreDataset(Dataset):
         idx = self._indices(indices).tolist()
         images = self._per_sample_inputs(idx)
         labels = self._labels[idx].tolist() if self._labels.ndim == 1 else list(torch.from_numpy(self._labels[idx]))
-        if self.transform is None and self.target_transform is None:
+        if self.transform is None and self.target_transform is None and self.batch_transform is None:
             return list(zip(images, labels))
         out = []
         for image, label in zip(images, labels):
             if self.transform is not None:
                 image = self.transform(image)
+            if self.batch_transform is not None:   # (variable shapes: no batch to run it on once)
+                image = self.batch_transform(image[None])[0]
             if self.target_transform is not None:
                 label = self.target_transform(label)
             out.append((image, label))
@@ -450,100 +419,6 @@ class StoreDataset(Dataset):
             text += (f"; static (in store): {describe(self.hybrid.static_spec)}, so not run again: "
                      f"{', '.join(type(t).__name__ for t in self.already_applied)}; runs: [{runs}]")
         return text + ")"
-
-
-class ShardsDataset(StoreDataset):
-    """A :class:`StoreDataset` over a ``.shards`` store (memory-mapped tensor shards)."""
-
-    FORMAT = "shards"
-
-
-class LMDBDataset(StoreDataset):
-    """A :class:`StoreDataset` over an ``.lmdb`` store (``reader_options={"readahead": bool}``)."""
-
-    FORMAT = "lmdb"
-
-
-class HDF5Dataset(StoreDataset):
-    """A :class:`StoreDataset` over an ``.h5`` store (``reader_options={"chunk_cache_bytes": int}``)."""
-
-    FORMAT = "hdf5"
-
-
-_CLASSES: dict[str, type[StoreDataset]] = {"shards": ShardsDataset, "lmdb": LMDBDataset, "hdf5": HDF5Dataset}
-_CLASS_NAMES = {name: cls.__name__ for name, cls in _CLASSES.items()}
-
-
-def open_dataset(
-    path: str | os.PathLike,
-    transform: Callable[[torch.Tensor], Any] | None = None,
-    target_transform: Callable[[int], Any] | None = None,
-    *,
-    batch_transform: Callable[..., torch.Tensor] | None = None,
-    reader_options: dict[str, Any] | None = None,
-    check: str = "none",
-) -> StoreDataset:
-    """Open a store written by ``dlstore convert`` as a map-style Dataset of the matching class.
-
-    The format is detected from the contents (``ShardsDataset``, ``LMDBDataset``
-    or ``HDF5Dataset`` is returned, each a :class:`StoreDataset`).
-
-    Args:
-        path: a ``.shards`` folder, an ``.lmdb`` folder or an ``.h5`` file.
-        transform: dynamic transform applied to each uint8 CHW tensor at read time,
-            or a :class:`HybridTransform` (its static part must match the store's;
-            its dynamic part runs, per batch where possible through ``dlstore.loader``).
-            A whole torchvision pipeline whose leading ops are the store's static ops
-            runs without them (they made the stored samples; see ``strip_static_prefix``).
-        target_transform: applied to each int label.
-        batch_transform: ``t(images, generator=None)`` run once per (B, C, H, W)
-            batch by ``get_batch`` / ``dlstore.loader``, after ``transform``.
-        reader_options: passed to the format's Reader: ``{"readahead": False}`` for
-            LMDB (default: on when the store is under half the RAM),
-            ``{"chunk_cache_bytes": N}`` for HDF5.
-        check: integrity check on read. ``"none"`` (default): reads trust the files
-            (``dlstore verify`` checks them). ``"open"``: each shards data file's
-            sha256 is checked the first time this process maps it; an LMDB or HDF5
-            data file is checked against its seal before the library sees it (which
-            also keeps damaged metadata from crashing or hanging LMDB/HDF5). A
-            mismatch raises StoreCorruptError naming the file and its samples.
-            ``"sample"``: every sample read (``get``, batches, ranges; the stored
-            record, before any decoding) is checked against the CRC32 recorded for
-            it at conversion; a mismatch raises StoreCorruptError naming the file and
-            the damaged sample indices (labels and shapes are checked against their
-            sha256 once, at open). A store converted before the sums existed
-            raises UsageError (use ``"open"`` or convert again). See
-            docs/robustness.md for the cost of each mode.
-
-    Raises:
-        FileNotFoundError: nothing at ``path``.
-        UnknownFormatError: ``path`` is not a store.
-        StoreCorruptError: the manifest is missing, damaged, too new, or disagrees with the data.
-        UsageError: ``check="sample"`` on a store without per-sample sums.
-        StaticMismatchError: ``transform`` is a hybrid whose static part differs from the store's,
-            or a pipeline that begins with some of the store's static ops but not all, or
-            with one of them under other settings.
-    """
-    if not isinstance(path, (str, os.PathLike)):
-        raise ArgumentTypeError(f"open_dataset takes the path of a store (str or os.PathLike), got "
-                                f"{type(path).__name__}")
-    cls = _CLASSES[formats.detect_format(path)]
-    return cls(path, transform=transform, target_transform=target_transform, batch_transform=batch_transform,
-               reader_options=reader_options, check=check)
-
-
-CHECKS = ("none", "open", "sample")
-
-
-def _check_sealed(module: Any, path: Path) -> None:
-    """check="open" on an LMDB/HDF5 store: its data file against its seal, or StoreCorruptError."""
-    data, problem = module.check_seal(path)
-    if problem == "unsealed":
-        raise StoreCorruptError(f"{data}: has no seal (written before dlstore sealed stores), so "
-                                "check='open' cannot check it; run dlstore verify on it, or convert it again")
-    if problem is not None:
-        raise StoreCorruptError(f"{data}: damaged (every sample it holds is suspect): {problem}; "
-                                "convert again or restore a copy")
 
 
 def _stack(samples: list[torch.Tensor], path: Path) -> torch.Tensor:

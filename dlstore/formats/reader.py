@@ -4,10 +4,15 @@ A format's reader supplies only its native reads of already-checked indices,
 with its handles open; the base class does the rest::
 
     get(i)                       check i -> open -> _read(i)                 -> sums check
-    get_many(indices)            check   -> open -> _read_many(indices)      -> sums check
-    get_batch(indices, out=None) fixed shape? -> check -> open -> out array -> _read_batch -> sums check
+    get_many(indices)            check   -> open -> advise -> _read_many(indices)      -> sums check
+    get_batch(indices, out=None) fixed shape? -> check -> open -> out array -> advise -> _read_batch
+                                 -> sums check
     read_range(start, stop)      [start, stop) through get_batch (a format with a faster
                                  sequential path overrides it)
+
+"advise": with ``willneed`` on, the kernel is told where every sample of the batch lies
+before the gather (``readahead.py``), so a cold batch has all its reads in flight at once;
+a format supplies where its samples are (``_extents``).
 
 Readers only fetch stored samples (uint8 CHW arrays); decoding and transforms
 live elsewhere. Indices are positions 0..count-1 (see ``common.check_index``).
@@ -23,16 +28,22 @@ import numpy as np
 from ..errors import SampleIndexError, VariableShapeError
 from .common import ForkSafe, batch_out, check_index, check_indices
 from .integrity import SampleChecks
+from .readahead import Extents, advise
 
 
 class StoreReader(SampleChecks, ForkSafe):
     """A store's samples by index. Subclasses set ``path``, ``count``, ``shape`` (None: variable)
     and ``manifest``, and implement ``_read`` (and ``_read_many`` / ``_read_batch`` where the
-    format reads several samples faster than one by one)."""
+    format reads several samples faster than one by one, ``_extents`` where it can say where
+    its samples lie on disk).
+
+    ``willneed``: advise the kernel of each batch's samples before reading them (set by the
+    format from its reader option, ``readahead.choose_willneed``)."""
 
     path: Path
     count: int
     shape: tuple[int, int, int] | None
+    willneed: bool = False
 
     def __len__(self) -> int:
         return self.count
@@ -48,8 +59,10 @@ class StoreReader(SampleChecks, ForkSafe):
 
     def get_many(self, indices: Any) -> list[np.ndarray]:
         """Samples ``indices``, in that order, each its own (C, H, W) array."""
-        indices = check_indices(self.path, indices, self.count).tolist()
+        checked = check_indices(self.path, indices, self.count)
+        indices = checked.tolist()
         self._ensure_open()
+        self._advise_batch(checked)
         samples = self._read_many(indices)
         if self.sums is not None:
             self.sums.check_many(indices, samples)
@@ -63,6 +76,7 @@ class StoreReader(SampleChecks, ForkSafe):
         indices = check_indices(self.path, indices, self.count)
         self._ensure_open()
         out = batch_out(out, len(indices), self.shape)
+        self._advise_batch(indices)
         self._read_batch(indices, out)
         if self.sums is not None:
             self.sums.check_many(indices.tolist(), out)
@@ -79,7 +93,18 @@ class StoreReader(SampleChecks, ForkSafe):
             raise SampleIndexError(f"{self.path}: range [{start}, {stop}) out of range for a store of "
                                    f"{self.count} samples")
 
+    def _advise_batch(self, indices: np.ndarray) -> None:
+        """With ``willneed`` on, tell the kernel where the checked ``indices`` lie (handles open)."""
+        if self.willneed and len(indices) > 1:
+            extents = self._extents(indices)
+            if extents is not None:
+                advise(extents)
+
     # --- what a format supplies (indices checked, handles open) ------------------------------
+
+    def _extents(self, indices: np.ndarray) -> Extents | None:
+        """Where samples ``indices`` lie in the store's files; None: this store cannot say (no advice)."""
+        return None
 
     def _read(self, i: int) -> np.ndarray:  # pragma: no cover - abstract
         raise NotImplementedError

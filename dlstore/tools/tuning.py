@@ -438,7 +438,7 @@ def open_for_tuning(
     if static:
         raise ArgumentError(f"{path} is a dlstore store: its static transforms ran at conversion; "
                          "drop --static (it applies to raw image folders only)")
-    from ..data.dataset import open_dataset
+    from ..data.stores import open_dataset
 
     return open_dataset(p)
 

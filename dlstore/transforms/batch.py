@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..errors import TransformSpecError
+from .cpu_kernels import cutout_samples, flip_samples, numpy_view
 from .static import PADDING_MODES, _size_pair
 
 # ---------------------------------------------------------------------------
@@ -214,7 +215,9 @@ class BatchRandomHorizontalFlip(BatchTransform):
         return {"flip": torch.rand(shape[0], generator=generator, device=device) < self.p}
 
     def apply(self, images: "torch.Tensor", params: BatchParams) -> "torch.Tensor":
-
+        array = numpy_view(images)
+        if array is not None:       # one thread, off torch's intra-op pool (cpu_kernels)
+            return flip_samples(array, params["flip"].cpu().numpy())
         flip = params["flip"].to(images.device)
         return torch.where(flip[:, None, None, None], images.flip(-1), images)
 
@@ -336,7 +339,12 @@ class BatchCutout(BatchTransform):
                 "left": _randint(w - self.size + 1, b, generator, device)}
 
     def apply(self, images: "torch.Tensor", params: BatchParams) -> "torch.Tensor":
-
+        array = numpy_view(images)
+        if array is not None:       # one thread, off torch's intra-op pool (cpu_kernels)
+            out = cutout_samples(array, images.dtype, params["top"].cpu().numpy(), params["left"].cpu().numpy(),
+                                 self.size, self.fill)
+            if out is not None:
+                return out
         device = images.device
         h, w = images.shape[-2:]
         dy = torch.arange(h, device=device)[None, :] - params["top"].to(device)[:, None]    # (B, H)

@@ -94,6 +94,27 @@ def test_resumed_epoch_equals_the_uninterrupted_one(store, config, k):
     assert _same(got1, want1), f"{config}: the epoch after the resumed one differs"
 
 
+@pytest.mark.parametrize("config", ["threads-2", "ring-2", "dataloader-0", "dataloader-2", "device-threads"])
+@pytest.mark.parametrize("seeded", [True, False], ids=["seed", "loader-generator"])
+def test_a_block_shuffle_sampler_resumes(store, config, seeded):
+    """The sampler's order is recomputed from (seed, epoch), or drawn from the loader's generator,
+    whose state the loader saves."""
+    transform, options = CONFIGS[config]
+
+    def make(seed):
+        ds = dlstore.open_dataset(store, transform=v2.Compose(transform))
+        generator = torch.Generator().manual_seed(seed)
+        sampler = dlstore.BlockShuffleSampler(ds, block_size=4, window=2, seed=3 if seeded else None,
+                                              generator=None if seeded else generator)
+        return dlstore.loader(ds, BATCH, sampler=sampler, generator=generator, **options)
+
+    uninterrupted = make(7)
+    want0, want1 = _epoch(uninterrupted, 0), _epoch(uninterrupted, 1)
+    assert not _same(want0, want1)
+    got0, got1 = _resumed(make, 3)
+    assert _same(got0, want0) and _same(got1, want1)
+
+
 @pytest.mark.parametrize("fused", [False, True])
 def test_gpu_dataset_loader_resumes(store, fused):
     ds = dlstore.GPUDataset(store, device="cpu", dtype=torch.uint8)

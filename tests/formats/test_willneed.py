@@ -1,9 +1,10 @@
-"""Shards reader ``willneed``: the kernel is told a batch's samples ahead of the gather.
+"""Reader ``willneed``: the kernel is told a batch's samples ahead of the gather, in every format.
 
-Pixels must not change (compared with numpy's own load of the shard files), and the advice
-must name the right bytes: after evicting a store from the page cache, advising samples
-3 and 7 makes exactly their pages resident (checked with mincore(2) through ctypes here,
-not through dlstore's own probe).
+Pixels must not change (compared with the arrays the store was converted from), and the
+advice must name the right bytes: after evicting a store's data file from the page cache,
+advising samples 3 and 7 makes exactly their pages resident. Where a sample lies is found
+in the file itself (its bytes, random, occur once), and residency is read with mincore(2)
+through ctypes here, not through dlstore's own probe.
 """
 
 from __future__ import annotations
@@ -24,36 +25,43 @@ import dlstore
 from dlstore.errors import ArgumentError
 
 SHAPE = (3, 64, 96)   # 18 KiB a sample: several pages, not page-aligned
+SUFFIXES = (".shards", ".lmdb", ".h5")
 
 
-def _store(tmp_path: Path, n: int, per_shard: int) -> Path:
-    images = np.random.default_rng(n).integers(0, 256, (n, SHAPE[1], SHAPE[2], SHAPE[0]), dtype=np.uint8)
-    dst = tmp_path / f"s{n}-{per_shard}.shards"
-    dlstore.convert((images, np.arange(n) % 3), dst, workers=0, progress=False,
-                    shard_size=per_shard * int(np.prod(SHAPE)))
+def _images(n: int) -> np.ndarray:
+    return np.random.default_rng(n).integers(0, 256, (n, SHAPE[1], SHAPE[2], SHAPE[0]), dtype=np.uint8)
+
+
+def _store(tmp_path: Path, n: int, suffix: str, per_shard: int | None = None) -> Path:
+    dst = tmp_path / f"s{n}-{per_shard}{suffix}"
+    options = {"shard_size": per_shard * int(np.prod(SHAPE))} if per_shard else {}
+    dlstore.convert((_images(n), np.arange(n) % 3), dst, workers=0, progress=False, **options)
     return dst
 
 
-def _numpy_samples(dst: Path) -> np.ndarray:
-    files = sorted(dst.glob("shard-*.npy"))
-    return np.concatenate([np.load(f) for f in files])
+def _data_file(dst: Path) -> Path:
+    return {".shards": dst / "shard-00000.npy", ".lmdb": dst / "data.mdb", ".h5": dst}[dst.suffix]
 
 
-@settings(max_examples=15, deadline=None)
+@pytest.mark.parametrize("suffix", SUFFIXES)
+@settings(max_examples=8, deadline=None)
 @given(n=st.integers(2, 23), per_shard=st.integers(1, 9), data=st.data())
-def test_willneed_gives_the_same_batches(tmp_path_factory, n, per_shard, data):
-    dst = _store(tmp_path_factory.mktemp("w"), n, per_shard)
-    expected = _numpy_samples(dst)
+def test_willneed_gives_the_same_samples(tmp_path_factory, suffix, n, per_shard, data):
+    dst = _store(tmp_path_factory.mktemp("w"), n, suffix, per_shard if suffix == ".shards" else None)
+    expected = _images(n).transpose(0, 3, 1, 2)
     indices = np.array(data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=2 * n)))
     on = dlstore.open_dataset(dst, reader_options={"willneed": True})
     off = dlstore.open_dataset(dst, reader_options={"willneed": False})
     assert on.reader.willneed and not off.reader.willneed
-    np.testing.assert_array_equal(on.reader.get_batch(indices), expected[indices])
-    np.testing.assert_array_equal(off.reader.get_batch(indices), expected[indices])
+    for ds in (on, off):
+        np.testing.assert_array_equal(ds.reader.get_batch(indices), expected[indices])
+        for got, want in zip(ds.reader.get_many(indices), expected[indices], strict=True):
+            np.testing.assert_array_equal(got, want)
 
 
-def test_default_is_off_for_a_store_that_fits_in_memory_and_bad_values_are_refused(tmp_path):
-    dst = _store(tmp_path, 4, 2)
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_default_is_off_for_a_store_that_fits_in_memory_and_bad_values_are_refused(tmp_path, suffix):
+    dst = _store(tmp_path, 4, suffix)
     assert dlstore.open_dataset(dst).reader.willneed is False
     with pytest.raises(ArgumentError, match="willneed"):
         dlstore.open_dataset(dst, reader_options={"willneed": "yes"})
@@ -78,30 +86,75 @@ def _resident(path: Path) -> np.ndarray:
     return (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
 
 
-def _pages(offset: int, nbytes: int) -> range:
-    return range(offset // mmap.PAGESIZE, (offset + nbytes - 1) // mmap.PAGESIZE + 1)
+def _pages(path: Path, sample: np.ndarray) -> set[int]:
+    """The pages of ``path`` holding ``sample``'s bytes, found by searching the file for them."""
+    content = path.read_bytes()
+    offset = content.find(sample.tobytes())
+    assert offset >= 0 and content.find(sample.tobytes(), offset + 1) < 0
+    return set(range(offset // mmap.PAGESIZE, (offset + sample.nbytes - 1) // mmap.PAGESIZE + 1))
 
 
-def test_advice_names_exactly_the_batch_samples(tmp_path):
-    dst = _store(tmp_path, 12, 12)
-    shard = dst / "shard-00000.npy"
-    ds = dlstore.open_dataset(dst, reader_options={"willneed": True})
-    sample = int(np.prod(SHAPE))
-    header = int(np.load(shard, mmap_mode="r").offset)
-    fd = os.open(shard, os.O_RDONLY)
-    os.fsync(fd)
-    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    os.close(fd)
-    if _resident(shard).any():
-        pytest.skip(f"this filesystem keeps {shard} cached after POSIX_FADV_DONTNEED (tmpfs?): "
-                    "cannot observe the advice")
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_advice_names_exactly_the_batch_samples(tmp_path, suffix):
+    dst = _store(tmp_path, 12, suffix)
+    expected = _images(12).transpose(0, 3, 1, 2)
+    data = _data_file(dst)
+    # (LMDB without its own readahead: a page fault in its map would read the neighbours too)
+    options = {"willneed": True, "readahead": False} if suffix == ".lmdb" else {"willneed": True}
+    ds = dlstore.open_dataset(dst, reader_options=options)
     ds.reader._ensure_open()
-    ds.reader._advise(np.array([0, 0]), np.array([7, 3]))
-    wanted = set(_pages(header + 3 * sample, sample)) | set(_pages(header + 7 * sample, sample))
+    ds.reader._extents(np.array([0]))   # what finding samples reads (HDF5's chunk index) is read now
+    wanted = _pages(data, expected[3]) | _pages(data, expected[7])
+    untouched = _pages(data, expected[5]) - wanted   # sample 5: between, never advised
+    _evict(data)
+    if _resident(data)[sorted(wanted | untouched)].any():
+        pytest.skip(f"this filesystem keeps {data} cached after POSIX_FADV_DONTNEED (tmpfs?): "
+                    "cannot observe the advice")
+    ds.reader._advise_batch(np.array([7, 3]))
     deadline = time.monotonic() + 5
-    while not _resident(shard)[sorted(wanted)].all() and time.monotonic() < deadline:
+    while not _resident(data)[sorted(wanted)].all() and time.monotonic() < deadline:
         time.sleep(0.01)
-    resident = _resident(shard)
+    resident = _resident(data)
     assert resident[sorted(wanted)].all()
-    untouched = set(_pages(header + 5 * sample, sample)) - wanted   # sample 5: between, never advised
     assert untouched and not resident[sorted(untouched)].any()
+
+
+def _which_samples(path: Path, extents, samples: np.ndarray) -> list[int]:
+    """The index of the sample whose bytes each extent of ``path`` holds."""
+    data = path.read_bytes()
+    flat = samples.reshape(len(samples), -1)
+    lengths = np.broadcast_to(extents.length, extents.offset.shape).tolist()
+    return [int(np.flatnonzero((flat == np.frombuffer(data[o:o + n], np.uint8)).all(axis=1))[0])
+            for o, n in zip(extents.offset.tolist(), lengths)]
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_every_batch_read_advises_its_samples(tmp_path, monkeypatch, suffix):
+    """get_batch and get_many (what StoreDataset's batch paths and __getitems__ call) advise the
+    extents of exactly the samples they read, before reading them; willneed off: no advice."""
+    import dlstore.formats.reader as reader_module
+
+    dst = _store(tmp_path, 12, suffix)
+    advised: list[list[int]] = []
+    real = reader_module.advise
+
+    def record(extents):
+        advised.append(_which_samples(_data_file(dst), extents, _images(12).transpose(0, 3, 1, 2)))
+        real(extents)
+
+    monkeypatch.setattr(reader_module, "advise", record)
+    on = dlstore.open_dataset(dst, reader_options={"willneed": True})
+    on.reader.get_batch([9, 2, 2, 5])
+    on.reader.get_many([4, 0])
+    assert advised == [[9, 2, 2, 5], [4, 0]]
+    dlstore.open_dataset(dst, reader_options={"willneed": False}).reader.get_batch([1, 2])
+    assert len(advised) == 2

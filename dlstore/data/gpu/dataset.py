@@ -41,7 +41,8 @@ from ...errors import (
 from ...transforms.batch import as_fill, as_padding
 from ...transforms.static import PADDING_MODES
 from ...units import human_bytes
-from ..dataset import StoreDataset, open_dataset
+from ..dataset import StoreDataset
+from ..stores import open_dataset
 from .budget import free_memory, overflow_message
 from .convert import Conversion
 from .padding import fill_vector, interior

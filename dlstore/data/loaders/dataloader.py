@@ -8,6 +8,10 @@ batch's draws depend on every batch its worker built before it. So a resumed pas
 restores the generator and builds the batches already handed out again, unseen, before
 handing out the rest: the same batches as the uninterrupted pass, at the cost of
 rebuilding the skipped ones (the threads and the shared-memory ring skip them unbuilt).
+
+With ``num_workers=0`` a batch is built in the caller's thread, its torch ops on that
+thread alone (``intraop.one_thread``), so a busy machine does not stall them; pinning
+(``pin_memory=True``) is torch's, on its own thread.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 
 from ..dataset import StoreDataset
+from ..intraop import one_thread
 from ..passes import LoaderIterator, PassState
 
 
@@ -38,8 +43,12 @@ class _Batches(Dataset):
         return len(self.dataset)
 
     def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, Any]:
-        generator = self.generator if get_worker_info() is None else None
-        return self.dataset.get_batch(indices, generator=generator)
+        if get_worker_info() is not None:     # a worker: torch runs one intra-op thread there
+            return self.dataset.get_batch(indices)
+        # in the caller's thread (num_workers=0): the batch's torch ops on that thread alone,
+        # whatever torch's setting, which stays the caller's for its own code (see intraop)
+        with one_thread():
+            return self.dataset.get_batch(indices, generator=self.generator)
 
     def __getstate__(self) -> dict[str, Any]:
         return {"dataset": self.dataset, "generator": None}   # workers use their seeded default

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -26,6 +26,8 @@ from .dataloader import StoreDataLoader
 from .device import DeviceLoader, host_stage
 from .shm_ring import ShmRingLoader, batch_spec, ring_bytes, shm_free, shm_message
 from .threads import ThreadLoader
+
+BACKENDS = ("auto", "threads", "ring", "dataloader", "gpu")
 
 # threads=None picks min(usable CPUs, this): beyond it memory bandwidth, not CPU, bounds a
 # gather, and every thread keeps two batches in flight (2 x 9.6 MB at 64x3x224x224).
@@ -57,12 +59,61 @@ def threads_apply(dataset: StoreDataset) -> bool:
     return dataset.shape is not None and not dataset.per_sample_ops
 
 
+def _backend_choice(backend: str, dataset: StoreDataset, *, num_workers: int, threads: int | None,
+                    shm_ring: bool | None, dataloader_only: list[str]) -> tuple[int, bool | None]:
+    """``(threads, shm_ring)`` for a StoreDataset: threads > 0 builds a ThreadLoader; else
+    shm_ring True takes the ring (or fails), None the ring where it fits, False the DataLoader."""
+    def conflict(other: str, fix: str) -> ArgumentError:
+        return ArgumentError(f"dlstore.loader: backend={backend!r} and {other}: {fix}")
+
+    if backend == "auto":
+        if threads and num_workers:
+            raise ArgumentError(f"threads={threads} and num_workers={num_workers}: batches are built either by "
+                                "threads in this process or by worker processes; pass one of them")
+        if threads and dataloader_only:
+            raise ArgumentError(f"threads={threads} and {dataloader_only[0]}=: threads start no worker processes; "
+                                "pass backend='ring' or 'dataloader' with num_workers >= 1")
+        if shm_ring and not num_workers:
+            raise ArgumentError("shm_ring=True applies to worker processes: pass num_workers >= 1")
+        if threads is None:
+            # under torchrun the node's CPUs are shared by its LOCAL_WORLD_SIZE ranks: each takes its share
+            threads = _auto_threads() if num_workers == 0 and not dataloader_only and threads_apply(dataset) else 0
+        return threads, shm_ring
+    if backend == "threads":
+        if num_workers:
+            raise conflict(f"num_workers={num_workers}", "threads build batches in this process; drop num_workers "
+                           "or pass backend='ring' for worker processes")
+        if threads == 0 or shm_ring is not None:
+            raise conflict("threads=0" if threads == 0 else f"shm_ring={shm_ring}", "choose the back-end once")
+        if dataloader_only:
+            raise conflict(f"{dataloader_only[0]}=", "threads start no worker processes")
+        return threads or _auto_threads(), None
+    if threads:
+        raise conflict(f"threads={threads}", "threads= is the thread count of backend='threads'")
+    if backend == "ring":
+        if not num_workers:
+            raise conflict("num_workers=0", "the ring's batches are written by worker processes: pass num_workers >= 1")
+        if shm_ring is False:
+            raise conflict("shm_ring=False", "choose the back-end once")
+        return 0, True
+    if shm_ring:   # backend == "dataloader"
+        raise conflict("shm_ring=True", "choose the back-end once")
+    return 0, False
+
+
+def _auto_threads() -> int:
+    ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
+    return max(1, min(usable_cpus() // ranks, MAX_AUTO_THREADS))
+
+
 def loader(
     dataset: StoreDataset | GPUDataset,
     batch_size: int,
     shuffle: bool = False,
     num_workers: int = 0,
     *,
+    backend: str = "auto",
+    sampler: Iterable[int] | None = None,
     drop_last: bool = False,
     generator: torch.Generator | None = None,
     pin_memory: bool = False,
@@ -81,102 +132,79 @@ def loader(
     fused: bool | None = None,
     compile: bool = False,
 ) -> ThreadLoader | ShmRingLoader | DataLoader | GPULoader | DeviceLoader:
-    """A loader that reads whole batches: one ``get_batch`` call per batch.
+    """A loader that reads whole batches: one ``get_batch`` call per batch (docs/reading.md).
 
-    Batches are built by a pool of threads in this process (a :class:`ThreadLoader`)
-    or by a ``torch.utils.data.DataLoader``, in worker processes when ``num_workers > 0``.
-    ``threads=None`` (the default) chooses threads when ``num_workers == 0`` and the
-    store's batch path releases the GIL (:func:`threads_apply`: a fixed-shape store,
-    raw or encoded, whose dynamic transforms all run per batch), with
-    ``min(usable CPUs, 8)`` threads; otherwise the DataLoader. ``threads=0`` always
-    takes the DataLoader; ``threads=N`` always N threads (with ``num_workers=0``).
+    ``backend`` chooses who builds the batches: ``"threads"`` (a :class:`ThreadLoader`, in this
+    process), ``"ring"`` (worker processes writing into shared-memory slots, a
+    :class:`~dlstore.data.loaders.shm_ring.ShmRingLoader`), ``"dataloader"`` (a torch DataLoader
+    over whole batches, in worker processes when ``num_workers > 0``) or ``"gpu"`` (a
+    :class:`GPUDataset`'s :class:`GPULoader`, indexed and augmented on its device). ``"auto"``
+    takes ``"gpu"`` for a GPUDataset; else threads when ``num_workers == 0`` and the batch path
+    releases the GIL (:func:`threads_apply`), the ring when ``num_workers > 0`` and the batch has
+    one fixed shape that fits ``/dev/shm``, the DataLoader otherwise. Every back-end draws batch
+    ``k``'s random parameters reproducibly from ``generator`` and the epoch, resumes mid-epoch
+    (``state_dict``), and hands out batches in sampler order.
 
-    With threads, batch ``k`` of a pass draws its random parameters from its own
-    generator, seeded from (a base seed drawn from ``generator`` -- or from torch's
-    default generator -- when the pass starts, the epoch, ``k``): the same batches
-    with 1 or 8 threads, in sampler order. ``prefetch_factor`` batches per thread
-    are in flight (default 2). A batch handed out is never reused by the loader
-    while any tensor refers to it. ``pin_memory`` pins on the loader threads.
-
-    With ``num_workers > 0`` and a batch path of fixed output shape (a fixed-shape store whose
-    transforms give tensors of one shape and dtype: :func:`~dlstore.data.loaders.shm_ring.batch_spec`
-    reads sample 0 to tell), worker processes write each batch into a ring of shared-memory
-    slots allocated once (a :class:`~dlstore.data.loaders.shm_ring.ShmRingLoader`; ``shm_ring=False``
-    takes the DataLoader instead): only the slot number, the batch index and the labels cross
-    the pipes, 3.8-5.7x the DataLoader path's samples/s on 224 px batches. Its batches are the
-    threads' (the same per-batch seeds and sampler order, whatever the worker count; per-sample
-    torchvision ops draw from torch's, numpy's and ``random``'s global generators, which each
-    worker seeds per batch, so they too are the same for any worker count); a batch handed out is a slot,
-    reused only once no tensor (view, ``.numpy()`` array) refers to it. ``persistent_workers``,
-    ``multiprocessing_context``, ``worker_init_fn``, ``pin_memory`` and ``prefetch_factor``
-    (batches in flight per worker) apply; one pass at a time (a pass started while another is
-    suspended takes over, and the old iterator raises).
-
-    Through the DataLoader, a ``BatchSampler`` yields index lists; each worker assembles a batch in one
-    copy, runs the batch transforms once on it and returns ``(images, labels)``
-    tensors; no per-sample collate. Random parameters come from ``generator``
-    with ``num_workers=0``, and in workers from torch's default generator, which
-    the DataLoader seeds per worker from ``generator`` (or from the global seed):
-    ``generator`` (or ``torch.manual_seed``) makes epochs reproducible.
-
-    With ``device=`` (any torch device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``), the threads or
-    workers run only the host stage of the dataset's transforms (uint8 crops and flips)
-    and the float tail -- the device stage: ``ToDtype``, ``Normalize``, every op after
-    them and ``batch_transform`` -- runs on ``device`` (see ``HybridTransform`` and
-    :class:`~dlstore.data.loaders.device.DeviceLoader`): uint8 crosses the worker queues, the
-    pinned buffers and the host-to-device copy, a quarter of the bytes of float32.
-    The main process copies each batch into a ring of reused pinned buffers (CUDA)
-    and issues the copy and the device stage on a side stream, a batch ahead of the
-    one handed out. Labels move too. ``device=None`` (the default) runs everything
-    in the threads/workers; ``device="cpu"`` runs the device path on the CPU.
-
-    Given a :class:`GPUDataset`, returns its :class:`GPULoader` (no workers: the
-    batches are indexed and augmented on the device); the DataLoader options
-    (``num_workers``, ``pin_memory``, ...) do not apply there.
-
-    ``shuffle`` defaults to False everywhere, as in ``torch.utils.data.DataLoader``:
-    a loader built for evaluation keeps the store's order; pass ``shuffle=True`` to train.
+    ``device=`` runs the float tail of the transforms (``ToDtype``, ``Normalize``, what follows)
+    on that device behind the back-end (a :class:`~dlstore.data.loaders.device.DeviceLoader`).
 
     Args:
         dataset: a StoreDataset (``open_dataset``) or a GPUDataset.
         batch_size: samples per batch.
-        shuffle: a new random order every epoch.
+        shuffle: a new random order every epoch (default False, as ``DataLoader``).
         num_workers: worker processes (0: read in this process).
+        backend: ``"auto"``, ``"threads"``, ``"ring"``, ``"dataloader"`` or ``"gpu"``, as above.
+        sampler: the order of the samples (e.g. :class:`~dlstore.data.order.BlockShuffleSampler`
+            for a store bigger than memory); excludes ``shuffle`` and ``distributed``, which
+            choose a sampler themselves.
         drop_last: drop a last, smaller batch.
-        generator: seeds the order and the workers' random streams.
+        generator: seeds the order and the random draws of every batch.
         pin_memory, persistent_workers, prefetch_factor, multiprocessing_context,
-            worker_init_fn: as ``torch.utils.data.DataLoader``.
-        distributed: read this rank's share under an initialised ``torch.distributed``
-            group: a ``DistributedSampler`` (padded by repeating samples, or trimmed
-            with ``drop_last``) so every rank gets the same number of batches and DDP
-            never waits at the end of an epoch on a rank that ran out. Call
-            ``loader.sampler.set_epoch(epoch)`` before each epoch for a new shuffle.
-        seed: the distributed shuffle's seed; must be the same on every rank (GPUDataset:
-            the seed of the order and of the augmentations).
-        transform: GPUDataset only, see :class:`GPULoader`.
+            worker_init_fn: as ``torch.utils.data.DataLoader`` (``prefetch_factor``: batches in
+            flight per thread or worker; a GPUDataset's batch groups prepared ahead).
+        distributed: read this rank's share under an initialised ``torch.distributed`` group
+            (a ``DistributedSampler``, padded or trimmed with ``drop_last``). Call
+            ``loader.set_epoch(epoch)`` before each epoch.
+        seed: the distributed shuffle's seed, the same on every rank (GPUDataset: the seed of
+            its order and augmentations).
+        transform, fused, compile: GPUDataset only, see :class:`GPULoader`.
         channels_last: images in ``torch.channels_last`` memory format (a GPUDataset, or with ``device=``).
-        threads: threads building batches in this process (None: chosen as above;
-            0: none, a DataLoader).
+        threads: threads of ``backend="threads"`` (None: ``min(usable CPUs, 8)``, shared by the
+            node's ranks). ``threads=0`` is the 0.1 spelling of ``backend="dataloader"``.
         device: run the device stage there and deliver batches there (None: no device stage).
-        dtype: with ``device=``, the float dtype of the images (torch.float32, float16 or
-            bfloat16; None: what the pipeline gives, float32 for ``ToDtype(torch.float32)``,
-            matching torchvision). The device stage computes in float32 and rounds once.
-        shm_ring: with ``num_workers > 0``, workers write batches into shared-memory slots
-            (None: where the batch has a fixed shape, else the DataLoader; True: the ring, or
-            ArgumentError; False: the DataLoader).
-        fused, compile: GPUDataset only: crop + flip + conversion + channels_last as one gather
-            on the device, compiled with ``torch.compile`` (see :class:`GPULoader`). For a
-            GPUDataset ``prefetch_factor`` is the number of batch groups prepared ahead (default
-            2) and ``distributed=True`` serves this rank's share of each epoch.
+        dtype: with ``device=``, the float dtype of the images (None: what the pipeline gives).
+        shm_ring: the 0.1 spelling of ``backend="ring"`` (True) or ``"dataloader"`` (False).
+
+    Raises:
+        ArgumentError: an unknown backend, or one that does not fit the dataset or the other
+            arguments (the message names both).
     """
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ArgumentTypeError(f"seed must be an int (or None: 0, a GPUDataset's own), got {seed!r}")
+    if backend not in BACKENDS:
+        raise ArgumentError(f"dlstore.loader: backend must be one of {', '.join(map(repr, BACKENDS))}, "
+                            f"got {backend!r}")
+    if isinstance(dataset, GPUDataset) and backend not in ("auto", "gpu"):
+        raise ArgumentError(f"dlstore.loader: backend={backend!r} with a GPUDataset: its batches are indexed on "
+                            "its device (backend='gpu'); for threads or workers open the store with open_dataset")
+    if backend == "gpu" and not isinstance(dataset, GPUDataset):
+        raise ArgumentError(f"dlstore.loader: backend='gpu' serves a GPUDataset (dlstore.GPUDataset(path, "
+                            f"device=...)), got {type(dataset).__name__}")
+    if sampler is not None:
+        if not (hasattr(sampler, "__iter__") and hasattr(sampler, "__len__")):
+            raise ArgumentTypeError(f"dlstore.loader: sampler= takes a Sampler (iterable, with len), got "
+                                    f"{type(sampler).__name__}")
+        for name, value in (("shuffle", shuffle), ("distributed", distributed)):
+            if value is True:
+                raise ArgumentError(f"dlstore.loader: sampler= and {name}=True: the sampler sets the order "
+                                    f"(give it distributed=True or num_replicas/rank); drop {name}")
     if isinstance(dataset, GPUDataset):
         unused = [name for name, value, default in (
             ("num_workers", num_workers, 0), ("generator", generator, None), ("pin_memory", pin_memory, False),
             ("persistent_workers", persistent_workers, False),
             ("multiprocessing_context", multiprocessing_context, None), ("worker_init_fn", worker_init_fn, None),
             ("threads", threads, None), ("device", device, None), ("dtype", dtype, None), ("shm_ring", shm_ring, None),
+            ("sampler", sampler, None),
         ) if value is not default and value != default]
         if unused:
             raise ArgumentError(f"dlstore.loader: {', '.join(unused)} do not apply to a GPUDataset (it has no "
@@ -215,7 +243,8 @@ def loader(
         except (RuntimeError, TypeError) as exc:
             raise ArgumentError(f"dlstore.loader: device={device!r} is not a torch device ({exc})") from exc
         host_ds, steps = host_stage(dataset)
-        host = loader(host_ds, batch_size, shuffle, num_workers, drop_last=drop_last, generator=generator,
+        host = loader(host_ds, batch_size, shuffle, num_workers, backend=backend, sampler=sampler,
+                      drop_last=drop_last, generator=generator,
                       persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
                       multiprocessing_context=multiprocessing_context, worker_init_fn=worker_init_fn,
                       distributed=distributed, seed=seed, threads=threads, shm_ring=shm_ring)
@@ -228,25 +257,18 @@ def loader(
     if not isinstance(batch_size, int) or isinstance(batch_size, bool) or batch_size < 1:
         raise ArgumentError(f"batch_size must be a positive int, got {batch_size!r}")
     if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool) or threads < 0):
-        raise ArgumentError(f"threads must be None (chosen), 0 (no threads) or a positive int, got {threads!r}")
-    if threads and num_workers:
-        raise ArgumentError(f"threads={threads} and num_workers={num_workers}: batches are built either by threads "
-                            "in this process or by worker processes; pass one of them")
+        raise ArgumentError(f"threads must be None (chosen), a positive int (or 0: backend='dataloader'), got {threads!r}")
     if prefetch_factor is not None and (not isinstance(prefetch_factor, int) or isinstance(prefetch_factor, bool)
                                         or prefetch_factor < 1):
         raise ArgumentError(f"prefetch_factor must be a positive int (batches in flight per worker or thread), "
                             f"got {prefetch_factor!r}")
     if shm_ring is not None and not isinstance(shm_ring, bool):
         raise ArgumentTypeError(f"shm_ring must be None (chosen), True or False, got {shm_ring!r}")
-    if shm_ring and not num_workers:
-        raise ArgumentError("shm_ring=True applies to worker processes: pass num_workers >= 1")
-    if threads is None:
-        # DataLoader-only options ask for the DataLoader; under torchrun the node's CPUs are shared
-        # by its LOCAL_WORLD_SIZE ranks, so each takes its share
-        dataloader_only = worker_init_fn is not None or multiprocessing_context is not None or persistent_workers
-        ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1))
-        threads = (max(1, min(usable_cpus() // ranks, MAX_AUTO_THREADS))
-                   if num_workers == 0 and not dataloader_only and threads_apply(dataset) else 0)
+    # DataLoader-only options ask for worker processes or the DataLoader, never for threads
+    dataloader_only = [name for name, value in (("worker_init_fn", worker_init_fn), ("persistent_workers",
+                       persistent_workers), ("multiprocessing_context", multiprocessing_context)) if value]
+    threads, shm_ring = _backend_choice(backend, dataset, num_workers=num_workers, threads=threads,
+                                        shm_ring=shm_ring, dataloader_only=dataloader_only)
     if distributed:
         import torch.distributed as dist
 
@@ -254,7 +276,7 @@ def loader(
             raise ArgumentError("loader(distributed=True) needs an initialised torch.distributed process group "
                              "(launch with torchrun and call torch.distributed.init_process_group first)")
         sampler = DistributedSampler(dataset, shuffle=shuffle, seed=seed or 0, drop_last=drop_last)
-    else:
+    elif sampler is None:
         sampler = RandomSampler(dataset, generator=generator) if shuffle else SequentialSampler(dataset)
     batches = _EpochBatchSampler(sampler, batch_size, drop_last)
     if num_workers and getattr(dataset, "fuses_crop_flip", False):
@@ -267,8 +289,8 @@ def loader(
     # chooses it there and the DataLoader elsewhere
     spec = batch_spec(dataset) if num_workers > 0 and shm_ring is not False else None
     if shm_ring and spec is None:
-        raise ArgumentError(f"shm_ring=True needs a batch path of fixed output shape; {dataset!r} gives "
-                            "variable shapes or non-tensor batches: pass shm_ring=False (or leave it None)")
+        raise ArgumentError(f"backend='ring' needs a batch path of fixed output shape; {dataset!r} gives "
+                            "variable shapes or non-tensor batches: pass backend='dataloader' (or 'auto')")
     if spec is not None and shm_ring is None:   # chosen: a ring that does not fit /dev/shm is not chosen
         need, free = ring_bytes(spec, batch_size, num_workers * (prefetch_factor or 2), num_workers), shm_free()
         if free is not None and need > free // 2:

@@ -56,280 +56,29 @@ One pass at a time: a pass started while another is suspended takes the workers 
 slots over, and the old iterator raises ``UsageError`` when next resumed.
 """
 
+
 from __future__ import annotations
 
 import functools
 import inspect
 import itertools
-import pickle
-import random
-import shutil
-import time
-import traceback
 import warnings
-import weakref
 from collections.abc import Callable, Generator, Iterator
-from multiprocessing.connection import wait
 from typing import Any
 
 import numpy as np
 import torch
-import torch.multiprocessing as tmp
 from torch.utils.data import BatchSampler
 
-from ...errors import ArgumentError, SharedMemoryError, UsageError, WorkerError
-from ...units import human_bytes
+from ...errors import SharedMemoryError, UsageError
+from ..intraop import one_thread
 from ..passes import LoaderIterator
-from .lifeline import Parent, TaskQueue, parent_spec
+from .ring_slots import Ring, batch_spec, ring_bytes, ring_size, shm_free, shm_message
+from .ring_workers import WorkerPool
 from .threads import ThreadLoader, batch_seed
 
-# Seconds the workers get to exit after being told to, before they are terminated.
-_JOIN_S = 5.0
-# numpy stands in for torch dtypes it lacks (bfloat16) by an integer type of the same size:
-# the ring's numpy views are only handles whose lifetime says whether a slot is held.
-_SAME_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-SHM = "/dev/shm"
-
-
-def shm_free() -> int | None:
-    """Free bytes of the shared memory torch allocates from (``/dev/shm``), or None if unknown."""
-    try:
-        return shutil.disk_usage(SHM).free
-    except OSError:
-        return None
-
-
-def ring_size(in_flight: int) -> int:
-    """Slots of a ring with ``in_flight`` batches dispatched: those, the one the user holds and the one
-    before it (still bound to the loop variable, and to enumerate's tuple, while next() runs), a spare."""
-    return in_flight + 3
-
-
-def ring_bytes(spec: tuple[tuple[int, ...], torch.dtype], rows: int, prefetch: int, workers: int) -> int:
-    """Shared memory a ShmRingLoader of ``prefetch`` batches in flight takes (its slots)."""
-    shape, dtype = spec
-    size = ring_size(max(prefetch, workers))
-    return size * rows * int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-
-
-def shm_message(need: int, detail: str = "") -> str:
-    free = shm_free()
-    have = "unknown" if free is None else human_bytes(free)
-    return (f"the loader's ring of batches needs {human_bytes(need)} of shared memory and {SHM} has {have} "
-            f"free {detail}".rstrip() + "; in Docker raise it (docker run --shm-size=2g), or lower "
-            "prefetch_factor / num_workers / batch_size, or read on threads (num_workers=0), or pass "
-            "shm_ring=False (the DataLoader path, which also needs shared memory per batch)")
-
-
-def batch_spec(dataset: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
-    """(shape of one sample, dtype) of ``dataset.get_batch``'s images, or None when not fixed.
-
-    None for a variable-shape store, an empty one, or a batch path that does not return a
-    tensor. Reads sample 0 once, with its own generator; torch's global generator is left
-    as it was.
-    """
-    if getattr(dataset, "shape", None) is None or len(dataset) == 0:
-        return None
-    with torch.random.fork_rng(devices=[]):
-        images, _ = dataset.get_batch([0], generator=torch.Generator().manual_seed(0))
-    if not isinstance(images, torch.Tensor) or images.dim() < 1 or images.shape[0] != 1 \
-            or images.element_size() not in _SAME_SIZE:
-        return None
-    return tuple(images.shape[1:]), images.dtype
-
-
-def _picklable(exc: BaseException) -> BaseException:
-    try:
-        pickle.loads(pickle.dumps(exc))
-        return exc
-    except Exception:  # noqa: BLE001 - unpicklable state fails in many ways; type and message survive
-        return RuntimeError(f"{type(exc).__name__}: {exc}")
-
-
-def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: Any, current: Any,
-          worker_init_fn: Callable[[int], None] | None, parent_of: tuple[int | None, bool]) -> None:
-    """A worker's loop: build each task's batch into its slot, report (pass, k, slot, rows, labels);
-    returns when told to, or when the main process is gone (see ``lifeline``)."""
-    parent = Parent(parent_of)
-    if not parent.alive():
-        return
-    torch.set_num_threads(1)
-    target: list[torch.Tensor | None] = [None]
-    new_batch = getattr(dataset, "_new_batch", None)
-    if new_batch is not None:
-        def into_slot(shape: tuple[int, ...]) -> torch.Tensor:
-            slot, target[0] = target[0], None
-            if slot is not None and slot.dtype == torch.uint8 and tuple(shape[1:]) == tuple(slot.shape[1:]) \
-                    and shape[0] <= slot.shape[0]:
-                return slot[:shape[0]]
-            return new_batch(shape)
-        dataset._new_batch = into_slot          # this process's copy of the dataset only
-    try:
-        if worker_init_fn is not None:
-            worker_init_fn(wid)
-        _serve(dataset, slots, tasks, results, current, target, parent)
-    except KeyboardInterrupt:       # Ctrl-C reaches the whole process group: the main process raises it
-        return
-    except (BrokenPipeError, ConnectionResetError):     # a report to a main process that has gone
-        return
-
-
-def _serve(dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: Any, current: Any,
-           target: list[torch.Tensor | None], parent: Parent) -> None:
-    while True:
-        task = tasks.get(parent)
-        if task is None:
-            return
-        pass_id, k, j, indices, seed = task
-        if pass_id != current.value:            # a pass that ended (break, error): skip, free the slot
-            results.send((pass_id, k, j, 0, None, None))
-            continue
-        try:
-            slot = slots[j]
-            generator = torch.Generator()
-            generator.manual_seed(seed)
-            # per-sample torchvision ops draw from the global generators (torch.manual_seed would
-            # also seed every accelerator's, 0.14 ms a batch)
-            torch.default_generator.manual_seed(seed)
-            random.seed(seed)
-            np.random.seed(seed % (1 << 32))   # as DataLoader workers seed numpy (np.random augmentations)
-            target[0] = slot
-            images, labels = dataset.get_batch(indices, generator=generator)
-            target[0] = None
-            rows = len(indices)
-            if not isinstance(images, torch.Tensor) or tuple(images.shape) != (rows, *slot.shape[1:]) \
-                    or images.dtype != slot.dtype:
-                got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
-                raise ArgumentError(
-                    f"batch {k} is {got} {getattr(images, 'dtype', '')}, but the loader's shared-memory slots "
-                    f"hold ({rows}, {', '.join(map(str, slot.shape[1:]))}) {slot.dtype} (the shape of sample 0's "
-                    "batch): this pipeline's output shape varies; use dlstore.loader(..., shm_ring=False)")
-            if images.data_ptr() != slot.data_ptr() or images.stride() != slot[:rows].stride():
-                # another tensor, or a view of the slot in another layout (a transpose of square
-                # images): copied through a contiguous copy, since the source may overlap the slot
-                slot[:rows].copy_(images if images.data_ptr() != slot.data_ptr() else images.contiguous())
-            del images
-            if isinstance(labels, torch.Tensor):
-                labels = labels.numpy()          # plain bytes through the pipe, not a shared segment
-            results.send((pass_id, k, j, rows, labels, None))
-        except Exception as exc:  # noqa: BLE001 - reported with its batch; the main process raises it
-            target[0] = None
-            text = "".join(traceback.format_exception(exc))
-            results.send((pass_id, k, j, 0, None, (_picklable(exc), text, [int(i) for i in indices])))
-
-
-class _Ring:
-    """The slots, in shared memory, and a weak reference to the view each hand-out wraps."""
-
-    def __init__(self, size: int, rows: int, shape: tuple[int, ...], dtype: torch.dtype):
-        self.dtype = dtype
-        try:
-            self.slots = [torch.empty((rows, *shape), dtype=dtype).share_memory_() for _ in range(size)]
-        except RuntimeError as exc:   # torch: "unable to allocate shared memory(shm) ... No space left"
-            need = size * rows * int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-            raise SharedMemoryError(shm_message(need, f"({exc})")) from None
-        same = _SAME_SIZE[self.slots[0].element_size()]
-        self.arrays = [s.view(same).numpy() for s in self.slots]
-        self.held: list[weakref.ref | None] = [None] * size
-
-    def is_held(self, j: int) -> bool:
-        ref = self.held[j]
-        return ref is not None and ref() is not None
-
-    def hand_out(self, j: int, rows: int) -> torch.Tensor:
-        """Slot ``j``'s first ``rows`` rows as a tensor the ring tracks (held until it and its views are gone)."""
-        view = self.arrays[j][:rows]            # a new object per hand-out: its life is the batch's
-        self.held[j] = weakref.ref(view)
-        return torch.from_numpy(view).view(self.dtype)
-
-
-class _Pool:
-    """Worker processes, the task queue and a result pipe per worker; stopped by ``stop`` (or when collected).
-
-    The workers take tasks from one queue (whoever is free) and each reports on a pipe of
-    its own: no lock and no feeder thread on the way back, and the main process waits on
-    the pipes and the processes' sentinels at once, so a worker's death is seen at once.
-    """
-
-    def __init__(self, dataset: Any, ring: _Ring, workers: int, context: Any,
-                 worker_init_fn: Callable[[int], None] | None):
-        ctx = context if not isinstance(context, (str, type(None))) else tmp.get_context(context)
-        self.tasks = TaskQueue(ctx)
-        pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
-        self.results = [reader for reader, _ in pipes]
-        self.current = ctx.Value("q", 0, lock=False)
-        self.busy: set[int] = set()     # slots given a task (any pass) and not yet handed out or skipped
-        self.ready: set[int] = set()    # of those, the ones reported: no worker writes them any more
-        self.procs = [ctx.Process(target=_work, args=(w, dataset, ring.slots, self.tasks, writer, self.current,
-                                                      worker_init_fn, parent_spec(ctx)),
-                                  daemon=True, name=f"dlstore-loader-{w}")
-                      for w, (_, writer) in enumerate(pipes)]
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.tasks, self.results)
-        for p in self.procs:
-            p.start()
-        for _, writer in pipes:
-            writer.close()              # the workers have theirs
-
-    def get(self, waiting_for: list[int]) -> tuple:
-        """The next report of any worker; WorkerError once a worker has exited (it may have died
-        holding a task, or the task queue's lock, and the others would wait forever)."""
-        sentinels = {p.sentinel: p for p in self.procs}
-        while True:
-            ready = wait([*self.results, *sentinels])
-            # the dead first: while the others keep reporting, their results are always ready and
-            # a pass the survivors can finish alone would end without a word (seen in CI)
-            dead = [p for p in self.procs if p.sentinel in ready or p.exitcode is not None]
-            if not dead:
-                for conn in self.results:
-                    if conn in ready:
-                        try:
-                            return conn.recv()
-                        except EOFError:    # its worker is gone: the sentinel says how
-                            pass
-                continue
-            dead[0].join()
-            raise WorkerError(
-                f"dlstore.loader: worker process {dead[0].name} (pid {dead[0].pid}) exited with code "
-                f"{dead[0].exitcode} while batches {waiting_for} were being built (killed, out of "
-                "memory, or crashed in native code)")
-
-    def stop(self) -> None:
-        self._finalizer()
-
-
-def _stop(procs: list[Any], tasks: Any, results: list[Any]) -> None:
-    """Tell the workers to exit, wait for them (reading what they still report), terminate stragglers."""
-    for p in procs:
-        if p.is_alive():
-            try:
-                tasks.put(None)
-            except (OSError, ValueError):
-                break
-    deadline = time.monotonic() + _JOIN_S
-    for p in procs:
-        while p.is_alive() and time.monotonic() < deadline:
-            _drain(results)             # a worker blocked on a full pipe exits once it is read
-            p.join(0.02)
-        if p.is_alive():
-            p.terminate()
-            p.join(_JOIN_S)
-        if p.is_alive():
-            p.kill()
-            p.join()
-    for conn in results:
-        conn.close()
-    tasks.close()
-
-
-def _drain(results: list[Any]) -> None:
-    for conn in results:
-        try:
-            while conn.poll():
-                conn.recv()
-        except (OSError, EOFError, pickle.UnpicklingError):   # a worker gone, or killed mid-write
-            continue
+# what dlstore.loader sizes and checks a ring with, here with the loader
+__all__ = ["ShmRingLoader", "batch_spec", "ring_bytes", "ring_size", "shm_free", "shm_message"]
 
 
 def _stop_unstarted(loader: ShmRingLoader, batches: Generator, passes_before: int) -> None:
@@ -376,17 +125,17 @@ class ShmRingLoader(ThreadLoader):
         self.multiprocessing_context = multiprocessing_context
         self.worker_init_fn = worker_init_fn
         self.ring_size = ring_size(self.prefetch)
-        self._ring: _Ring | None = None
-        self._pool: _Pool | None = None
+        self._ring: Ring | None = None
+        self._pool: WorkerPool | None = None
         self._pass = 0
 
-    def _start(self) -> tuple[_Ring, _Pool]:
+    def _start(self) -> tuple[Ring, WorkerPool]:
         if self._ring is None:
             shape, dtype = self.spec
             rows = int(getattr(self.batch_sampler, "batch_size", None) or 1)
-            self._ring = _Ring(self.ring_size, rows, shape, dtype)
+            self._ring = Ring(self.ring_size, rows, shape, dtype)
         if self._pool is None:
-            self._pool = _Pool(self.dataset, self._ring, self.workers, self.multiprocessing_context,
+            self._pool = WorkerPool(self.dataset, self._ring, self.workers, self.multiprocessing_context,
                                self.worker_init_fn)
         return self._ring, self._pool
 
@@ -406,7 +155,7 @@ class ShmRingLoader(ThreadLoader):
         self._stop_workers()
         self._ring = None
 
-    def _free(self, ring: _Ring, pool: _Pool, exclude: int = -1) -> int | None:
+    def _free(self, ring: Ring, pool: WorkerPool, exclude: int = -1) -> int | None:
         for j in range(self.ring_size):
             if j != exclude and j not in pool.busy and not ring.is_held(j):
                 return j
@@ -491,16 +240,17 @@ class ShmRingLoader(ThreadLoader):
                                  f"(indices {indices[:8]}{'...' if len(indices) > 8 else ''}); its traceback:\n"
                                  f"{text}")
                     raise exc
-                if self.pin_memory:
-                    images = ring.slots[j][:rows].pin_memory()
-                elif not pending and not exhausted and self._free(ring, pool, exclude=j) is None:
-                    images = ring.slots[j][:rows].clone()    # the user holds every other slot
-                else:
-                    images = ring.hand_out(j, rows)          # held from here: dispatch() skips it
-                if isinstance(labels, np.ndarray):
-                    labels = torch.from_numpy(labels)
+                with one_thread():    # the copies below, in the caller's thread: on it alone
                     if self.pin_memory:
-                        labels = labels.pin_memory()
+                        images = ring.slots[j][:rows].pin_memory()
+                    elif not pending and not exhausted and self._free(ring, pool, exclude=j) is None:
+                        images = ring.slots[j][:rows].clone()    # the user holds every other slot
+                    else:
+                        images = ring.hand_out(j, rows)          # held from here: dispatch() skips it
+                    if isinstance(labels, np.ndarray):
+                        labels = torch.from_numpy(labels)
+                        if self.pin_memory:
+                            labels = labels.pin_memory()
                 dispatch()
                 k += 1
                 self._state.served = k
@@ -521,7 +271,7 @@ class ShmRingLoader(ThreadLoader):
                                                    any(p.exitcode is not None for p in self._pool.procs)):
                     self._stop_workers()     # (persistent workers with a dead one: fresh ones next pass)
 
-    def _receive(self, pool: _Pool, pass_id: int, ready: dict[int, tuple], pending: dict[int, int]) -> None:
+    def _receive(self, pool: WorkerPool, pass_id: int, ready: dict[int, tuple], pending: dict[int, int]) -> None:
         got_pass, k, j, rows, labels, error = pool.get(sorted(pending))
         if got_pass == pass_id and k in pending and (rows or error):
             ready[k] = (j, rows, labels, error)   # the slot stays busy until handed out

@@ -19,6 +19,10 @@ and the fused crop/flip do; a torchvision per-sample op draws from torch's
 global generator, which threads share: not reproducible, which is one reason
 ``dlstore.loader`` does not pick threads for such pipelines by itself).
 
+Each thread runs the torch ops of its batch (batch transforms, the pinning copy) on
+itself alone (``intraop.one_thread_here``): the threads are the parallelism, and a torch
+intra-op team per thread would oversubscribe the cores and stall on a busy machine.
+
 A batch handed out is never written again by the loader: each is a buffer of
 its own, and the dataset recycles a buffer only once no tensor refers to it
 (``StoreDataset._new_batch``). With ``pin_memory`` the batch is copied, on the
@@ -40,6 +44,7 @@ import torch
 from torch.utils.data import BatchSampler
 
 from ...errors import ArgumentError
+from ..intraop import one_thread_here
 from ..passes import LoaderIterator, PassState
 
 
@@ -139,7 +144,8 @@ class ThreadLoader:
         keep = getattr(self.dataset, "_keep_buffers", None)
         release = keep(self.prefetch + 4) if keep is not None else None
         batches = itertools.islice(enumerate(iter(self.batch_sampler)), skip, None)   # (resumed: past those)
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-loader")
+        # each thread builds a batch on its own: torch's ops in it start no intra-op team (see intraop)
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-loader", initializer=one_thread_here)
         pending: deque[Future] = deque()
 
         def submit(k: int, indices: Any) -> None:

@@ -48,7 +48,7 @@ import numpy as np
 FORMAT = "hdf5"
 FORMAT_VERSION = 1
 SUFFIXES = (".h5", ".hdf5")
-READER_OPTIONS = ("chunk_cache_bytes",)   # keyword options of Reader, see open_dataset(reader_options=)
+READER_OPTIONS = ("chunk_cache_bytes", "willneed")   # keyword options of Reader, see open_dataset(reader_options=)
 MANIFEST_ATTR = "dlstore"
 COMPRESSIONS = ("none", "lzf", "gzip")
 LIBVER = ("v110", "latest")

@@ -25,6 +25,7 @@ from ..integrity import (
 )
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
+from ..readahead import Extents, choose_willneed, mapping_base
 from ..reader import StoreReader
 from ..targets import read_lmdb
 from .layout import (
@@ -106,20 +107,25 @@ class LmdbReader(StoreReader):
             the physical memory, else False (see the module doc). Readers of one store in one
             process share one environment (py-lmdb allows a single open per process); the first
             one's setting applies.
+        willneed: before each batch is copied out, posix_fadvise(WILLNEED) each of its values'
+            pages in ``data.mdb`` (found from their addresses in the map), so a cold batch has all
+            its reads in flight at once (see ``readahead.py``); None: on only for big samples of a
+            store that cannot stay cached.
     """
 
     format = FORMAT
-    _handles = ("_env",)
+    _handles = ("_env", "_map_base")
 
     @_lmdb_errors_as_damage
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
-                 readahead: bool | None = None):
+                 readahead: bool | None = None, willneed: bool | None = None):
         self.path = _env_folder(path)
         data = data_file(self.path)
         self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see common
         self._identity = self._pin.identity
         self.readahead = _default_readahead(data) if readahead is None else bool(readahead)
         self._env: lmdb.Environment | None = None
+        self._map_base: int | None = None
         self._pid: int | None = None
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
         # Metadata lives in the environment: open, read, let go (nothing held open if this process forks next).
@@ -151,6 +157,7 @@ class LmdbReader(StoreReader):
                 raise StoreCorruptError(f"{self.path}: the manifest declares {self.count} samples but key "
                                         f"{sample_key(self.count - 1).decode()} is missing")
         del env, txn
+        self.willneed = choose_willneed(willneed, self.count, data.stat().st_size / max(1, self.count))
 
     def _int_array(self, txn: lmdb.Transaction, key: bytes, shape: tuple[int, ...]) -> np.ndarray:
         raw = _get_required(txn, key, self.path)
@@ -163,6 +170,8 @@ class LmdbReader(StoreReader):
     def _open(self) -> None:
         self._env = shared(self.path, self.readahead)
         check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
+        # where this process maps data.mdb (the environment maps it whole, from byte 0, at its open)
+        self._map_base = mapping_base(self.path / "data.mdb") if self.willneed else None
 
     @_lmdb_errors_as_damage
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
@@ -223,6 +232,26 @@ class LmdbReader(StoreReader):
         with self._env.begin(buffers=True) as txn:
             for k, i in enumerate(indices.tolist()):
                 flat[k] = np.frombuffer(self._value(txn, i, nbytes), dtype=np.uint8)
+
+    @_lmdb_errors_as_damage
+    def _extents(self, indices: np.ndarray) -> Extents | None:
+        """Each value's bytes in data.mdb: its address in the map less the map's base (a value
+        lies in the map, read-only, while the transaction lives; looking it up reads only the
+        B-tree's pages, never the value's)."""
+        base = self._map_base
+        if base is None:
+            return None
+        offsets = np.empty(len(indices), dtype=np.int64)
+        lengths = np.empty(len(indices), dtype=np.int64)
+        with self._env.begin(buffers=True) as txn:
+            for k, i in enumerate(indices.tolist()):
+                value = txn.get(sample_key(i))
+                if not value:    # missing or empty: the read that follows says so
+                    offsets[k] = lengths[k] = 0
+                    continue
+                offsets[k] = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0] - base
+                lengths[k] = len(value)
+        return Extents([self.path / "data.mdb"], np.zeros(len(indices), dtype=np.int64), offsets, lengths)
 
     def _copy(self, txn: lmdb.Transaction, i: int) -> np.ndarray:
         shape = self._shape_of(i)

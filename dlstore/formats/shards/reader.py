@@ -10,20 +10,19 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ArgumentError, StoreCorruptError, VariableShapeError
+from ...errors import StoreCorruptError, VariableShapeError
 from ...sources.origins import Origins
 from ..common import (
     StorePin,
-    advise_willneed,
     batch_out,
     check_identity,
     check_indices,
     safe_member,
     sha256_file,
-    willneed_default,
 )
 from ..integrity import check_sidecar_seal
 from ..manifest import loads as load_manifest_text
+from ..readahead import Extents, choose_willneed
 from ..reader import StoreReader
 from ..targets import read_shards
 from .layout import (
@@ -57,9 +56,9 @@ class ShardReader(StoreReader):
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
                  willneed: bool | None = None):
-        """``willneed``: posix_fadvise(WILLNEED) for each sample of a ``get_batch`` before the gather,
-        so a cold batch has all its reads in flight at once (see ``common.advise_willneed``);
-        None: on only for big samples of a store that cannot stay cached."""
+        """``willneed``: posix_fadvise(WILLNEED) for each sample of a batch before the gather, so a
+        cold batch has all its reads in flight at once (see ``readahead.py``); None: on only for
+        big samples of a store that cannot stay cached."""
         self.path = Path(path)
         self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see common
         self._identity = self._pin.identity
@@ -107,10 +106,9 @@ class ShardReader(StoreReader):
             self._load_index(safe_member(self.path, layout.get("index", "index.npy")))
         self._maps: list[np.ndarray | None] | None = None
         self._pid = None
-        if willneed is not None and not isinstance(willneed, bool):
-            raise ArgumentError(f"willneed must be True, False or None (chosen), got {willneed!r}")
-        self.willneed = self.kind == "fixed" and (willneed_default(self.count, int(np.prod(self.shape)))
-                                                  if willneed is None else willneed)
+        sample_bytes = (int(np.prod(self.shape)) if self.kind == "fixed"
+                        else float(np.prod(self.index[:, 2:], axis=1).mean()) if self.count else 0.0)
+        self.willneed = choose_willneed(willneed, self.count, sample_bytes)
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
 
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
@@ -215,8 +213,6 @@ class ShardReader(StoreReader):
         # sorted(set(...)), not np.unique: the latter imports a numpy submodule on its first
         # call (~50 ms), paid by every fresh DataLoader worker on its first batch
         shards = set(shard_no.tolist())
-        if self.willneed and len(indices) > 1:
-            self._advise(shard_no, local)
         if len(shards) == 1:
             # mode="clip" (indices checked above): with the default "raise" numpy gathers
             # into a hidden buffer and copies it to `out`, 2-4x slower for 224x224 samples
@@ -234,9 +230,8 @@ class ShardReader(StoreReader):
             return None
         self._ensure_open()
         indices = check_indices(self.path, indices, self.count)
+        self._advise_batch(indices)
         shard_no, local = self._locate(indices)
-        if self.willneed and len(indices) > 1:
-            self._advise(shard_no, local)
         maps = {k: self._map(k) for k in set(shard_no.tolist())}
         bases = np.zeros(len(self.files), dtype=np.uint64)
         bases[list(maps)] = [arr.__array_interface__["data"][0] for arr in maps.values()]
@@ -250,9 +245,17 @@ class ShardReader(StoreReader):
         shard_no = np.searchsorted(self._starts, indices, side="right") - 1
         return shard_no, indices - self._starts[shard_no]
 
-    def _advise(self, shard_no: np.ndarray, local: np.ndarray) -> None:
-        """Advise the kernel of a batch's samples (see ``willneed``), rows after each file's .npy header."""
-        advise_willneed(self.files, lambda k: int(self._map(k).offset), shard_no, local, int(np.prod(self.shape)))
+    def _extents(self, indices: np.ndarray) -> Extents:
+        """Fixed shapes: rows after each file's .npy header (mapping a file checks it); variable: the index."""
+        if self.kind == "variable":
+            rows = self.index[indices]
+            return Extents(self.files, rows[:, 0], rows[:, 1], np.prod(rows[:, 2:], axis=1))
+        shard_no, local = self._locate(indices)
+        headers = np.zeros(len(self.files), dtype=np.int64)
+        for k in set(shard_no.tolist()):
+            headers[k] = self._map(k).offset
+        sample_bytes = int(np.prod(self.shape))
+        return Extents(self.files, shard_no, headers[shard_no] + local * sample_bytes, np.int64(sample_bytes))
 
     def read_range(self, start: int, stop: int, out: np.ndarray | None = None, *, threads: int = 1) -> np.ndarray:
         """Samples ``[start, stop)`` of a fixed-shape store into one C-contiguous (k, C, H, W) array.

@@ -270,7 +270,7 @@ def _measure(variants: list[Variant], cells: list[tuple], paths: dict[str, Path]
              spec: list[dict[str, Any]], caches: list[str], repeats: int, batch_size: int, drop_caches: bool,
              bar: Any) -> dict[tuple, list[dict[str, Any]]]:
     """Every cell once per round, ``repeats`` rounds per cache state; cell -> its runs."""
-    from ...data.dataset import open_dataset
+    from ...data.stores import open_dataset
 
     files = {name: store_files(p) for name, p in paths.items()}
 

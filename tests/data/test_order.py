@@ -1,0 +1,200 @@
+"""Block shuffle (``dlstore.BlockShuffleSampler``): every sample once per epoch, ranks split as
+``DistributedSampler`` splits them, windows of whole blocks, the same order for the same
+(seed, epoch), usable by a plain DataLoader and by ``dlstore.loader`` on every back-end."""
+
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.utils.data import DataLoader
+from torch.utils.data.distributed import DistributedSampler
+
+import dlstore
+from dlstore import _system
+from dlstore.data import order
+from dlstore.errors import ArgumentError, ArgumentTypeError
+from dlstore.sources.demo import make_image_folder
+
+params = st.tuples(st.integers(0, 300), st.integers(1, 40), st.integers(1, 6), st.integers(1, 5),
+                   st.integers(0, 2**63), st.booleans())
+
+
+def _ranks(n, block, window, world, seed, drop_last, epoch=0):
+    out = []
+    for rank in range(world):
+        s = dlstore.BlockShuffleSampler(n, block_size=block, window=window, seed=seed, num_replicas=world,
+                                        rank=rank, drop_last=drop_last)
+        s.set_epoch(epoch)
+        out.append(list(s))
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(params)
+def test_ranks_cover_the_epoch_as_distributed_sampler_does(case):
+    n, block, window, world, seed, drop_last = case
+    ranks = _ranks(n, block, window, world, seed, drop_last)
+    reference = [len(DistributedSampler(range(n), num_replicas=world, rank=r, shuffle=False, drop_last=drop_last))
+                 for r in range(world)] if n else [0] * world
+    assert [len(r) for r in ranks] == reference     # the same share per rank as torch's sampler
+    counts = collections.Counter(i for r in ranks for i in r)
+    assert set(counts) <= set(range(n))
+    if drop_last:                                   # trimmed: every index at most once, ranks disjoint
+        assert max(counts.values(), default=1) == 1 and len(counts) == sum(reference)
+    else:                                           # padded: every index, the surplus repeated once at most
+        assert set(counts) == set(range(n))
+        assert sum(counts.values()) - n == sum(reference) - n
+        assert max(counts.values(), default=1) <= 1 + -(-(sum(reference) - n) // max(n, 1))
+    if not drop_last and n % world == 0:
+        assert all(not set(a) & set(b) for i, a in enumerate(ranks) for b in ranks[i + 1:])
+
+
+@settings(max_examples=200, deadline=None)
+@given(params)
+def test_each_window_is_whole_blocks_read_together(case):
+    """Grouped by first appearance, each run of ``window`` blocks fills one contiguous stretch of
+    the epoch: only those blocks are read while it lasts."""
+    n, block, window, _, seed, _ = case
+    got = order.block_shuffle(n, block, window, seed)
+    assert sorted(got.tolist()) == list(range(n))
+    blocks = got // min(block, max(n, 1))
+    first = list(dict.fromkeys(blocks.tolist()))    # blocks in order of first appearance
+    position = 0
+    for g in range(0, len(first), window):
+        members = set(first[g:g + window])
+        size = int(np.isin(blocks, list(members)).sum())
+        assert set(blocks[position:position + size].tolist()) == members, (g, members)
+        position += size
+    assert position == n
+
+
+def test_same_seed_and_epoch_give_the_same_order_and_epochs_differ():
+    def epoch(seed, e):
+        s = dlstore.BlockShuffleSampler(1000, block_size=16, window=4, seed=seed)
+        s.set_epoch(e)
+        return list(s)
+
+    assert epoch(3, 0) == epoch(3, 0) and epoch(3, 5) == epoch(3, 5)
+    assert epoch(3, 0) != epoch(3, 1) and epoch(3, 0) != epoch(4, 0)
+    assert _ranks(100, 8, 2, 3, 7, False, epoch=2) == _ranks(100, 8, 2, 3, 7, False, epoch=2)
+
+
+def test_seed_none_draws_each_pass_from_the_generator():
+    g = torch.Generator().manual_seed(0)
+    s = dlstore.BlockShuffleSampler(500, block_size=10, window=3, generator=g)
+    a, b = list(s), list(s)
+    assert a != b and sorted(a) == sorted(b) == list(range(500))
+    again = dlstore.BlockShuffleSampler(500, block_size=10, window=3, generator=torch.Generator().manual_seed(0))
+    assert list(again) == a
+    assert dlstore.BlockShuffleSampler(10, block_size=2, window=2, num_replicas=2, rank=1).seed == 0
+
+
+def test_one_window_over_the_store_is_a_full_shuffle():
+    """Window >= blocks: any permutation; the position of sample 0 over many seeds is uniform."""
+    n, trials = 20, 4000
+    where = [int(np.flatnonzero(order.block_shuffle(n, 4, 5, seed) == 0)[0]) for seed in range(trials)]
+    counts = np.bincount(where, minlength=n)
+    chi2 = ((counts - trials / n) ** 2 / (trials / n)).sum()
+    assert chi2 < 45    # 19 degrees of freedom: p < 0.001 above 43.8
+
+
+def test_a_plain_dataloader_takes_it():
+    s = dlstore.BlockShuffleSampler(50, block_size=5, window=2, seed=1)
+    s.set_epoch(3)
+    got = torch.cat(list(DataLoader(torch.arange(50) * 10, batch_size=8, sampler=s))).tolist()
+    assert got == [10 * i for i in s.order()]
+
+
+def test_bad_arguments_name_themselves():
+    with pytest.raises(ArgumentError, match="block_size"):
+        dlstore.BlockShuffleSampler(10, block_size=0, window=2)
+    with pytest.raises(ArgumentError, match="block_size= and window="):
+        dlstore.BlockShuffleSampler(10)
+    with pytest.raises(ArgumentError, match="rank"):
+        dlstore.BlockShuffleSampler(10, block_size=2, window=2, num_replicas=2, rank=2)
+    with pytest.raises(ArgumentTypeError, match="seed"):
+        dlstore.BlockShuffleSampler(10, block_size=2, window=2, seed=1.5)
+    with pytest.raises(ArgumentError, match="process group"):
+        dlstore.BlockShuffleSampler(10, block_size=2, window=2, distributed=True)
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("order")
+    src = make_image_folder(root / "images", classes=3, per_class=10, size=(12, 12))
+    return dlstore.convert(src, root / "s.shards", static="center_crop=12", workers=0, progress=False).path
+
+
+def test_defaults_come_from_the_store_and_the_memory(store, monkeypatch):
+    ds = dlstore.open_dataset(store)
+    per_sample = order.store_bytes(store) / len(ds)
+    assert per_sample >= 3 * 12 * 12
+    s = dlstore.BlockShuffleSampler(ds, seed=0)
+    assert s.block_size == len(ds) and s.window == 1     # 4 MiB blocks: this small store is one block
+    monkeypatch.setattr(order, "BLOCK_BYTES", 5 * per_sample)
+    monkeypatch.setattr(order, "memory_available", lambda: int(4 * 10 * 5 * per_sample))
+    s = dlstore.BlockShuffleSampler(ds, seed=0)
+    assert s.block_size == 5 and s.window == 6          # a quarter of 40 blocks' bytes: 10, cut to the 6 there are
+    monkeypatch.setattr(order, "memory_available", lambda: int(4 * 3 * 5 * per_sample))
+    assert dlstore.BlockShuffleSampler(ds, seed=0).window == 3
+    monkeypatch.setattr(order, "memory_available", lambda: 0)
+    assert dlstore.BlockShuffleSampler(ds, seed=0).window == 2   # never fewer than 2 blocks
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setattr(order, "memory_available", lambda: int(4 * 8 * 5 * per_sample))
+    assert dlstore.BlockShuffleSampler(ds, seed=0).window == 2   # the node's 4 ranks share the budget
+
+
+def test_memory_available_reads_the_process_cgroup(tmp_path):
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "meminfo").write_text("MemTotal: 100 kB\nMemAvailable:   8000 kB\n")
+    (proc / "self" / "cgroup").write_text("4:memory:/job\n0::/\n")
+    v1 = tmp_path / "cg" / "memory" / "job"
+    v1.mkdir(parents=True)
+    (v1 / "memory.limit_in_bytes").write_text("3000000\n")
+    (v1 / "memory.usage_in_bytes").write_text("2500000\n")
+    (v1 / "memory.stat").write_text("cache 1\ntotal_inactive_file 100000\n")
+    assert _system.memory_available(proc, tmp_path / "cg") == 3000000 - 2500000 + 100000
+    (v1 / "memory.limit_in_bytes").write_text(str(1 << 62))           # v1's "no limit"
+    assert _system.memory_available(proc, tmp_path / "cg") == 8000 * 1024
+    (proc / "self" / "cgroup").write_text("0::/job2\n")
+    v2 = tmp_path / "cg" / "job2"
+    v2.mkdir(parents=True)
+    (v2 / "memory.max").write_text("1000000\n")
+    (v2 / "memory.current").write_text("400000\n")
+    (v2 / "memory.stat").write_text("inactive_file 50000\n")
+    assert _system.memory_available(proc, tmp_path / "cg") == 650000
+    (v2 / "memory.max").write_text("max\n")
+    assert _system.memory_available(proc, tmp_path / "cg") == 8000 * 1024
+
+
+@pytest.mark.parametrize("options", [{"backend": "threads", "threads": 2}, {"backend": "ring", "num_workers": 2},
+                                     {"backend": "dataloader"}, {"backend": "dataloader", "num_workers": 1}],
+                         ids=["threads", "ring", "dataloader-0", "dataloader-1"])
+def test_loader_reads_in_the_samplers_order(store, options):
+    ds = dlstore.open_dataset(store)
+    s = dlstore.BlockShuffleSampler(ds, block_size=4, window=2, seed=9)
+    dl = dlstore.loader(ds, 7, sampler=s, **options)
+    for epoch in (0, 1):
+        dl.set_epoch(epoch)
+        want = s.order()
+        got = [(x.clone(), y.clone()) for x, y in dl]
+        assert len(got) == len(dl) == 5
+        images, labels = torch.cat([x for x, _ in got]), torch.cat([y for _, y in got])
+        assert labels.tolist() == [ds.targets[i] for i in want]
+        assert torch.equal(images, torch.stack([ds.read(int(i)) for i in want]))
+
+
+def test_loader_refuses_sampler_with_shuffle_or_distributed(store):
+    ds = dlstore.open_dataset(store)
+    s = dlstore.BlockShuffleSampler(ds, block_size=4, window=2, seed=9)
+    for name in ("shuffle", "distributed"):
+        with pytest.raises(ArgumentError, match=f"sampler= and {name}=True"):
+            dlstore.loader(ds, 4, sampler=s, **{name: True})
+    with pytest.raises(ArgumentTypeError, match="sampler="):
+        dlstore.loader(ds, 4, sampler=5)
