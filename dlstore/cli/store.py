@@ -1,0 +1,229 @@
+"""Commands on one store: convert, info, show, verify."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import click
+
+from .. import formats
+from ..errors import DlstoreError
+from .common import fail, parse_bytes, say, sigterm_as_interrupt
+
+
+@click.command()
+@click.argument("src", type=click.Path(exists=True))
+@click.argument("dst", type=click.Path())
+@click.option("--root", type=click.Path(exists=True, file_okay=False), default=None,
+              help="For a list file SRC: the folder its paths are relative to (default: the list's folder).")
+@click.option("--format", "fmt", type=click.Choice(formats.names()), default=None,
+              help="Store format (default: from DST's suffix: .shards, .lmdb, .h5).")
+@click.option("--static", "static", default="", show_default=False,
+              help='Static transforms run once per image, e.g. "resize=256,center_crop=224" or "resize_max=512".')
+@click.option("--workers", type=int, default=None, help="Decode processes (default: usable CPUs).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing store at DST.")
+@click.option("--on-error", type=click.Choice(["fail", "skip"]), default="fail", show_default=True,
+              help="What to do with a file that cannot be decoded.")
+@click.option("--shard-size", type=str, default="1GiB", show_default=True,
+              help="Target size of each data file (shards format), e.g. 256MiB.")
+@click.option("--resume", is_flag=True,
+              help="Continue an interrupted conversion to DST from its last completed data file.")
+@click.option("--exif-transpose", is_flag=True,
+              help="Apply EXIF orientation when decoding (torchvision does not; off by default).")
+@click.option("--max-pixels", type=click.IntRange(min=1), default=None,
+              help="Refuse images with more pixels (default: PIL's decompression-bomb limit, ~89.5M).")
+@click.option("--compression", type=click.Choice(["none", "lzf", "gzip"]), default="none", show_default=True,
+              help="Per-sample compression of an hdf5 store (lzf: fast; gzip: smaller, readable everywhere).")
+@click.option("--encoding", type=click.Choice(["raw", "jpeg", "png"]), default="raw", show_default=True,
+              help="Store samples as uint8 arrays (raw) or re-encoded after the static transforms.")
+@click.option("--quality", type=click.IntRange(1, 100), default=90, show_default=True,
+              help="JPEG quality with --encoding jpeg.")
+@click.option("--mode", type=click.Choice(["RGB", "L"]), default=None,
+              help="Convert every image to this PIL mode (default: a folder is RGB; a list keeps its files' "
+                   "one mode, RGB when grayscale and colour mix).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def convert(src, dst, root, fmt, static, workers, overwrite, on_error, shard_size, resume, exif_transpose,
+            max_pixels, compression, encoding, quality, mode, quiet):
+    """Convert SRC into store DST.
+
+    SRC is an image folder (ImageFolder layout) or a CSV / JSON-lines list of
+    path,label rows (paths relative to --root).
+    """
+    from ..conversion import convert as run_convert
+    from ..sources.decode import DEFAULT_MAX_PIXELS
+
+    sigterm_as_interrupt()
+    from ..conversion.distributed import env_world_size, init_from_env
+
+    # Under torchrun (WORLD_SIZE > 1) every rank runs this command: join a gloo group, convert a part each.
+    rank = int(os.environ.get("RANK", "0")) if env_world_size() > 1 else 0
+    try:
+        started_group = init_from_env()
+    except (RuntimeError, ValueError) as exc:
+        fail(RuntimeError(f"cannot join the torchrun process group ({exc})"))
+    options = {}
+    if compression != "none":
+        if (fmt or formats.SUFFIXES.get(Path(dst).suffix.lower())) != "hdf5":
+            fail(ValueError(f"--compression {compression} applies to hdf5 stores only; "
+                             f"use a .h5 DST or --format hdf5, or leave --compression out"))
+        options["compression"] = compression
+    try:
+        result = run_convert(src, dst, store_format=fmt, static=static, workers=workers, overwrite=overwrite,
+                             on_error=on_error, shard_size=parse_bytes(shard_size), resume=resume, **options,
+                             exif_transpose=exif_transpose, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
+                             encoding=encoding, quality=quality, root=root, mode=mode,
+                             distributed=env_world_size() > 1,
+                             progress=not quiet, log=say)
+    except KeyboardInterrupt:
+        click.echo(f"interrupted: stopped the workers; {dst} was not written", err=True)
+        sys.exit(130)
+    except (DlstoreError, ValueError, OSError) as exc:
+        if env_world_size() > 1:
+            say(f"error: [rank {rank}] {exc}")
+            sys.exit(2)
+        fail(exc)
+    finally:
+        if started_group:
+            _leave_group()
+    if rank == 0:
+        click.echo(str(result))
+
+
+def _leave_group() -> None:
+    """Leave the process group together, then destroy it. The rendezvous store lives in rank 0's
+    process: a rank still tearing its gloo group down when rank 0 exits aborts ("terminate called
+    without an active exception", SIGABRT, seen in CI). The ranks normally arrive together (the
+    conversion ends with a collective exchange). Rank 0 waits at most 30 s for a missing rank; the
+    others wait for rank 0 and leave at once if it died. A second Ctrl-C skips the wait."""
+    import datetime
+
+    import torch.distributed as dist
+
+    try:
+        dist.monitored_barrier(timeout=datetime.timedelta(seconds=30))
+    except (RuntimeError, KeyboardInterrupt):
+        pass
+    dist.destroy_process_group()
+
+
+@click.command()
+@click.argument("store", type=click.Path(exists=True))
+@click.option("--json", "as_json", is_flag=True, help="Print the manifest and a summary as one JSON object.")
+def info(store, as_json):
+    """Describe STORE: samples, classes, shape, static transforms, size, skipped files."""
+    from ..conversion.job import disk_usage
+    from ..data import open_dataset
+    from ..transforms.static import describe
+    from ..units import human_bytes
+
+    try:
+        ds = open_dataset(store)
+    except (DlstoreError, ValueError, OSError) as exc:
+        fail(exc)
+    m = ds.manifest
+    size = disk_usage(Path(store))
+    virtual = m["layout"].get("virtual") if m["format"] == "hdf5" else None
+    if virtual and (Path(store).parent / virtual["folder"]).is_dir():  # per-rank files of a torchrun conversion
+        size += disk_usage(Path(store).parent / virtual["folder"])
+    if as_json:
+        import json
+
+        import numpy as np
+
+        counts = np.bincount(np.asarray(ds.reader.labels, dtype=np.int64) + 1, minlength=len(ds.classes) + 1)
+        summary = {"store": str(store), "format": m["format"], "samples": m["count"], "bytes": size,
+                   "shape": list(ds.shape) if ds.shape else None, "static": describe(m["static"]),
+                   "classes": len(ds.classes), "per_class": {name: int(counts[i + 1])
+                                                             for i, name in enumerate(ds.classes)},
+                   "skipped": len(m["source"].get("skipped", [])),
+                   "provenance": (m["layout"].get("provenance") or {}).get("kind"),
+                   "targets": m.get("targets")}
+        click.echo(json.dumps({"summary": summary, "manifest": m}, indent=1, sort_keys=True, ensure_ascii=False))
+        return
+    shape = "x".join(map(str, ds.shape)) if ds.shape else "variable (per-sample shapes)"
+    source = m["source"]
+    click.echo(f"store     {store}")
+    click.echo(f"format    {m['format']} (layout version {m['format_version']})")
+    click.echo(f"samples   {m['count']}")
+    if ds.classes:
+        counts = {}
+        for t in ds.targets:
+            counts[t] = counts.get(t, 0) + 1
+        shown = ", ".join(f"{name} ({counts.get(i, 0)})" for i, name in enumerate(ds.classes[:10]))
+        more = f", ... {len(ds.classes) - 10} more" if len(ds.classes) > 10 else ""
+        click.echo(f"classes   {len(ds.classes)}: {shown}{more}")
+    elif "targets" in m:
+        click.echo(f"targets   {m['count']} x {m['targets']['shape'][0]} {m['targets']['dtype']} "
+                   "(a target vector per sample, no classes)")
+    else:
+        click.echo("classes   none (unlabelled, label -1)")
+    encoding = m["sample"]["encoding"]
+    if m["sample"].get("quality"):
+        encoding += f" (quality {m['sample']['quality']})"
+    click.echo(f"sample    {shape} {m['sample']['dtype']} {m['sample']['layout']}, encoding {encoding}")
+    click.echo(f"static    {describe(m['static'])}")
+    click.echo(f"size      {human_bytes(size)} ({size / max(m['count'], 1):,.0f} B/sample)")
+    unit = "files" if source.get("kind", "folder") in ("folder", "list") else "items"
+    click.echo(f"source    {source.get('root')} ({source.get('files')} {unit}, {source.get('kind', 'folder')})")
+    skipped = source.get("skipped", [])
+    click.echo(f"skipped   {len(skipped)}")
+    for entry in skipped[:20]:
+        name = entry["path"] if "path" in entry else f"item {entry.get('index')}"
+        click.echo(f"  {name}: {entry.get('reason')}")
+
+
+@click.command(context_settings={"ignore_unknown_options": True})   # INDEX may be negative: -1
+@click.argument("store", type=click.Path(exists=True))
+@click.argument("index", type=int)
+@click.option("--out", type=click.Path(dir_okay=False), default=None,
+              help="Write the sample (as stored: after the static transforms) to this image file (.png, ...).")
+def show(store, index, out):
+    """Print sample INDEX of STORE: its label, class and where it came from; --out writes it as an image."""
+    import numpy as np
+    from PIL import Image
+
+    from ..data import open_dataset
+
+    try:
+        ds = open_dataset(store)
+        sample = ds.read(index)
+    except (DlstoreError, ValueError, OSError, IndexError) as exc:
+        fail(exc)
+    index %= len(ds)   # in range (read checked it); a negative index counts from the end
+    label = ds.targets[index]
+    if isinstance(label, np.ndarray):   # a target vector
+        label = label.tolist()
+    name = f" ({ds.classes[label]})" if isinstance(label, int) and 0 <= label < len(ds.classes) else ""
+    click.echo(f"sample    {index} of {len(ds)}")
+    click.echo(f"label     {label}{name}")
+    click.echo(f"shape     {'x'.join(map(str, sample.shape))} uint8 CHW")
+    try:
+        origin = ds.samples[index][0]
+    except DlstoreError:
+        origin = None
+    if origin is not None:
+        where = origin if ds.origins.kind == "path" else f"item {origin} of {ds.manifest['source'].get('root')}"
+        click.echo(f"source    {where}")
+    if out is not None:
+        array = sample.numpy()
+        image = Image.fromarray(array[0] if array.shape[0] == 1 else array.transpose(1, 2, 0))
+        try:
+            image.save(out)
+        except (OSError, ValueError) as exc:
+            fail(exc)
+        click.echo(f"wrote     {out}")
+
+
+@click.command()
+@click.argument("store", type=click.Path(exists=True))
+@click.option("--deep", is_flag=True, help="Also re-read every sample and check its shape.")
+def verify(store, deep):
+    """Check STORE's manifest and data checksums; exit 1 if anything is wrong."""
+    from ..tools.verification import verify
+
+    report = verify(store, deep=deep)
+    click.echo(str(report))
+    if not report.ok:
+        sys.exit(1)
