@@ -16,15 +16,17 @@ from .common import check_device, fail, renamed
               help="Training device (cpu, cuda, cuda:1): batches are copied there inside the timing; "
                    "pin_memory is tried only for CUDA. Default: stop at the host.")
 @click.option("--budget", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="Seconds for the whole search.")
+              help="Seconds for the search (the baseline, the default loader and the confirmation always run).")
+@click.option("--repeats", type=click.IntRange(min=1), default=3, show_default=True,
+              help="Measurements of each setting; its median decides.")
 @click.option("--max-workers", type=click.IntRange(min=1), default=None,
               help="Highest num_workers to try (default: a little over the usable CPUs).")
 @click.option("--static", default="",
               help='For a raw image FOLDER: static transforms applied per sample, as your current '
                    'pipeline does (e.g. "resize=256,center_crop=224"); PILToTensor follows.')
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-def tune(path, batch_size, device, budget, max_workers, static, as_json):
-    """Measure DataLoader settings on STORE_OR_FOLDER and recommend the fastest.
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON (dlstore profile --from-tune reads it).")
+def tune(path, batch_size, device, budget, repeats, max_workers, static, as_json):
+    """Measure loader settings on STORE_OR_FOLDER and recommend the fastest.
 
     STORE_OR_FOLDER is a dlstore store or a raw ImageFolder tree (decoded per
     sample, as torchvision does), so you can tune your current pipeline too.
@@ -44,11 +46,11 @@ def tune(path, batch_size, device, budget, max_workers, static, as_json):
                        f"device {device or 'none (host only)'}, budget {budget:g} s")
             click.echo(f"cpus: {cpus}")
         result = run_tune(dataset, batch_size, device=device, budget=budget, max_workers=max_workers,
-                          cpus=cpus, log=lambda line: click.echo(line, err=True))
+                          repeats=repeats, cpus=cpus, log=lambda line: click.echo(line, err=True))
     except RuntimeError as exc:
         if "stack expects each tensor to be equal size" in str(exc):
             fail(ValueError(f"{path}: samples have different sizes, so they cannot be batched; add a "
-                             "size-fixing op to --static (e.g. center_crop=224)"))
+                            "size-fixing op to --static (e.g. center_crop=224)"))
         raise
     except (DlstoreError, ValueError, OSError) as exc:
         fail(exc)
@@ -60,17 +62,48 @@ def tune(path, batch_size, device, budget, max_workers, static, as_json):
         click.echo(f"warning: {warning}")
     if result.best.note:
         click.echo(f"note: {result.best.note}")
-    click.echo(f"recommended ({result.speedup:.2f}x workers=0): {result.call()}")
+    if result.best.kwargs == result.baseline.kwargs:
+        click.echo(f"recommended (nothing beat num_workers=0): {result.call()}")
+    else:
+        click.echo(f"recommended ({result.speedup:.2f}x num_workers=0, measured in turn beside it "
+                   f"{sum(t.stage == 'confirm' for t in result.trials) // 2} times): {result.call()}")
+
+
+def _loader_options(f):
+    """The loader's own arguments, as dlstore.loader and DataLoader name them; given ones override --from-tune."""
+    options = [
+        click.option("--from-tune", "from_tune", type=click.Path(exists=True, dir_okay=False), default=None,
+                     help="Profile what dlstore tune recommended: the file `dlstore tune --json` wrote."),
+        click.option("--loader", "which", type=click.Choice(["auto", "dlstore", "dataloader"]), default="auto",
+                     show_default=True,
+                     help="dlstore: dlstore.loader (threads, the ring, or its DataLoader back-end with "
+                          "--threads 0 --no-shm-ring); dataloader: torch's DataLoader. auto: as tune's kwargs "
+                          "mean (dlstore when they name threads or the ring), else dlstore for a store, "
+                          "DataLoader for a folder."),
+        click.option("--num-workers", "workers", type=click.IntRange(min=0), default=None,
+                     help="Worker processes (default: DataLoader min(4, usable CPUs); dlstore.loader 0)."),
+        renamed("--num-workers", "the loader's num_workers"),
+        click.option("--threads", type=click.IntRange(min=0), default=None,
+                     help="dlstore.loader threads (0: no threads; default: its own choice)."),
+        click.option("--shm-ring/--no-shm-ring", "shm_ring", default=None,
+                     help="dlstore.loader worker processes writing into the shared-memory ring (default: its choice)."),
+        click.option("--prefetch-factor", type=click.IntRange(min=1), default=None),
+        click.option("--pin-memory", is_flag=True, default=None, help="pin_memory=True (useful with --device cuda)."),
+        click.option("--persistent-workers/--no-persistent-workers", default=None),
+        click.option("--transform", default="",
+                     help='Read-time random transforms, as you train with: e.g. "random_crop=224:4,hflip" or '
+                          '"random_resized_crop=224,hflip".'),
+    ]
+    for option in reversed(options):
+        f = option(f)
+    return f
 
 
 @click.command()
-@click.argument("path", metavar="STORE", type=click.Path(exists=True))
-@click.option("--batch-size", "-b", type=click.IntRange(min=1), required=True)
-@click.option("--num-workers", "workers", type=click.IntRange(min=0), default=None,
-              help="num_workers of the DataLoader (default: min(4, usable CPUs)).")
-@renamed("--num-workers", "the DataLoader's num_workers")
-@click.option("--prefetch-factor", type=click.IntRange(min=1), default=2, show_default=True)
-@click.option("--pin-memory", is_flag=True, help="pin_memory=True (useful with --device cuda).")
+@click.argument("path", metavar="STORE_OR_FOLDER", type=click.Path(exists=True))
+@click.option("--batch-size", "-b", type=click.IntRange(min=1), default=None,
+              help="The batch size you train with (default: --from-tune's).")
+@_loader_options
 @click.option("--steps", type=click.IntRange(min=2), default=50, show_default=True,
               help="Training steps to measure (the loader restarts if an epoch is shorter).")
 @click.option("--step", "step_spec", default="conv", show_default=True,
@@ -79,46 +112,80 @@ def tune(path, batch_size, device, budget, max_workers, static, as_json):
 @click.option("--device", default="cpu", show_default=True, help="Where the step runs.")
 @click.option("--static", default="", help="For a raw image folder: static transforms per sample.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def profile(path, batch_size, workers, prefetch_factor, pin_memory, steps, step_spec, device, static,
-            as_json):
-    """Profile a training loop on STORE: time waiting for data vs time in a synthetic step."""
-    import itertools
+def profile(path, batch_size, from_tune, which, workers, threads, shm_ring, prefetch_factor, pin_memory,
+            persistent_workers, transform, steps, step_spec, device, static, as_json):
+    """Profile a training loop on STORE_OR_FOLDER: time waiting for data vs time in a synthetic step."""
     import json
 
-    from torch.utils.data import DataLoader
-
-    from .._system import usable_cpus
-    from ..tools.profiling import TimedDataset, profile_loader, synthetic_step
-    from ..tools.tuning import loader_kwargs, open_for_tuning
+    from ..tools.profile_run import run_profile
+    from ..tools.profiling import synthetic_step
+    from ..tools.transform_spec import parse_transform
+    from ..tools.tuning import open_for_tuning
 
     check_device(device)
-    workers = min(4, usable_cpus()) if workers is None else workers
     try:
+        kwargs = _from_tune(from_tune) if from_tune else {}
+        given = {"batch_size": batch_size, "num_workers": workers, "threads": threads, "shm_ring": shm_ring,
+                 "prefetch_factor": prefetch_factor, "pin_memory": pin_memory,
+                 "persistent_workers": persistent_workers}
+        kwargs.update({k: v for k, v in given.items() if v is not None})
+        if "batch_size" not in kwargs:
+            raise click.UsageError("give --batch-size (or --from-tune with tune's kwargs)")
         step = synthetic_step(step_spec, device=device)
-        dataset = TimedDataset(open_for_tuning(path, static=static or None), max_workers=max(workers, 1))
+        dataset = open_for_tuning(path, static=static or None, transform=parse_transform(transform))
+        store_loader = _which(which, kwargs, dataset, from_tune is not None)
+        kwargs = _complete(kwargs, store_loader)
+        result = run_profile(dataset, kwargs, steps=steps, step=step, step_spec=step_spec, device=device,
+                             store_loader=store_loader, transform=transform)
     except (DlstoreError, ValueError, OSError) as exc:
         fail(exc)
-    kwargs = loader_kwargs(batch_size, workers, prefetch_factor=prefetch_factor, pin_memory=pin_memory)
-    loader = DataLoader(dataset, shuffle=True, **kwargs)
-
-    def batches():  # as many epochs as it takes to reach --steps
-        while True:
-            yield from loader
-
-    with profile_loader(itertools.islice(batches(), steps), device=device) as p:
-        for x, y in p:
-            step(x, y)
-    report = p.report()
     if as_json:
-        stats = {kind: vars(s) for kind, s in dataset.stats().items()}
-        click.echo(json.dumps({"loader": kwargs, "step": step_spec, "device": device,
-                               "report": report.to_json(), "dataset_latency": stats}, indent=2))
+        click.echo(json.dumps(result.to_json(), indent=2))
         return
-    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    click.echo(f"loader    DataLoader(dataset, {args}, shuffle=True)")
-    click.echo(f"step      {step_spec} on {device}")
-    click.echo("per-sample fetch latency (TimedDataset, all workers):")
-    click.echo("  " + dataset.report().replace("\n", "\n  "))
-    click.echo(str(report))
+    click.echo(str(result))
 
 
+def _from_tune(path: str) -> dict:
+    import json
+
+    try:
+        data = json.loads(open(path, encoding="utf-8").read())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"--from-tune {path}: not a JSON file ({exc})") from None
+    kwargs = data.get("kwargs", data) if isinstance(data, dict) else None
+    if not isinstance(kwargs, dict) or "batch_size" not in kwargs:
+        raise ValueError(f"--from-tune {path}: expected `dlstore tune --json` output (a \"kwargs\" object "
+                         "with batch_size)")
+    return dict(kwargs)
+
+
+def _which(which: str, kwargs: dict, dataset, tuned: bool) -> bool:
+    from ..data.dataset import StoreDataset
+    from ..tools.throughput import uses_store_loader
+
+    if which == "dlstore" or (which == "auto" and (uses_store_loader(kwargs) or "threads" in kwargs)):
+        if not isinstance(dataset, StoreDataset):
+            raise ValueError("dlstore.loader reads stores (dlstore.open_dataset); for an image folder use "
+                             "--loader dataloader")
+        return True
+    if which == "dataloader" or tuned:
+        return False
+    return isinstance(dataset, StoreDataset)
+
+
+def _complete(kwargs: dict, store_loader: bool) -> dict:
+    """Fill the DataLoader's defaults and drop what it refuses without workers."""
+    from .._system import usable_cpus
+
+    kwargs = dict(kwargs)
+    if store_loader:
+        return kwargs
+    for name in ("threads", "shm_ring"):
+        if kwargs.pop(name, None):
+            raise ValueError(f"--{name.replace('_', '-')} is dlstore.loader's; drop it or use --loader dlstore")
+    kwargs.setdefault("num_workers", min(4, usable_cpus()))
+    kwargs.setdefault("pin_memory", False)
+    if not kwargs["num_workers"]:
+        kwargs.pop("prefetch_factor", None)
+        kwargs.pop("persistent_workers", None)
+    return kwargs

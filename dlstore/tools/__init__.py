@@ -16,7 +16,8 @@ from .bench.probes import (
     evict,
     resident_fraction,
 )
-from .profiling import LoaderReport, TimedDataset, profile_loader, synthetic_step
+from .profiling import LoaderReport, profile_loader, synthetic_step
+from .timed_dataset import TimedDataset
 from .tuning import TuneResult, loader_kwargs, measure_throughput, tune
 from .verification import VerifyReport, verify
 

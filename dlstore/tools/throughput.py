@@ -64,6 +64,38 @@ def loader_kwargs(
     return kwargs
 
 
+def uses_store_loader(kwargs: dict[str, Any]) -> bool:
+    """Whether ``kwargs`` (as ``tune`` returns them) are for ``dlstore.loader``: they name threads or the ring."""
+    return bool(kwargs.get("threads") or kwargs.get("shm_ring"))
+
+
+def build_loader(dataset: Any, kwargs: dict[str, Any], *, shuffle: bool = True, extra: dict[str, Any] | None = None,
+                 store_loader: bool | None = None) -> Any:
+    """The loader ``kwargs`` describe: ``dlstore.loader(dataset, **kwargs)`` or ``DataLoader(dataset, **kwargs)``.
+
+    Args:
+        dataset: the dataset to read.
+        kwargs: loader keyword arguments, ``batch_size`` included.
+        shuffle: a new random order every epoch.
+        extra: DataLoader arguments not tuned (``collate_fn``, ``sampler``, ...); only ``drop_last``
+            reaches ``dlstore.loader``.
+        store_loader: True for ``dlstore.loader``, False for torch's ``DataLoader``; None decides as
+            ``tune``'s kwargs mean it (``uses_store_loader``).
+    """
+    if store_loader is None:
+        store_loader = uses_store_loader(kwargs)
+    if store_loader:   # threads, worker processes writing into the ring, or its DataLoader back-end
+        from ..data.loaders.factory import loader
+
+        drop_last = bool((extra or {}).get("drop_last", False))
+        return loader(dataset, shuffle=shuffle, drop_last=drop_last, **kwargs)
+    from torch.utils.data import DataLoader
+
+    if (extra or {}).get("sampler") is not None:
+        shuffle = False   # the sampler orders the samples (DataLoader refuses both)
+    return DataLoader(dataset, shuffle=shuffle, **kwargs, **(extra or {}))
+
+
 def _move(batch: Any, device: torch.device, non_blocking: bool) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=non_blocking)
@@ -126,21 +158,13 @@ def measure_throughput(
         shuffle: passed to the DataLoader (random access, as in training).
         extra: further DataLoader arguments not being tuned (``collate_fn``, ...).
     """
-    from torch.utils.data import DataLoader
-
     dev = torch.device(device) if device is not None else None
     workers = int(kwargs.get("num_workers", 0))
     threads = int(kwargs.get("threads") or 0)
     warmup = workers + threads + 1 if warmup is None else warmup
     max_seconds = 4 * seconds + 30 if max_seconds is None else max_seconds
     non_blocking = bool(kwargs.get("pin_memory")) and dev is not None and dev.type == "cuda"
-    if threads or kwargs.get("shm_ring"):   # dlstore.loader: threads, or workers writing into the ring
-        from ..data.loaders.factory import loader as store_loader
-
-        drop_last = bool((extra or {}).get("drop_last", False))
-        loader: Any = store_loader(dataset, shuffle=shuffle, drop_last=drop_last, **kwargs)
-    else:
-        loader = DataLoader(dataset, shuffle=shuffle, **kwargs, **(extra or {}))
+    loader = build_loader(dataset, kwargs, shuffle=shuffle, extra=extra)
     stamps: list[float] = []
     start = time.perf_counter()
     iterator = iter(loader)

@@ -245,11 +245,11 @@ def test_synthetic_step_rejects_unknown():
 def test_cli_profile(store):
     runner = CliRunner()
     result = runner.invoke(main, ["profile", str(store), "-b", "4", "--steps", "8", "--num-workers", "2",
-                                  "--step", "sleep:2"])
+                                  "--step", "sleep:2", "--loader", "dataloader"])
     assert result.exit_code == 0, result.output
     assert "data-stall fraction" in result.output and "worker 1" in result.output
     result = runner.invoke(main, ["profile", str(store), "-b", "4", "--steps", "20", "--num-workers", "0",
-                                  "--step", "matmul:16", "--json"])
+                                  "--step", "matmul:16", "--json", "--loader", "dataloader"])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
     assert data["report"]["steps"] == 19  # 20 steps over several epochs of 6 batches, first skipped

@@ -1,0 +1,191 @@
+"""``dlstore profile`` as a function: build the loader the arguments describe, time a loop over it,
+and say why the numbers are what they are.
+
+Any loader the API builds can be profiled: ``dlstore.loader(...)`` with threads, worker
+processes over the shared-memory ring or its DataLoader back-end (``threads=0, shm_ring=False``),
+torch's ``DataLoader``, and exactly what ``tune`` recommends (its kwargs choose the loader as
+``TuneResult.call()`` prints it). Beside the loop it measures, in this process, how long one batch
+takes to build (``batch_build_time``): a wait per step far above what the loader's batch building
+can explain is reported with the likely reason (intra-op thread oversubscription, a busy machine,
+the trip from worker processes), and the first batch (worker start-up, opening the store) apart.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from .oversubscription import ThreadCheck, check_threads
+from .profiling import LoaderReport, profile_loader
+from .throughput import build_loader
+from .timed_dataset import ms
+
+# A wait per step above this many times what batch building explains (plus a millisecond of
+# slack for the iterator itself) is reported with its likely reasons.
+UNEXPLAINED = 3.0
+
+
+def build_batch(dataset: Any, indices: list[int]) -> Any:
+    """One batch, built in this process the way a loader builds it: ``get_batch`` on a store, else
+    ``__getitems__`` (or indexing) and the default collate."""
+    from torch.utils.data import default_collate
+
+    if hasattr(dataset, "get_batch"):
+        return dataset.get_batch(indices)
+    if hasattr(dataset, "__getitems__"):
+        return default_collate(dataset.__getitems__(indices))
+    return default_collate([dataset[i] for i in indices])
+
+
+def batch_build_time(dataset: Any, batch_size: int, *, rounds: int = 5, seed: int = 0,
+                     clock: Callable[[], float] = time.perf_counter) -> tuple[float, Any]:
+    """Median seconds to build one batch of random samples in this process (``build_batch``), after
+    one untimed batch (first page faults, lazy imports); and the last batch built."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    n = len(dataset)
+    batch = build_batch(dataset, rng.integers(0, n, size=min(batch_size, n)).tolist())
+    times = []
+    for _ in range(rounds):
+        idx = rng.integers(0, n, size=min(batch_size, n)).tolist()
+        start = clock()
+        batch = build_batch(dataset, idx)
+        times.append(clock() - start)
+    return statistics.median(times), batch
+
+
+def parallelism(loader: Any) -> int:
+    """Batches the loader builds at once beside the loop: its threads or workers (0: built in the loop)."""
+    for name in ("workers", "threads", "num_workers"):
+        value = getattr(loader, name, None)
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def describe_loader(loader: Any, kwargs: dict[str, Any]) -> str:
+    """The loader as code a user can paste, with the type dlstore.loader chose."""
+    args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
+    from torch.utils.data import DataLoader
+
+    if type(loader) is DataLoader:
+        return f"DataLoader(dataset, {args}, shuffle=True)"
+    return f"dlstore.loader(dataset, {args}, shuffle=True) -> {type(loader).__name__}"
+
+
+@dataclass
+class ProfileResult:
+    """What ``run_profile`` measured: the loop's report, the batch build time, the thread check."""
+
+    loader: str
+    kwargs: dict[str, Any]
+    report: LoaderReport
+    build_s: float
+    parallel: int
+    step_spec: str
+    device: str
+    thread_check: ThreadCheck
+    latency: str | None = None
+    latency_stats: dict[str, Any] | None = None
+    transform: str = ""
+
+    def expected_wait(self) -> float:
+        """The wait per step batch building explains: all of it when the loop builds the batch
+        itself, else what the loader's threads or workers cannot hide behind the step."""
+        if self.parallel == 0:
+            return self.build_s
+        return max(0.0, self.build_s / self.parallel - self.report.step_p50)
+
+    def explanation(self) -> str | None:
+        """Why the wait is far above what building a batch costs, or None when it is not."""
+        # the mean, as the stall fraction counts it (a few long stalls show there, not in the median)
+        wait = self.report.wait / max(self.report.steps, 1)
+        expected = self.expected_wait()
+        if wait <= UNEXPLAINED * expected + 1e-3:
+            return None
+        reasons = []
+        said = self.thread_check.message()
+        if said:
+            reasons.append(said)
+        elif self.thread_check.load is not None and self.thread_check.load > self.thread_check.usable:
+            reasons.append(f"the machine is busy (1-minute load average {self.thread_check.load:.1f} on "
+                           f"{self.thread_check.usable} usable CPU(s)): the loader's threads or workers get "
+                           "a share of the CPUs, not the CPUs")
+        if self.parallel and self.build_s / self.parallel > self.report.step_p50 * 0.5:
+            reasons.append(f"{self.parallel} builder(s) at {ms(self.build_s)} a batch barely keep up with a "
+                           f"{ms(self.report.step_p50)} step")
+        if "DataLoader" in self.loader and self.kwargs.get("num_workers"):
+            reasons.append("each batch crosses from a worker process (pickled, through shared memory)")
+        if not reasons:
+            reasons.append("not the batch building itself: look at what else the loop process runs")
+        return (f"the wait per step (mean {ms(wait)}, p50 {ms(self.report.wait_p50)}) is {wait / max(self.build_s, 1e-9):,.0f}x the {ms(self.build_s)} "
+                f"this process needs to build a batch (measured apart; {self.parallel or 'no'} builder(s) beside "
+                f"the loop, so ~{ms(expected)} expected): " + "; ".join(reasons))
+
+    def __str__(self) -> str:
+        lines = [f"loader    {self.loader}"] + ([f"transform {self.transform}"] if self.transform else [])
+        lines.append(f"step      {self.step_spec} on {self.device}")
+        lines.append(f"one batch built in this process, measured apart: {ms(self.build_s)} at the median "
+                     f"({self.parallel or 'no'} builder(s) beside the loop)")
+        if self.latency:
+            lines.append("per-sample fetch latency (TimedDataset, all workers):")
+            lines.append("  " + self.latency.replace("\n", "\n  "))
+        lines.append(str(self.report))
+        why = self.explanation()
+        if why:
+            lines.append(f"why       {why}")
+        elif self.thread_check.message():
+            lines.append(f"warning   {self.thread_check.message()}")
+        return "\n".join(lines)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"loader": self.loader, "kwargs": self.kwargs, "transform": self.transform, "step": self.step_spec, "device": self.device,
+                "report": self.report.to_json(), "batch_build_s": self.build_s, "parallel": self.parallel,
+                "expected_wait_s": self.expected_wait(), "explanation": self.explanation(),
+                "thread_check": dict(asdict(self.thread_check), oversubscribed=self.thread_check.oversubscribed,
+                                     message=self.thread_check.message()),
+                "dataset_latency": self.latency_stats}
+
+
+def run_profile(dataset: Any, kwargs: dict[str, Any], *, steps: int, step: Callable[[Any, Any], None],
+                step_spec: str, device: str, store_loader: bool | None = None, transform: str = "") -> ProfileResult:
+    """Profile ``steps`` steps of ``step`` over the loader ``kwargs`` describe (``throughput.build_loader``).
+
+    A plain ``DataLoader`` reads through a ``TimedDataset`` (per-sample latency in every worker);
+    ``dlstore.loader`` needs the store itself, so its batches are timed by ``batch_build_time``.
+    """
+    from .throughput import uses_store_loader
+    from .timed_dataset import TimedDataset
+
+    store_loader = uses_store_loader(kwargs) if store_loader is None else store_loader
+    timed = None if store_loader else TimedDataset(dataset, max_workers=max(int(kwargs.get("num_workers", 0)), 1))
+    loader = build_loader(timed if timed is not None else dataset, kwargs, shuffle=True, store_loader=store_loader)
+    build_s, sample = batch_build_time(dataset, int(kwargs["batch_size"]))
+    workers = parallelism(loader)
+    images = sample[0] if isinstance(sample, (list, tuple)) else sample
+    check = check_threads(extra_processes=workers,
+                          samples=list(images.unbind(0)) if hasattr(images, "unbind") else None)
+
+    def batches():  # as many epochs as it takes to reach `steps`
+        while True:
+            yield from loader
+
+    with profile_loader(itertools.islice(batches(), steps), device=device) as p:
+        for x, y in p:
+            step(x, y)
+    report = p.report()
+    latency = stats = None
+    if timed is not None:
+        latency = timed.report()
+        stats = {kind: vars(s) for kind, s in timed.stats().items()}
+    return ProfileResult(loader=describe_loader(loader, kwargs), kwargs=dict(kwargs), report=report, build_s=build_s,
+                         parallel=workers, step_spec=step_spec, device=device, thread_check=check, latency=latency,
+                         latency_stats=stats, transform=transform)
+
+
+__all__ = ["ProfileResult", "batch_build_time", "build_batch", "describe_loader", "parallelism", "run_profile"]
