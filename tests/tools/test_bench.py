@@ -20,7 +20,7 @@ from dlstore.tools.bench.probes import (
     resident_fraction,
     store_files,
 )
-from dlstore.tools.bench.run import _read_once
+from dlstore.tools.bench.reading import _read_once
 
 STATIC = "resize=32,center_crop=32"
 ALL = ["imagefolder", "shards", "lmdb", "hdf5", "shards+jpeg"]

@@ -18,7 +18,7 @@ store after the eviction, and the DataLoader's workers map the files themselves.
 Warm: before each warm run its store's files are read whole and measured the same way; a
 run that did not start in the intended state is reported as not verified.
 
-Timing: every run builds a fresh DataLoader. Its workers start, then wait at a
+Timing (``reading``): every run builds a fresh DataLoader. Its workers start, then wait at a
 gate until all of them are up; the clock starts when the gate opens, so worker
 start-up (reported separately) is not counted as reading. Runs are interleaved
 in rounds (every cell once per round), so a noisy neighbour slows all formats
@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import gc
 import math
-import multiprocessing
 import os
 import shutil
 import statistics
 import tempfile
-import time
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from pathlib import Path
@@ -45,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import ArgumentError, MeasurementError
+from ...errors import ArgumentError
 from .options import (
     _SUFFIX,
     CACHE_STATES,
@@ -60,7 +58,6 @@ from .options import (
     parse_variants,
 )
 from .probes import (
-    _IO_BLOCK,
     COLD_RESIDENT_MAX,
     DEFAULT_DISK_TEST_BYTES,
     _load_average,
@@ -68,119 +65,14 @@ from .probes import (
     can_drop_caches,
     disk_bandwidth,
     disk_info,
-    evict,
     machine_info,
-    resident_fraction,
     store_files,
 )
+from .reading import _imagefolder, _read_once
 from .report import BenchReport, _recommend
 
-_GATE_TIMEOUT = 120.0
 # steady-state rates need this many batches per worker beyond each worker's first
 STEADY_MIN_BATCHES = 8
-
-
-# --------------------------------------------------------------------------- reading
-
-
-class _Gate:
-    """Holds DataLoader workers after start-up until the clock starts (``worker_init_fn``)."""
-
-    def __init__(self, ctx: Any):
-        self.ready = ctx.Semaphore(0)
-        self.go = ctx.Event()
-
-    def __call__(self, worker_id: int) -> None:  # noqa: ARG002 - DataLoader's signature
-        self.ready.release()
-        if not self.go.wait(_GATE_TIMEOUT):
-            raise MeasurementError(f"dlstore bench: the timing gate did not open within {_GATE_TIMEOUT:.0f} s")
-
-    def wait_ready(self, workers: int) -> None:
-        deadline = time.monotonic() + _GATE_TIMEOUT
-        for i in range(workers):
-            if not self.ready.acquire(timeout=max(0.0, deadline - time.monotonic())):
-                raise MeasurementError(f"dlstore bench: only {i} of {workers} DataLoader workers started within "
-                                   f"{_GATE_TIMEOUT:.0f} s (machine overloaded, or workers dying at start-up)")
-
-
-def _imagefolder(folder: Path, spec: list[dict[str, Any]]) -> Any:
-    from torchvision import datasets
-    from torchvision.transforms import v2
-
-    from ...transforms.static import to_torchvision
-
-    return datasets.ImageFolder(str(folder), transform=v2.Compose(list(to_torchvision(spec)) + [v2.PILToTensor()]))
-
-
-def _make_loader(dataset: Any, *, store: bool, shuffle: bool, workers: int, batch_size: int, seed: int,
-                 gate: _Gate | None) -> Any:
-    import torch
-    from torch.utils.data import DataLoader
-
-    from ...data.loaders.factory import loader
-
-    generator = torch.Generator().manual_seed(seed)
-    if store:
-        return loader(dataset, batch_size, shuffle=shuffle, num_workers=workers, generator=generator,
-                      worker_init_fn=gate)
-    return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers, generator=generator,
-                      worker_init_fn=gate)
-
-
-def _read_once(opener: Callable[[], Any], files: list[Path], *, store: bool, cache: str, order: str,
-               workers: int, batch_size: int, seed: int, drop_caches: bool) -> dict[str, Any]:
-    """One timed pass over a dataset; evicts its files first when ``cache == "cold"``."""
-    dataset = opener()  # before the eviction: reads the manifest/labels, maps no data
-    resident = evict(files, drop_caches=drop_caches) if cache == "cold" else _warm(files)
-    gate = _Gate(multiprocessing.get_context()) if workers > 0 else None
-    loader = _make_loader(dataset, store=store, shuffle=order == "random", workers=workers,
-                          batch_size=batch_size, seed=seed, gate=gate)
-    start = time.perf_counter()
-    it = iter(loader)
-    gaps: list[float] = []
-    sizes: list[int] = []
-    try:
-        if gate is not None:
-            try:
-                gate.wait_ready(workers)
-            finally:
-                t0 = time.perf_counter()
-                gate.go.set()  # also on failure: no worker stays parked at the gate
-        else:
-            t0 = time.perf_counter()
-        last = t0
-        for batch in it:
-            now = time.perf_counter()
-            gaps.append(now - last)
-            last = now
-            sizes.append(len(batch[1]))
-    finally:
-        del it, loader, dataset  # shut the workers down and unmap the store before the next eviction
-        gc.collect()
-    return {"samples": sum(sizes), "seconds": last - t0, "startup_s": t0 - start, "batch_s": gaps,
-            "batch_sizes": sizes, "workers": workers, "resident": resident}
-
-
-def _warm(files: list[Path], attempts: int = 3) -> float:
-    """Read ``files`` whole (a reader may never touch some pages, e.g. free LMDB pages), up to
-    ``attempts`` times while memory pressure reclaims pages; the resident fraction measured last.
-    Each warm run warms its own store: one warm-up for all leaves later runs to what was reclaimed."""
-    for _ in range(attempts):
-        _read_files(files)
-        resident = resident_fraction(files)
-        if resident >= WARM_RESIDENT_MIN:
-            break
-    return resident
-
-
-def _read_files(files: list[Path]) -> None:
-    """Read files whole (into the page cache)."""
-    buf = bytearray(_IO_BLOCK)
-    for f in files:
-        with open(f, "rb", buffering=0) as fh:
-            while fh.readinto(buf):
-                pass
-
 
 # --------------------------------------------------------------------------- the run
 
