@@ -106,7 +106,8 @@ class ProfileResult:
         # the mean, as the stall fraction counts it (a few long stalls show there, not in the median)
         wait = self.report.wait / max(self.report.steps, 1)
         expected = self.expected_wait()
-        if wait <= UNEXPLAINED * expected + 1e-3:
+        # far above: past what batch building explains, and past one whole batch build
+        if wait <= max(UNEXPLAINED * expected, self.build_s) + 1e-3:
             return None
         reasons = []
         said = self.thread_check.message()

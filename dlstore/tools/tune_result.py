@@ -25,6 +25,7 @@ class TuneResult(dict):
         best: the recommended trial.
         baseline: the ``num_workers=0`` trial.
         thread_check: the intra-op oversubscription check (``oversubscription.ThreadCheck``), or None.
+        one_thread: measured (and recommended) with ``torch.set_num_threads(1)``.
         batch_bytes: bytes of one collated batch on the host.
         warnings: human-readable warnings (memory-heavy recommendation, settings slower
             than workers=0, budget too small to finish the search).
@@ -34,7 +35,7 @@ class TuneResult(dict):
 
     def __init__(self, kwargs: dict[str, Any], *, trials: list[Trial], best: Trial, baseline: Trial,
                  batch_bytes: int, warnings: list[str], cpus: CpuInfo, device: str | None,
-                 thread_check: Any = None):
+                 thread_check: Any = None, one_thread: bool = False):
         super().__init__(kwargs)
         self.trials = trials
         self.best = best
@@ -44,6 +45,7 @@ class TuneResult(dict):
         self.cpus = cpus
         self.device = device
         self.thread_check = thread_check
+        self.one_thread = one_thread
 
     @property
     def kwargs(self) -> dict[str, Any]:
@@ -54,7 +56,8 @@ class TuneResult(dict):
         """The recommended loader as code: ``DataLoader(dataset, ...)`` or ``dlstore.loader(dataset, ...)``."""
         args = ", ".join(f"{k}={v!r}" for k, v in self.items())
         store_loader = self.get("threads") or self.get("shm_ring")
-        return f"{'dlstore.loader' if store_loader else 'DataLoader'}({name}, {args})"
+        call = f"{'dlstore.loader' if store_loader else 'DataLoader'}({name}, {args})"
+        return f"torch.set_num_threads(1); {call}" if self.one_thread else call
 
     def rate(self, kwargs: dict[str, Any], stage: str | None = None) -> float:
         """Median batches/s over the trials of exactly these kwargs, the warm-up left out, or of one
@@ -75,7 +78,9 @@ class TuneResult(dict):
         """Everything as JSON-able data."""
         return {"kwargs": dict(self), "speedup_vs_workers0": self.speedup,
                 "batch_bytes": self.batch_bytes, "device": self.device, "cpus": asdict(self.cpus),
-                "warnings": list(self.warnings), "trials": [asdict(t) for t in self.trials]}
+                "warnings": list(self.warnings), "trials": [asdict(t) for t in self.trials],
+                "one_thread": self.one_thread, "call": self.call(),
+                "thread_check": asdict(self.thread_check) if self.thread_check is not None else None}
 
     def table(self) -> str:
         """The trials as an aligned text table, the recommendation marked with ``*``."""

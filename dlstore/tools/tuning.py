@@ -30,12 +30,13 @@ threads, smaller prefetch). Each trial starts a fresh loader, discards its start
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import statistics
 import time
 import warnings
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,7 @@ def tune(
     threads: bool | None = None,
     measure: Callable[[dict[str, Any], float], Trial] | None = None,
     clock: Callable[[], float] = time.perf_counter,
+    fix_threads: bool | None = None,
 ) -> TuneResult:
     """Measure loader settings on ``dataset`` and return the fastest, confirmed beside the baseline.
 
@@ -108,6 +110,8 @@ def tune(
         measure: ``measure(kwargs, seconds) -> Trial`` times one setting (default:
             ``measure_throughput`` on ``dataset``); tests give seeded fake timings.
         clock: the clock the budget is kept with (tests give a fake one with ``measure``).
+        fix_threads: search with ``torch.set_num_threads(1)`` and recommend it (None: when a probe of
+            this process's batch stack measures intra-op oversubscription, ``oversubscription.py``).
 
     Returns:
         A ``TuneResult``: a dict of loader kwargs carrying the trials, warnings and a ``table()``.
@@ -143,18 +147,19 @@ def tune(
 
     deadline = clock() + budget
     sweep_size = 1 + len(thread_counts) + len(candidates) + len(ring_counts)
-    # Planned trials: warm-up, the sweep, ~6 refinements and the confirmation (2 settings).
-    planned = 1 + repeats * (sweep_size + 6 + 2)
+    # Every trial of the search gets the same window, fixed up front (the budget decides how many
+    # settings are measured, not how long each is); the confirmation gets a quarter of the budget,
+    # so its medians, the claim, come from the longest windows rather than from what is left.
+    planned = 1 + repeats * (sweep_size + 6)
+    window = max(MIN_WINDOW, 0.45 * budget / planned)
+    confirm_window = max(window, 0.25 * budget / (2 * repeats))
     trials: list[Trial] = []
     notes: list[str] = []
     skipped: list[str] = []
     batches_per_epoch = math.ceil(n / batch_size)
 
     def run(kwargs: dict[str, Any], stage: str) -> Trial:
-        remaining = max(deadline - clock(), 0.0)
-        todo = max(1, planned - len(trials))
-        # Leave about a third of each slot for start-up, warm-up and shutdown.
-        trial = measure(kwargs, max(MIN_WINDOW, 0.6 * remaining / todo))
+        trial = measure(kwargs, confirm_window if stage == "confirm" else window)
         trial.stage = stage
         trials.append(trial)
         if log is not None:
@@ -209,66 +214,73 @@ def tune(
     baseline_kwargs = config(0)
     default = (dict(config(0), threads=max(thread_counts)) if thread_counts
                else config(max(c for c in candidates if c <= max(cpus.usable, 1))))
-    run(baseline_kwargs, "warm-up")
-    # 1. the sweep: the baseline and the default first (always measured), then the rest
-    sweep = [(baseline_kwargs, "baseline"), (default, "default")]
-    sweep += [(dict(config(0), threads=t), "threads") for t in thread_counts]
-    sweep += [(config(w), "workers") for w in candidates]
-    sweep += [(dict(config(w), shm_ring=True), "ring") for w in ring_counts]
-    seen: list[dict[str, Any]] = []
-    sweep = [(k, s) for k, s in sweep if not (k in seen or seen.append(k))]
-    measure_all(sweep, required=[baseline_kwargs, default])
-    best = pick(complete())
+    batch, batch_bytes = _one_batch(dataset, batch_size, loader_extra)
+    thread_check = _thread_check(batch, 0)
+    # Oversubscribed (measured): the baseline's collate stalls at random, so its rate, the
+    # denominator of every claim, would not reproduce. Search with the fix, and recommend it.
+    one_thread = bool(thread_check is not None and thread_check.measured) if fix_threads is None else fix_threads
+    threads_before = torch.get_num_threads()
+    with _intra_op_threads(1 if one_thread else None):
+        run(baseline_kwargs, "warm-up")
+        # 1. the sweep: the baseline and the default first (always measured), then the rest
+        sweep = [(baseline_kwargs, "baseline"), (default, "default")]
+        sweep += [(dict(config(0), threads=t), "threads") for t in thread_counts]
+        sweep += [(config(w), "workers") for w in candidates]
+        sweep += [(dict(config(w), shm_ring=True), "ring") for w in ring_counts]
+        seen: list[dict[str, Any]] = []
+        sweep = [(k, s) for k, s in sweep if not (k in seen or seen.append(k))]
+        measure_all(sweep, required=[baseline_kwargs, default])
+        best = pick(complete())
 
-    # 2. refinement. The best at the top of the range: the trend may go on (workers that wait on
-    # I/O, or a busy machine where more processes get more CPU time), so double while it pays.
-    top_count = candidates[-1]
-    while (max_workers is None and int(best["num_workers"]) == top_count and top_count < 4 * cpus.usable
-           and clock() < deadline):
-        top_count = min(2 * top_count, 4 * cpus.usable)
-        measure_all([(like(best, top_count), "extend")])
-        best = pick(complete())
-    counts = sorted({int(k["num_workers"]) for k in complete() if bool(k.get("shm_ring")) == bool(best.get("shm_ring"))})
-    best_workers = int(best["num_workers"])
-    if best_workers > 0 and best_workers in counts:
-        i = counts.index(best_workers)
-        mids = {(best_workers + nb) // 2 for nb in (counts[i - 1] if i > 0 else None,
-                                                    counts[i + 1] if i + 1 < len(counts) else None) if nb is not None}
-        measure_all([(like(best, m), "refine") for m in sorted(mids) if m >= 1 and m not in counts])
-        best = pick(complete())
-    # prefetch around the best worker setting, when one came within 30 % of the best
-    with_workers = [k for k in complete() if int(k["num_workers"]) > 0]
-    if with_workers:
-        local = pick(with_workers)
-        if rate(local) >= 0.7 * rate(best):
-            measure_all([(dict(local, prefetch_factor=p), "prefetch") for p in (1, 4, 8)])
+        # 2. refinement. The best at the top of the range: the trend may go on (workers that wait on
+        # I/O, or a busy machine where more processes get more CPU time), so double while it pays.
+        top_count = candidates[-1]
+        while (max_workers is None and int(best["num_workers"]) == top_count and top_count < 4 * cpus.usable
+               and clock() < deadline):
+            top_count = min(2 * top_count, 4 * cpus.usable)
+            measure_all([(like(best, top_count), "extend")])
             best = pick(complete())
-    if cuda:  # pin_memory: on by default for CUDA; check that it pays
-        measure_all([(dict(best, pin_memory=not best.get("pin_memory")), "pin")])
-        best = pick(complete())
-    persist_note = ""
-    if int(best["num_workers"]) > 0:
-        last = [t for t in trials if t.kwargs == best][-1]
-        if last.batches >= batches_per_epoch:
-            measure_all([(dict(best, persistent_workers=False), "persistent")])
+        counts = sorted({int(k["num_workers"]) for k in complete() if bool(k.get("shm_ring")) == bool(best.get("shm_ring"))})
+        best_workers = int(best["num_workers"])
+        if best_workers > 0 and best_workers in counts:
+            i = counts.index(best_workers)
+            mids = {(best_workers + nb) // 2 for nb in (counts[i - 1] if i > 0 else None,
+                                                        counts[i + 1] if i + 1 < len(counts) else None) if nb is not None}
+            measure_all([(like(best, m), "refine") for m in sorted(mids) if m >= 1 and m not in counts])
             best = pick(complete())
-        else:
-            persist_note = (f"persistent_workers=True keeps the workers between epochs: saves their "
-                            f"start-up (~{last.startup_s:.2f} s measured) once per epoch of "
-                            f"{batches_per_epoch} batches (~{batches_per_epoch / rate(best):.1f} s)")
+        # prefetch around the best worker setting, when one came within 30 % of the best
+        with_workers = [k for k in complete() if int(k["num_workers"]) > 0]
+        if with_workers:
+            local = pick(with_workers)
+            if rate(local) >= 0.7 * rate(best):
+                measure_all([(dict(local, prefetch_factor=p), "prefetch") for p in (1, 4, 8)])
+                best = pick(complete())
+        if cuda:  # pin_memory: on by default for CUDA; check that it pays
+            measure_all([(dict(best, pin_memory=not best.get("pin_memory")), "pin")])
+            best = pick(complete())
+        persist_note = ""
+        if int(best["num_workers"]) > 0:
+            last = [t for t in trials if t.kwargs == best][-1]
+            if last.batches >= batches_per_epoch:
+                measure_all([(dict(best, persistent_workers=False), "persistent")])
+                best = pick(complete())
+            else:
+                persist_note = (f"persistent_workers=True keeps the workers between epochs: saves their "
+                                f"start-up (~{last.startup_s:.2f} s measured) once per epoch of "
+                                f"{batches_per_epoch} batches (~{batches_per_epoch / rate(best):.1f} s)")
 
-    # 3. confirmation: the winner and the baseline in turn; the claim is the ratio of these medians
-    if best != baseline_kwargs:
-        for _ in range(repeats):
-            run(baseline_kwargs, "confirm")
-            run(best, "confirm")
-        confirmed = [t.batches_per_s for t in trials if t.stage == "confirm" and t.kwargs == best]
-        base_confirmed = [t.batches_per_s for t in trials if t.stage == "confirm" and t.kwargs == baseline_kwargs]
-        if statistics.median(confirmed) < statistics.median(base_confirmed) * (1 + noise):
-            notes.append(f"the sweep's winner ({_short(best)}, {rate(best):.1f} batches/s) was not faster than "
-                         f"num_workers=0 when measured in turn beside it ({statistics.median(confirmed):.1f} vs "
-                         f"{statistics.median(base_confirmed):.1f} batches/s): num_workers=0 is recommended")
-            best = baseline_kwargs
+        # 3. confirmation: the winner and the baseline in turn; the claim is the ratio of these medians
+        if best != baseline_kwargs:
+            for _ in range(repeats):
+                run(baseline_kwargs, "confirm")
+                run(best, "confirm")
+            confirmed = [t.batches_per_s for t in trials if t.stage == "confirm" and t.kwargs == best]
+            base_confirmed = [t.batches_per_s for t in trials if t.stage == "confirm" and t.kwargs == baseline_kwargs]
+            if statistics.median(confirmed) < statistics.median(base_confirmed) * (1 + noise):
+                notes.append(f"the sweep's winner ({_short(best)}, {rate(best):.1f} batches/s) was not faster than "
+                             f"num_workers=0 when measured in turn beside it ({statistics.median(confirmed):.1f} vs "
+                             f"{statistics.median(base_confirmed):.1f} batches/s): num_workers=0 is recommended")
+                best = baseline_kwargs
     base_rate = rate(baseline_kwargs)
     best_trial = [t for t in trials if t.kwargs == best and t.stage not in UNCOUNTED][-1]
     baseline = next(t for t in trials if t.stage == "baseline")
@@ -283,9 +295,11 @@ def tune(
     if skipped:
         notes.append(f"budget of {budget:g} s spent before {len(skipped)} setting(s) had {repeats} measurements "
                      f"(first: {skipped[0]}); they were not compared: give more --budget for a fuller search")
-    batch, batch_bytes = _one_batch(dataset, batch_size, loader_extra)
-    thread_check = _thread_check(batch, best_trial)
-    if thread_check is not None and thread_check.message():
+    if one_thread:
+        notes.append((thread_check.message() if thread_check is not None and thread_check.message() else
+                      "torch.set_num_threads(1) asked for") + f"; measured with torch.set_num_threads(1) (was "
+                     f"{threads_before}), every setting and the baseline alike: the recommendation includes it")
+    elif thread_check is not None and thread_check.message():
         notes.append(thread_check.message())
     in_flight = best_trial.num_workers * max(best_trial.prefetch_factor, 1) * batch_bytes
     limit = memory_limit_bytes()
@@ -303,16 +317,27 @@ def tune(
         best_trial.note = (best_trial.note + "; " if best_trial.note else "") + persist_note
     return TuneResult(best_trial.kwargs, trials=trials, best=best_trial, baseline=baseline, batch_bytes=batch_bytes,
                       warnings=notes, cpus=cpus, device=str(dev) if dev is not None else None,
-                      thread_check=thread_check)
+                      thread_check=thread_check, one_thread=one_thread)
 
 
-def _thread_check(batch: Any, best: Trial) -> Any:
+def _thread_check(batch: Any, extra: int) -> Any:
     """The oversubscription check, measured on the samples of one real batch (None if it has no tensors)."""
     images = batch[0] if isinstance(batch, (list, tuple)) and batch else batch
     if not isinstance(images, torch.Tensor) or images.dim() < 1:
         return None
-    extra = best.num_workers + int(best.kwargs.get("threads") or 0)
     return check_threads(extra_processes=extra, samples=list(images.unbind(0)))
+
+
+@contextlib.contextmanager
+def _intra_op_threads(count: int | None) -> Iterator[None]:
+    """torch's intra-op threads set to ``count`` inside (None: unchanged), restored after."""
+    before = torch.get_num_threads()
+    if count is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _thread_candidates(dataset: Any, usable: int) -> list[int]:

@@ -123,6 +123,8 @@ def test_a_wait_far_above_the_batch_cost_says_why():
     assert _result(_report(0.0012, 0.02)).explanation() is None            # in the loop: the build is the wait
     # two threads building 30 ms batches beside a 5 ms step: ~10 ms a step is expected
     assert _result(_report(0.012, 0.005), build_s=0.03, parallel=2).explanation() is None
+    # a wait below one batch build is not "far above" it, even where little was expected
+    assert _result(_report(0.0017, 0.02), build_s=0.0023, parallel=2).explanation() is None
     busy = _result(_report(0.2, 0.005), build_s=0.03, parallel=2,
                    check=ThreadCheck(threads=1, processes=1, usable=2, load=7.0)).explanation()
     assert "machine is busy" in busy and "barely keep up" in busy

@@ -505,3 +505,23 @@ def test_tune_warns_of_oversubscription_and_names_the_fix():
     assert measured.measured and "40.0x as long with 2 threads" in measured.message()
     # measured wins over counted: a loaded machine whose stacks are as fast with 2 threads is fine
     assert ThreadCheck(threads=2, processes=1, usable=2, load=5.0, probe=(0.011, 0.010)).message() is None
+
+
+def test_tune_searches_with_one_intra_op_thread_when_asked_and_recommends_it(one_thread):
+    """fix_threads=True: every trial runs with torch.set_num_threads(1), the call printed includes it,
+    and the thread count is restored afterwards."""
+    torch.set_num_threads(2)
+    clock = FakeClock()
+    measure = _fake(clock, 4)
+    seen = []
+    inner = measure
+
+    def counting(kwargs, seconds):
+        seen.append(torch.get_num_threads())
+        return inner(kwargs, seconds)
+
+    result = _tune_fake(counting, clock, fix_threads=True)
+    assert set(seen) == {1} and torch.get_num_threads() == 2
+    assert result.call().startswith("torch.set_num_threads(1); DataLoader(dataset, ")
+    assert any("measured with torch.set_num_threads(1)" in w for w in result.warnings)
+    assert _tune_fake(_fake(clock, 4), clock, fix_threads=False).call().startswith("DataLoader(")
