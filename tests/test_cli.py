@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -87,6 +88,20 @@ def test_console_script_demo(tmp_path):
     assert out.returncode == 0, out.stderr
     assert "identical to ImageFolder on checked samples: yes" in out.stdout
     assert (tmp_path / "demo.shards" / "manifest.json").is_file()
+    lines = out.stdout.splitlines()
+    assert "first epoch" in out.stdout and "median" in out.stdout and "speed-up: " in out.stdout
+    assert lines[-1] == f"next: dlstore info {tmp_path / 'demo.shards'}"   # kept: the hint names it
+
+
+@pytest.mark.slow
+def test_demo_without_dir_names_no_folder_it_removed():
+    out = subprocess.run([sys.executable, "-m", "dlstore.cli", "demo", "--images", "10"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    folder = out.stdout.splitlines()[0].rsplit(" to ", 1)[1]            # "1. writing ... to FOLDER/images"
+    hint = out.stdout.splitlines()[-1]
+    assert not Path(folder).exists() and str(Path(folder).parent) not in hint
+    assert hint.startswith("next: dlstore demo --dir DIR") and "removed" in hint
 
 
 def test_info_json_and_show_with_provenance(src, tmp_path):

@@ -66,7 +66,7 @@ def tune(path, batch_size, device, budget, repeats, max_workers, static, as_json
         click.echo(f"recommended (nothing beat num_workers=0): {result.call()}")
     else:
         click.echo(f"recommended ({result.speedup:.2f}x num_workers=0, measured in turn beside it "
-                   f"{sum(t.stage == 'confirm' for t in result.trials) // 2} times): {result.call()}")
+                   f"in {sum(t.stage == 'confirm' for t in result.trials) // 2} pairs): {result.call()}")
 
 
 def _loader_options(f):

@@ -13,6 +13,15 @@ from .throughput import Trial
 UNCOUNTED = ("warm-up",)
 
 
+def paired_speedup(trials: list[Trial], best: dict[str, Any], baseline: dict[str, Any]) -> float:
+    """Median of ``best / baseline`` over the confirmation's pairs: each ``baseline`` confirm trial
+    and the ``best`` one right after it (0.0 when there is no pair)."""
+    confirm = [t for t in trials if t.stage == "confirm"]
+    ratios = [b.batches_per_s / a.batches_per_s for a, b in zip(confirm, confirm[1:])
+              if a.kwargs == baseline and b.kwargs == best and a.batches_per_s > 0]
+    return statistics.median(ratios) if ratios else 0.0
+
+
 class TuneResult(dict):
     """The recommended DataLoader kwargs (a dict: ``DataLoader(ds, **result)``), with the evidence.
 
@@ -68,11 +77,11 @@ class TuneResult(dict):
 
     @property
     def speedup(self) -> float:
-        """The recommendation's median batches/s over the baseline's, both from the confirmation
-        (measured in turn, side by side); 1.0 when the baseline is the recommendation."""
+        """The confirmation's claim: the median over its pairs (the baseline, then the recommendation,
+        measured in turn) of recommendation / baseline; 1.0 when the baseline is the recommendation."""
         if self.best.kwargs == self.baseline.kwargs:
             return 1.0
-        return self.rate(self.best.kwargs, "confirm") / self.rate(self.baseline.kwargs, "confirm")
+        return paired_speedup(self.trials, self.best.kwargs, self.baseline.kwargs)
 
     def to_json(self) -> dict[str, Any]:
         """Everything as JSON-able data."""
@@ -106,4 +115,4 @@ class TuneResult(dict):
 
 
 
-__all__ = ["TuneResult"]
+__all__ = ["TuneResult", "paired_speedup"]

@@ -17,8 +17,9 @@ The search, within a time budget:
    count wins, the midpoints next to the best count, ``prefetch_factor`` 1/4/8, ``pin_memory``
    (CUDA targets only), ``persistent_workers=False`` (only when an epoch is shorter than a
    trial; otherwise ``True`` is kept and the start-up it saves per epoch reported).
-3. Confirmation: the winner and the baseline measured in turn, ``repeats`` times each. The
-   speed-up claimed is the ratio of these medians; a winner that is not faster than the baseline
+3. Confirmation: the winner and the baseline measured in turn, in ``max(repeats, 5)`` pairs,
+   with longer windows (a quarter of the budget). The speed-up claimed is the median of the
+   pairs' ratios; a winner that is not faster than the baseline
    by more than the noise margin here is not recommended (the baseline is). So no setting is
    recommended without being compared with the baseline side by side.
 
@@ -48,10 +49,12 @@ from ..transforms import compiled
 from ..units import human_bytes
 from .oversubscription import check_threads
 from .throughput import Trial, _nbytes, loader_kwargs, measure_throughput
-from .tune_result import UNCOUNTED, TuneResult
+from .tune_result import UNCOUNTED, TuneResult, paired_speedup
 
 # Two measurements within this fraction of each other are considered equal.
 NOISE = 0.05
+# The confirmation measures the winner and the baseline in at least this many pairs.
+CONFIRM_PAIRS = 5
 # The least window of a trial (seconds): a rate over a shorter one is mostly start-up noise.
 MIN_WINDOW = 0.25
 
@@ -95,11 +98,12 @@ def tune(
         device: the training device (``"cuda"``, ``"cuda:1"``, ``"cpu"``); batches are copied
             there inside the timing, and ``pin_memory`` is searched only for CUDA.
         budget: seconds for the search (approximate: the warm-up, the baseline, the default loader
-            and the confirmation always run, ``repeats`` times each, however short the budget).
+            and the confirmation always run, however short the budget).
         max_workers: cap on the worker counts tried (default: a little over the usable CPUs).
         shuffle: measure with random access, as in training.
         noise: relative margin under which two rates count as equal.
-        repeats: measurements of each setting (its median decides), and of the confirmation.
+        repeats: measurements of each setting (its median decides); the confirmation runs
+            ``max(repeats, 5)`` pairs.
         memory_warn_fraction: warn when ``workers x prefetch x batch bytes`` exceeds this
             fraction of the memory available to the process.
         loader_extra: DataLoader arguments that are not tuned (``collate_fn``, ``sampler``,
@@ -152,7 +156,8 @@ def tune(
     # so its medians, the claim, come from the longest windows rather than from what is left.
     planned = 1 + repeats * (sweep_size + 6)
     window = max(MIN_WINDOW, 0.45 * budget / planned)
-    confirm_window = max(window, 0.25 * budget / (2 * repeats))
+    confirm_pairs = max(repeats, CONFIRM_PAIRS)
+    confirm_window = max(window, 0.25 * budget / (2 * confirm_pairs))
     trials: list[Trial] = []
     notes: list[str] = []
     skipped: list[str] = []
@@ -269,17 +274,17 @@ def tune(
                                 f"start-up (~{last.startup_s:.2f} s measured) once per epoch of "
                                 f"{batches_per_epoch} batches (~{batches_per_epoch / rate(best):.1f} s)")
 
-        # 3. confirmation: the winner and the baseline in turn; the claim is the ratio of these medians
+        # 3. confirmation: the winner and the baseline in turn, in pairs; the claim is the median of
+        # the pairs' ratios (each pair shares the minute it ran in, so drift in the load cancels)
         if best != baseline_kwargs:
-            for _ in range(repeats):
+            for _ in range(confirm_pairs):
                 run(baseline_kwargs, "confirm")
                 run(best, "confirm")
-            confirmed = [t.batches_per_s for t in trials if t.stage == "confirm" and t.kwargs == best]
-            base_confirmed = [t.batches_per_s for t in trials if t.stage == "confirm" and t.kwargs == baseline_kwargs]
-            if statistics.median(confirmed) < statistics.median(base_confirmed) * (1 + noise):
+            claim = paired_speedup(trials, best, baseline_kwargs)
+            if claim < 1 + noise:
                 notes.append(f"the sweep's winner ({_short(best)}, {rate(best):.1f} batches/s) was not faster than "
-                             f"num_workers=0 when measured in turn beside it ({statistics.median(confirmed):.1f} vs "
-                             f"{statistics.median(base_confirmed):.1f} batches/s): num_workers=0 is recommended")
+                             f"num_workers=0 when measured in turn beside it ({claim:.2f}x, median of "
+                             f"{confirm_pairs} pairs): num_workers=0 is recommended")
                 best = baseline_kwargs
     base_rate = rate(baseline_kwargs)
     best_trial = [t for t in trials if t.kwargs == best and t.stage not in UNCOUNTED][-1]
