@@ -86,7 +86,7 @@ def residency_comparison(path: str | os.PathLike, device: str | torch.device = "
             sync(device)
             preloads.append(time.perf_counter() - t0)
         loader = dlstore.loader(ds, batch, shuffle=True, seed=0, drop_last=True, channels_last=True,
-                                transform=transform, **loader_kw)
+                                batch_transform=transform, **loader_kw)
         first = [x for x, _ in loader]   # warm-up epoch (epoch 0), kept for the equality check
         sync(device)
         if reference is None:

@@ -104,7 +104,7 @@ def gpu_crop(gpu_ds: dlstore.GPUDataset, setup: Setup) -> tuple[object, str]:
     torchvision ops (one batch is tried), else the dlstore equivalent; and which one it is."""
     crop = next(t for t in setup.hybrid.dynamic_ops if type(t).__name__ == "RandomCrop")
     try:
-        images, _ = next(iter(dlstore.loader(gpu_ds, 8, transform=crop, seed=0)))
+        images, _ = next(iter(dlstore.loader(gpu_ds, 8, batch_transform=crop, seed=0)))
     except (TypeError, ValueError) as exc:
         return BatchRandomCrop(SIZE, padding=PADDING), (
             f"BatchRandomCrop({SIZE}, padding={PADDING}) (the GPU loader does not take v2.RandomCrop yet: "
@@ -146,7 +146,7 @@ def make_loader(path: str, setup: Setup, *, seed: int, batch_size: int, shuffle:
             gpu["dataset"] = dlstore.GPUDataset(setup.store, device, torch.float16,
                                                 normalize=([setup.mean], [setup.std]))
             gpu["crop"], gpu["crop_repr"] = gpu_crop(gpu["dataset"], setup)
-        return dlstore.loader(gpu["dataset"], batch_size, shuffle, drop_last=shuffle, seed=seed, transform=gpu["crop"])
+        return dlstore.loader(gpu["dataset"], batch_size, shuffle, drop_last=shuffle, seed=seed, batch_transform=gpu["crop"])
     raise ValueError(f"unknown path {path!r}; valid: {', '.join((*PATHS, *CONTROLS))}")
 
 

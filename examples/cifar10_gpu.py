@@ -79,7 +79,7 @@ def train(store: str | Path, *, device: str = "cuda", epochs: int = 1, steps: in
     data = dlstore.GPUDataset(store, device=device, dtype=dtype, normalize=(MEAN, STD))
     print(data, f"loaded in {data.load_seconds:.2f} s")
     loader = dlstore.loader(data, batch_size, shuffle=True, drop_last=True, seed=seed, channels_last=True,
-                            transform=BatchCompose([BatchRandomCrop(32, padding=4), BatchRandomHorizontalFlip()]))
+                            batch_transform=BatchCompose([BatchRandomCrop(32, padding=4), BatchRandomHorizontalFlip()]))
     model = make_model(len(data.classes), width).to(device, memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     losses: list[torch.Tensor] = []     # kept on the device: no sync with the host per step

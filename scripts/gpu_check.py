@@ -218,7 +218,7 @@ def check_preload(path: str, device: torch.device, mean, std, *, repeats: int,
 
 
 def time_gpu_loader(ds: dlstore.GPUDataset, batch: int, transform, epochs: int) -> dict[str, Any]:
-    loader = dlstore.loader(ds, batch, shuffle=True, drop_last=False, transform=transform, seed=0)
+    loader = dlstore.loader(ds, batch, shuffle=True, drop_last=False, batch_transform=transform, seed=0)
     device = ds.device
     count = 0
     for images, labels in loader:  # warm-up epoch (kernels, allocator)

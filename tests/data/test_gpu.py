@@ -571,7 +571,7 @@ def test_dlstore_loader_reaches_every_option_of_the_gpu_loader(store, fused):
     """fused=, compile=, prefetch_factor= through the one entry give the batches of the dataset's own loader."""
     ds = GPUDataset(store, device=CPU, dtype=torch.uint8)
     crop_flip = v2.Compose([v2.RandomCrop(8, padding=2), v2.RandomHorizontalFlip()])
-    one = dlstore.loader(ds, 4, shuffle=True, seed=3, transform=crop_flip, fused=fused, prefetch_factor=3)
+    one = dlstore.loader(ds, 4, shuffle=True, seed=3, batch_transform=crop_flip, fused=fused, prefetch_factor=3)
     other = GPULoader(ds, 4, shuffle=True, seed=3, transform=crop_flip, fused=fused, prefetch=3)
     assert one.fused == fused and one.fused == other.fused
     for (a, la), (b, lb) in zip(one, other, strict=True):
@@ -583,3 +583,15 @@ def test_dlstore_loader_reaches_every_option_of_the_gpu_loader(store, fused):
 def test_the_old_loader_method_names_the_one_entry(store):
     with pytest.raises(dlstore.errors.UsageError, match=r"now dlstore.loader\(dataset, \.\.\.\)"):
         GPUDataset(store, device=CPU, dtype=torch.uint8).loader(4)
+
+
+def test_the_loader_batch_pipeline_is_batch_transform(store):
+    """transform= means open_dataset's per-sample pipeline everywhere; the loader's 0.1 spelling raises."""
+    ds = GPUDataset(store, device=CPU, dtype=torch.uint8)
+    flip = v2.RandomHorizontalFlip(p=1.0)
+    images, _ = next(iter(dlstore.loader(ds, 4, batch_transform=flip)))
+    assert torch.equal(images, ds.data[:4].flip(-1))
+    with pytest.raises(dlstore.errors.UsageError, match="now batch_transform="):
+        dlstore.loader(ds, 4, transform=flip)
+    with pytest.raises(dlstore.ArgumentError, match="batch_transform= applies to a GPUDataset only"):
+        dlstore.loader(dlstore.open_dataset(store), 4, batch_transform=flip)

@@ -121,7 +121,7 @@ def test_gpu_dataset_loader_resumes(store, fused):
 
     def make(seed):   # seed=None draws one: the state must carry the seed
         return dlstore.loader(ds, BATCH, shuffle=True, seed=5 if seed == 7 else None,
-                              transform=v2.Compose(CROP_FLIP), fused=fused)
+                              batch_transform=v2.Compose(CROP_FLIP), fused=fused)
 
     uninterrupted = make(7)
     want0, want1 = _epoch(uninterrupted, 0), _epoch(uninterrupted, 1)

@@ -17,7 +17,7 @@ from torch.utils.data import (
 from torch.utils.data.distributed import DistributedSampler
 
 from ..._system import usable_cpus
-from ...errors import ArgumentError, ArgumentTypeError
+from ...errors import ArgumentError, ArgumentTypeError, UsageError
 from ...transforms import compiled
 from ..dataset import StoreDataset
 from ..gpu.dataset import GPUDataset
@@ -123,7 +123,8 @@ def loader(
     worker_init_fn: Callable[[int], None] | None = None,
     distributed: bool = False,
     seed: int | None = 0,
-    transform: Callable[..., torch.Tensor] | None = None,
+    batch_transform: Callable[..., torch.Tensor] | None = None,
+    transform: Any = None,
     channels_last: bool = False,
     threads: int | None = None,
     device: str | torch.device | None = None,
@@ -165,9 +166,13 @@ def loader(
         distributed: read this rank's share under an initialised ``torch.distributed`` group
             (a ``DistributedSampler``, padded or trimmed with ``drop_last``). Call
             ``loader.set_epoch(epoch)`` before each epoch.
-        seed: the distributed shuffle's seed, the same on every rank (GPUDataset: the seed of
-            its order and augmentations).
-        transform, fused, compile: GPUDataset only, see :class:`GPULoader`.
+        seed: the seed every rank shares, of the order across ranks: a StoreDataset's
+            ``DistributedSampler`` (its batches' random draws come from ``generator``); a
+            GPUDataset, which takes no generator, seeds its order and its draws with it.
+        batch_transform, fused, compile: GPUDataset only, see :class:`GPULoader` (its
+            ``transform``): the pipeline its device batches run. A StoreDataset's transforms
+            are ``open_dataset(path, transform=...)``'s.
+        transform: the 0.1 name of ``batch_transform``; raises :class:`UsageError` naming it.
         channels_last: images in ``torch.channels_last`` memory format (a GPUDataset, or with ``device=``).
         threads: threads of ``backend="threads"`` (None: ``min(usable CPUs, 8)``, shared by the
             node's ranks). ``threads=0`` is the 0.1 spelling of ``backend="dataloader"``.
@@ -179,6 +184,9 @@ def loader(
         ArgumentError: an unknown backend, or one that does not fit the dataset or the other
             arguments (the message names both).
     """
+    if transform is not None:   # 0.1's name: one name, one meaning (open_dataset's per-sample transform)
+        raise UsageError("dlstore.loader(transform=...) is now batch_transform= (a GPUDataset's batch "
+                         "pipeline); a StoreDataset takes its transforms in open_dataset(path, transform=...)")
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
         raise ArgumentTypeError(f"seed must be an int (or None: 0, a GPUDataset's own), got {seed!r}")
     if backend not in BACKENDS:
@@ -219,14 +227,14 @@ def loader(
             rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
         else:
             rank = world_size = None
-        return GPULoader(dataset, batch_size, shuffle, drop_last=drop_last, transform=transform, seed=seed,
+        return GPULoader(dataset, batch_size, shuffle, drop_last=drop_last, transform=batch_transform, seed=seed,
                          channels_last=channels_last, rank=rank, world_size=world_size,
                          prefetch=2 if prefetch_factor is None else prefetch_factor, fused=fused, compile=compile)
     if fused is not None or compile:
         raise ArgumentError("dlstore.loader: fused= and compile= apply to a GPUDataset (its gather on the device); "
                             "a StoreDataset's crop + flip is fused into its batch copy already")
-    if transform is not None:
-        raise ArgumentError("dlstore.loader: transform= applies to a GPUDataset only; give a "
+    if batch_transform is not None:
+        raise ArgumentError("dlstore.loader: batch_transform= applies to a GPUDataset only; give a "
                             "StoreDataset its transforms in open_dataset(path, transform=...)")
     if not isinstance(dataset, StoreDataset):
         raise ArgumentTypeError(f"dlstore.loader takes a StoreDataset (dlstore.open_dataset(path)), got "
