@@ -18,12 +18,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ArgumentError, ConversionInterrupted, StoreExistsError
-from ..formats.common import (
-    save_npy_synced,
-    write_synced,
-)
 from ..formats.integrity import SUMS_ALGORITHM, SUMS_DTYPE, seal_sidecar
 from ..formats.manifest import dumps
+from ..formats.synced import save_npy_synced, write_synced
 from .destination import fsync_dir, publish, remove_path, staging_path
 from .job import manifest_for
 

@@ -31,8 +31,8 @@ from ..errors import (
     SourceError,
     WriterKilledError,
 )
-from ..formats.common import write_error
 from ..formats.encoding import ENCODINGS
+from ..formats.space import write_error
 from ..formats.targets import PARTIAL_SUFFIX
 from ..sources import open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS

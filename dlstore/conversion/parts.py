@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ArgumentError, DistributedError, SourceError, StoreCorruptError
-from ..formats.common import write_synced
+from ..formats.synced import write_synced
 from .assemble import remove_with_siblings
 from .destination import staging_path
 from .ranks import RankStatus, failed_ranks, listdir

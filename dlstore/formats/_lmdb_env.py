@@ -30,7 +30,7 @@ from pathlib import Path
 import lmdb
 
 from ..errors import StoreBusyError, StoreCorruptError
-from .common import open_lock
+from .handles import open_lock
 
 _ENVS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 

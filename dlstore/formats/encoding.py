@@ -48,7 +48,8 @@ import numpy as np
 from PIL import Image
 
 from ..errors import ArgumentError, StoreCorruptError, VariableShapeError
-from .common import batch_out, open_lock
+from .checks import batch_out
+from .handles import open_lock
 
 ENCODINGS = ("raw", "jpeg", "png")
 _CHECKED = 4   # records each reader compares with PIL before it trusts torchvision's decoder

@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import StoreCorruptError, UsageError
-from .common import sha256_file, write_synced
 from .hdf5_open import open_readonly
+from .synced import sha256_file, write_synced
 
 SUMS_ALGORITHM = "crc32"
 SUMS_DTYPE = np.dtype("<u4")

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from ..errors import SampleIndexError, VariableShapeError
-from .common import ForkSafe, batch_out, check_index, check_indices
+from .checks import batch_out, check_index, check_indices
+from .handles import ForkSafe
 from .integrity import SampleChecks
 from .readahead import Extents, advise
 

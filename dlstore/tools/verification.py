@@ -16,7 +16,7 @@ What the checksums cover (recorded by each Writer, recomputed here):
   ``labels`` = sha256 of the int64 little-endian labels, ``shapes`` (variable
   shape stores) = sha256 of the int64 (N, 3) shapes; and the whole data file
   against its seal (``data.mdb.sha256``; the HDF5 user block), which covers
-  the bytes no sample reaches (see ``formats.common``). The seal is checked
+  the bytes no sample reaches (see ``formats.integrity``). The seal is checked
   before the file is handed to LMDB or HDF5.
 """
 
@@ -33,7 +33,8 @@ import numpy as np
 from .. import formats
 from ..errors import DlstoreError, StoreCorruptError
 from ..formats import encoding
-from ..formats.common import safe_member, sha256_file
+from ..formats.checks import safe_member
+from ..formats.synced import sha256_file
 from ..formats.targets import digest as targets_digest
 
 

@@ -26,7 +26,7 @@ import pytest
 import torch
 
 import dlstore
-from dlstore.formats.common import SPACE_MARGIN
+from dlstore.formats.space import SPACE_MARGIN
 from dlstore.sources.demo import make_image_folder
 
 FORMATS = {"shards": "s.shards", "lmdb": "s.lmdb", "hdf5": "s.h5"}

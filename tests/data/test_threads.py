@@ -240,12 +240,12 @@ def test_an_lmdb_environment_lives_as_long_as_its_last_reader(stores):
 def test_a_fork_while_a_thread_opens_a_reader_does_not_deadlock_the_child(stores):
     import multiprocessing
 
-    from dlstore.formats import common
+    from dlstore.formats import handles
 
     held, release = threading.Event(), threading.Event()
 
     def hold():
-        with common.open_lock():
+        with handles.open_lock():
             held.set()
             release.wait(30)
 

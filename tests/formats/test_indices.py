@@ -1,6 +1,6 @@
 """Out-of-range sample indices: an IndexError (SampleIndexError) from every reader and dataset.
 
-The rule (formats/common.py): readers take positions 0..N-1 and refuse anything
+The rule (formats/checks.py): readers take positions 0..N-1 and refuse anything
 else, negative indices included; StoreDataset indexes like a Python sequence
 (-1 is the last sample) and refuses what is out of range. Never reported as
 damage (StoreCorruptError), never an OverflowError from a C library.

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from dlstore.errors import ArgumentError, StoreCorruptError
 from dlstore.formats import get_format
-from dlstore.formats.common import PartialRows
+from dlstore.formats.synced import PartialRows
 
 int64s = st.integers(min_value=-(2 ** 63), max_value=2 ** 63 - 1)
 

@@ -14,12 +14,7 @@ from ...errors import (
     StoreNotFoundError,
 )
 from ...sources.origins import Origins
-from ..common import (
-    StorePin,
-    check_identity,
-    library_errors_as_damage,
-    next_prime,
-)
+from ..checks import library_errors_as_damage
 from ..hdf5_open import open_readonly
 from ..integrity import (
     check_virtual_sources,
@@ -28,6 +23,7 @@ from ..integrity import (
 )
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
+from ..pins import StorePin, check_identity
 from ..readahead import Extents, choose_willneed
 from ..reader import StoreReader
 from ..targets import read_hdf5
@@ -149,7 +145,7 @@ class Hdf5Reader(StoreReader):
         if self.chunk_cache_bytes > 0:
             chunk = VLEN_CHUNK * 16 if self.kind == "variable" else max(1, int(np.prod(self.shape)))
             fitting = max(1, self.chunk_cache_bytes // chunk)
-            cache = {"rdcc_nbytes": self.chunk_cache_bytes, "rdcc_nslots": next_prime(min(100 * fitting, 1 << 22)),
+            cache = {"rdcc_nbytes": self.chunk_cache_bytes, "rdcc_nslots": _next_prime(min(100 * fitting, 1 << 22)),
                      "rdcc_w0": 1.0}
         else:
             cache = {"rdcc_nbytes": 0, "rdcc_nslots": 1, "rdcc_w0": 1.0}
@@ -249,3 +245,11 @@ class Hdf5Reader(StoreReader):
     def _read_batch(self, indices: np.ndarray, out: np.ndarray) -> None:
         for k in np.argsort(indices, kind="stable").tolist():   # in file order
             self._read_fixed(int(indices[k]), out[k])
+
+
+def _next_prime(n: int) -> int:
+    # HDF5 hashes chunks into rdcc_nslots slots: a prime count spreads them (h5py docs)
+    n = max(2, n)
+    while any(n % d == 0 for d in range(2, int(n ** 0.5) + 1)):
+        n += 1
+    return n

@@ -19,14 +19,7 @@ from ...errors import (
     WriterKilledError,
 )
 from ...sources.origins import Origins
-from ..common import (
-    SPACE_MARGIN,
-    PartialRows,
-    check_sample,
-    ensure_space,
-    free_bytes,
-    write_error,
-)
+from ..checks import check_sample
 from ..integrity import (
     SEAL_BLOCK,
     SUMS_ALGORITHM,
@@ -34,6 +27,8 @@ from ..integrity import (
     record_crc,
     seal_userblock,
 )
+from ..space import SPACE_MARGIN, ensure_space, free_bytes, write_error
+from ..synced import PartialRows
 from ..targets import HASHED, WithTargets, digest
 from .layout import (
     COMPRESSIONS,

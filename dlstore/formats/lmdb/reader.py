@@ -15,16 +15,13 @@ from ...errors import (
 )
 from ...sources.origins import Origins
 from .._lmdb_env import data_file, shared
-from ..common import (
-    StorePin,
-    check_identity,
-)
 from ..integrity import (
     SUMS_DTYPE,
     check_sidecar_seal,
 )
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
+from ..pins import StorePin, check_identity
 from ..readahead import Extents, choose_willneed, mapping_base
 from ..reader import StoreReader
 from ..targets import read_lmdb

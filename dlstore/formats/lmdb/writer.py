@@ -16,16 +16,14 @@ from ...errors import (
     StoreCorruptError,
 )
 from ...sources.origins import Origins
-from ..common import (
-    PartialRows,
-    check_sample,
-    write_error,
-)
+from ..checks import check_sample
 from ..integrity import (
     SUMS_ALGORITHM,
     SUMS_DTYPE,
     seal_sidecar,
 )
+from ..space import write_error
+from ..synced import PartialRows
 from ..targets import HASHED, LMDB_KEY, WithTargets, digest, npy_bytes
 from .layout import (
     DEFAULT_BATCH_BYTES,

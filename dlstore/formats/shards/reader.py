@@ -12,18 +12,13 @@ import numpy as np
 
 from ...errors import StoreCorruptError, VariableShapeError
 from ...sources.origins import Origins
-from ..common import (
-    StorePin,
-    batch_out,
-    check_identity,
-    check_indices,
-    safe_member,
-    sha256_file,
-)
+from ..checks import batch_out, check_indices, safe_member
 from ..integrity import check_sidecar_seal
 from ..manifest import loads as load_manifest_text
+from ..pins import StorePin, check_identity
 from ..readahead import Extents, choose_willneed
 from ..reader import StoreReader
+from ..synced import sha256_file
 from ..targets import read_shards
 from .layout import (
     FORMAT,

@@ -12,14 +12,9 @@ import numpy as np
 
 from ...errors import ArgumentError, StoreCorruptError
 from ...sources.origins import Origins
-from ..common import (
-    PartialRows,
-    check_sample,
-    save_npy_synced,
-    sha256_file,
-    write_synced,
-)
+from ..checks import check_sample
 from ..integrity import SUMS_ALGORITHM, SUMS_DTYPE, record_crc, seal_sidecar
+from ..synced import PartialRows, save_npy_synced, sha256_file, write_synced
 from ..targets import WithTargets
 from .layout import (
     DEFAULT_SHARD_SIZE,
