@@ -24,7 +24,8 @@ from .batch import (
     BatchRandomResizedCrop,
     BatchTransform,
 )
-from .hybrid import HybridTransform, batch_plan, split_transforms, strip_static_prefix
+from .equivalents import batch_plan
+from .hybrid import HybridTransform, split_transforms, strip_static_prefix
 from .static import (
     StaticSpec,
     apply_static,

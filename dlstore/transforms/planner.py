@@ -28,10 +28,9 @@ import torch
 
 from ..errors import StaticMismatchError, TransformSpecError
 from .batch import BatchCompose, BatchTransform
+from .equivalents import batch_plan, batch_steps
 from .hybrid import (
     HybridTransform,
-    batch_plan,
-    batch_steps,
     flatten,
     is_torchvision,
     split_stages,

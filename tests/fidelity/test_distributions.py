@@ -119,10 +119,10 @@ CROPS = [  # (image (H, W), torchvision RandomCrop kwargs)
 
 @pytest.mark.parametrize("image,kwargs", CROPS, ids=lambda v: str(v))
 def test_crop_offsets_uniform_over_torchvision_range(image, kwargs):
-    from dlstore.transforms.hybrid import _batch_equivalent
+    from dlstore.transforms.equivalents import batch_equivalent
 
     tv = v2.RandomCrop(**kwargs)
-    ours = _batch_equivalent(tv)
+    ours = batch_equivalent(tv)
     assert isinstance(ours, BatchRandomCrop)
     params = ours.sample((N, 3, *image), generator=_gen(0))
     ref = _torchvision_draws(tv, (3, *image), ("top", "left", "height", "width"))

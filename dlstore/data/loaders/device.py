@@ -33,7 +33,7 @@ import torch
 
 from ...errors import ArgumentError, ArgumentTypeError
 from ...transforms.batch import BatchNormalize, BatchTransform
-from ...transforms.hybrid import batch_steps
+from ...transforms.equivalents import batch_steps
 from ...transforms.planner import stages
 from ..passes import LoaderIterator, PassState
 
