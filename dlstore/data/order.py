@@ -119,7 +119,8 @@ def store_bytes(path: str | os.PathLike) -> int:
 
 def default_blocks(dataset: Any, *, ranks_per_node: int = 1) -> tuple[int, int]:
     """``(block_size, window)`` for a store: blocks of about ``BLOCK_BYTES``, a window of
-    ``WINDOW_SHARE`` of the available memory per rank on this node (at least 2 blocks)."""
+    ``WINDOW_SHARE`` of the available memory per rank on this node for two windows (the one
+    read and the next, read ahead), at least 2 blocks."""
     n = len(dataset)
     per_sample = max(1.0, store_bytes(dataset.path) / max(n, 1))
     block_size = max(1, min(n, round(BLOCK_BYTES / per_sample)))
@@ -127,7 +128,8 @@ def default_blocks(dataset: Any, *, ranks_per_node: int = 1) -> tuple[int, int]:
     memory = FALLBACK_MEMORY if memory is None else memory
     budget = memory * WINDOW_SHARE / max(1, ranks_per_node)
     blocks = max(1, -(-n // block_size))
-    window = int(min(blocks, max(2, budget // (block_size * per_sample))))
+    # Two windows are resident at once: the one being read and the next, read ahead as it begins.
+    window = int(min(blocks, max(2, budget // (2 * block_size * per_sample))))
     return block_size, window
 
 

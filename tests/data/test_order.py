@@ -137,10 +137,12 @@ def test_defaults_come_from_the_store_and_the_memory(store, monkeypatch):
     s = dlstore.BlockShuffleSampler(ds, seed=0)
     assert s.block_size == len(ds) and s.window == 1     # 4 MiB blocks: this small store is one block
     monkeypatch.setattr(order, "BLOCK_BYTES", 5 * per_sample)
-    monkeypatch.setattr(order, "memory_available", lambda: int(4 * 10 * 5 * per_sample))
+    monkeypatch.setattr(order, "memory_available", lambda: int(4 * 10 * 5 * per_sample) + 64)
     s = dlstore.BlockShuffleSampler(ds, seed=0)
-    assert s.block_size == 5 and s.window == 6          # a quarter of 40 blocks' bytes: 10, cut to the 6 there are
-    monkeypatch.setattr(order, "memory_available", lambda: int(4 * 3 * 5 * per_sample))
+    assert s.block_size == 5 and s.window == 5          # a quarter of 40 blocks' bytes for two windows: 5 each
+    monkeypatch.setattr(order, "memory_available", lambda: int(4 * 20 * 5 * per_sample) + 64)
+    assert dlstore.BlockShuffleSampler(ds, seed=0).window == 6   # 10, cut to the 6 blocks there are
+    monkeypatch.setattr(order, "memory_available", lambda: int(4 * 6 * 5 * per_sample) + 64)
     assert dlstore.BlockShuffleSampler(ds, seed=0).window == 3
     monkeypatch.setattr(order, "memory_available", lambda: 0)
     assert dlstore.BlockShuffleSampler(ds, seed=0).window == 2   # never fewer than 2 blocks
