@@ -121,3 +121,24 @@ def test_plot_needs_matplotlib_and_says_how_to_install(store, monkeypatch):
 def test_compare_refuses_other_forms(store):
     result = CliRunner().invoke(main, ["profile", str(store / "p.shards"), "-b", "4", "--compare", str(store)])
     assert result.exit_code == 2 and "imagefolder:PATH" in result.output
+
+
+def test_profile_training_runs_the_users_own_step_over_each_loader(store, tmp_path):
+    from torchvision import datasets
+    from torchvision.transforms import v2
+
+    from dlstore.tools import profile_training, training_step
+
+    model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(3 * 16 * 16, 2))
+    before = model[1].weight.detach().clone()
+    step = training_step(model, torch.nn.CrossEntropyLoss(), torch.optim.SGD(model.parameters(), lr=0.1))
+    folder = datasets.ImageFolder(str(store / "images"), transform=v2.Compose([v2.CenterCrop(16), v2.PILToTensor()]))
+    loaders = {"ImageFolder": DataLoader(folder, batch_size=4, shuffle=True),
+               "dlstore": dlstore.loader(dlstore.open_dataset(store / "p.shards"), batch_size=4, shuffle=True)}
+    result = profile_training(loaders, step, steps=4, trace_dir=tmp_path / "tr")
+    assert [label for label, _, _ in result.runs] == ["ImageFolder", "dlstore"]
+    assert all(report.steps == 3 and len(tl.steps) == 3 for _, report, tl in result.runs)
+    assert not torch.equal(model[1].weight, before)                       # the optimiser stepped
+    assert "compare   ImageFolder: wait share" in str(result) and set(result.to_json()) == {"ImageFolder", "dlstore"}
+    assert len(list((tmp_path / "tr" / "dlstore").glob("*.pt.trace.json"))) == 1
+    assert len(list((tmp_path / "tr" / "ImageFolder").glob("*.pt.trace.json"))) == 1
