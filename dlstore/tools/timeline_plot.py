@@ -3,7 +3,7 @@
 Each panel shows, over the measured seconds, the spans the loop waited for data (red) and computed
 (green); on CUDA the sampled GPU utilisation (0-100 %) as a line over them, which is the swing
 nvidia-smi shows. The wait share (and the mean utilisation and the share of time at 0 %) is written
-on the panel.
+on the panel. The panels share the time axis, so the same steps done faster take less of it.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def check_matplotlib() -> None:
 
 def panel_text(timeline: Timeline) -> str:
     """What a panel says: the wait (stall) share and, with readings, the utilisation numbers."""
-    text = f"data stall (wait share) {timeline.wait_share():.0%}"
+    text = f"{len(timeline.steps)} steps in {timeline.duration:.2f} s   data stall (wait share) {timeline.wait_share():.0%}"
     stats = timeline.util_stats()
     if stats is not None:
         return text + f"   GPU util mean {stats.mean:.0f} %, at 0 % {stats.zero_share:.0%} of the time"
