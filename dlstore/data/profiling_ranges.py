@@ -2,16 +2,14 @@
 
 dlstore marks its own loader stages with it, once per batch (never per sample):
 
-=========================  ==================================================
-``dlstore.read``           the store read of a batch (``StoreDataset.get_batch``)
-``dlstore.host_transforms`` per-sample and batch transforms on the host
-``dlstore.copy_to_device`` the host-to-device copy (device stage)
-``dlstore.device_transforms`` float conversion, normalisation, random ops on the device
-``dlstore.wait_for_data``  ``profile_loader``: the loop blocked in ``next()``
-``dlstore.step``           ``profile_loader``: the loop body
-=========================  ==================================================
+- ``dlstore.build_batch``: a thread loader's batch, in its builder thread (read + host transforms);
+- ``dlstore.read``: the store read of a batch (``StoreDataset.get_batch``);
+- ``dlstore.host_transforms``: per-sample and batch transforms on the host;
+- ``dlstore.copy_to_device``: the host-to-device copy (the device stage of ``dlstore.loader(device=)``);
+- ``dlstore.device_transforms``: float conversion, normalisation, random ops on the device;
+- ``dlstore.wait_for_data`` / ``dlstore.step``: ``profile_loader``'s phases of the loop.
 
-With no profiler running a range costs about a microsecond (``torch.profiler.record_function``
+With no profiler running a range costs a few microseconds (``torch.profiler.record_function``
 checks whether anyone listens); measured by ``range_overhead``.
 """
 
