@@ -142,3 +142,29 @@ def test_profile_training_runs_the_users_own_step_over_each_loader(store, tmp_pa
     assert "compare   ImageFolder: wait share" in str(result) and set(result.to_json()) == {"ImageFolder", "dlstore"}
     assert len(list((tmp_path / "tr" / "dlstore").glob("*.pt.trace.json"))) == 1
     assert len(list((tmp_path / "tr" / "ImageFolder").glob("*.pt.trace.json"))) == 1
+
+
+def test_plot_draws_the_utilisation_line_where_there_are_readings(tmp_path):
+    pytest.importorskip("matplotlib")
+    from dlstore.tools.timeline_plot import plot_timelines
+
+    swinging = Timeline("cuda run", starts=[0.0, 0.1], waits=[0.05, 0.05], steps=[0.05, 0.05],
+                        util=[(0.0, 0), (0.05, 100), (0.1, 0), (0.15, 100)])
+    cpu = Timeline("cpu run", starts=[0.0, 0.1], waits=[0.01, 0.01], steps=[0.09, 0.09])
+    fig = plot_timelines([swinging, cpu], tmp_path / "u.png", title="t")
+    (top, bottom) = fig.axes
+    assert [line.get_ydata().tolist() for line in top.lines] == [[0, 100, 0, 100]] and len(bottom.lines) == 0
+    assert "GPU util mean 50 %, at 0 % 50% of the time" in top.texts[0].get_text()
+    assert "wait share) 10%" in bottom.texts[0].get_text() and "no GPU utilisation" in bottom.texts[0].get_text()
+    assert (tmp_path / "u.png").read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU utilisation is sampled on CUDA only")
+def test_profile_on_cuda_reports_utilisation(store):
+    result = CliRunner().invoke(main, ["profile", str(store / "p.shards"), "-b", "4", "--steps", "30",
+                                       "--device", "cuda", "--step", "matmul:2048", "--json"])
+    assert result.exit_code == 0, result.output
+    timeline = json.loads(result.stdout)["timeline"]
+    if timeline["util"] is None:
+        pytest.skip(f"NVML not usable: {timeline['util_reason']}")
+    assert timeline["util"]["samples"] >= 1 and 0 <= timeline["util"]["mean"] <= 100
