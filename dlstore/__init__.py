@@ -59,6 +59,7 @@ if TYPE_CHECKING:
         loader,
         open_dataset,
     )
+    from .data.profiling_ranges import profiling_range
     from .tools.verification import VerifyReport, verify
     from .transforms import HybridTransform, split_transforms
 
@@ -76,6 +77,7 @@ _LAZY = {
     "StoreDataset": "dlstore.data",
     "loader": "dlstore.data",
     "open_dataset": "dlstore.data",
+    "profiling_range": "dlstore.data.profiling_ranges",
     "VerifyReport": "dlstore.tools.verification",
     "verify": "dlstore.tools.verification",
     "HybridTransform": "dlstore.transforms",
@@ -122,6 +124,7 @@ __all__ = [
     "convert",
     "loader",
     "open_dataset",
+    "profiling_range",
     "split_transforms",
     "verify",
 ]

@@ -111,11 +111,23 @@ def _loader_options(f):
                    "(an accelerator step that leaves the CPU free).")
 @click.option("--device", default="cpu", show_default=True, help="Where the step runs.")
 @click.option("--static", default="", help="For a raw image folder: static transforms per sample.")
+@click.option("--compare", "compare", default=None, metavar="imagefolder:PATH",
+              help="Also run your current pipeline on the same step: torchvision ImageFolder over the raw "
+                   "image folder PATH (the store's static transforms per sample, then --transform), through "
+                   "torch's DataLoader with the settings given (--num-workers, default min(4, usable CPUs)).")
+@click.option("--plot", "plot", type=click.Path(dir_okay=False), default=None,
+              help="Write a PNG of the timeline(s), one panel per loader: wait vs step over time, GPU "
+                   "utilisation on CUDA (needs pip install 'dlstore[plot]').")
+@click.option("--trace", "trace_dir", type=click.Path(file_okay=False), default=None,
+              help="Write a torch.profiler trace of the measured steps to this folder (TensorBoard, "
+                   "Perfetto), with the dlstore.* stages as named ranges; with --compare one subfolder a loader.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 def profile(path, batch_size, from_tune, which, workers, threads, shm_ring, prefetch_factor, pin_memory,
-            persistent_workers, transform, steps, step_spec, device, static, as_json):
-    """Profile a training loop on STORE_OR_FOLDER: time waiting for data vs time in a synthetic step."""
+            persistent_workers, transform, steps, step_spec, device, static, compare, plot, trace_dir, as_json):
+    """Profile a training loop on STORE_OR_FOLDER: time waiting for data vs time in a synthetic step,
+    step by step (and GPU utilisation on CUDA)."""
     import json
+    import os
 
     from ..tools.profile_run import run_profile
     from ..tools.profiling import synthetic_step
@@ -124,6 +136,11 @@ def profile(path, batch_size, from_tune, which, workers, threads, shm_ring, pref
 
     check_device(device)
     try:
+        if plot:
+            from ..tools.timeline_plot import check_matplotlib
+
+            check_matplotlib()
+        folder = _compare_folder(compare) if compare else None
         kwargs = _from_tune(from_tune) if from_tune else {}
         given = {"batch_size": batch_size, "num_workers": workers, "threads": threads, "shm_ring": shm_ring,
                  "prefetch_factor": prefetch_factor, "pin_memory": pin_memory,
@@ -135,14 +152,52 @@ def profile(path, batch_size, from_tune, which, workers, threads, shm_ring, pref
         dataset = open_for_tuning(path, static=static or None, transform=parse_transform(transform))
         store_loader = _which(which, kwargs, dataset, from_tune is not None)
         kwargs = _complete(kwargs, store_loader)
+        other = None
+        if folder is not None:   # the current pipeline first, as the plot's top panel
+            current = open_for_tuning(folder, static=static or getattr(dataset, "manifest", {}).get("static"),
+                                      transform=parse_transform(transform))
+            other = run_profile(current, _complete({k: v for k, v in kwargs.items() if k not in ("threads", "shm_ring")},
+                                                   False),
+                                steps=steps, step=step, step_spec=step_spec, device=device, store_loader=False,
+                                transform=transform, label=f"current pipeline: ImageFolder({folder})",
+                                trace_dir=os.path.join(trace_dir, "imagefolder") if trace_dir else None)
         result = run_profile(dataset, kwargs, steps=steps, step=step, step_spec=step_spec, device=device,
-                             store_loader=store_loader, transform=transform)
+                             store_loader=store_loader, transform=transform, label=f"dlstore: {path}",
+                             trace_dir=os.path.join(trace_dir, "dlstore") if trace_dir and other else trace_dir)
+        if plot:
+            from ..tools.timeline_plot import plot_timelines
+
+            plot_timelines([r.timeline for r in (other, result) if r is not None], plot,
+                           title=f"dlstore profile: batch {kwargs['batch_size']}, step {step_spec} on {device}")
     except (DlstoreError, ValueError, OSError) as exc:
         fail(exc)
     if as_json:
-        click.echo(json.dumps(result.to_json(), indent=2))
+        click.echo(json.dumps(dict(result.to_json(), compare=other.to_json() if other else None), indent=2))
         return
+    if other is not None:
+        click.echo(f"== current pipeline: ImageFolder {folder} ==\n{other}\n\n== dlstore: {path} ==")
     click.echo(str(result))
+    if other is not None:
+        a, b = other.timeline, result.timeline
+        click.echo(f"compare   wait share {a.wait_share():.1%} (ImageFolder) -> {b.wait_share():.1%} (dlstore); "
+                   f"ImageFolder took {a.duration / max(b.duration, 1e-9):.2f}x dlstore's time for {len(b.steps)} steps")
+    if plot:
+        click.echo(f"plot      {plot}")
+    if trace_dir:
+        click.echo(f"trace     {trace_dir} (tensorboard --logdir {trace_dir}, or open the .pt.trace.json in "
+                   "https://ui.perfetto.dev)")
+
+
+def _compare_folder(spec: str) -> str:
+    import os
+
+    kind, sep, folder = spec.partition(":")
+    if kind != "imagefolder" or not sep or not folder:
+        raise ValueError(f"--compare {spec!r}: expected imagefolder:PATH (the raw image folder the store "
+                         "was converted from)")
+    if not os.path.isdir(folder):
+        raise ValueError(f"--compare {spec!r}: {folder} is not a folder")
+    return folder
 
 
 def _from_tune(path: str) -> dict:

@@ -45,6 +45,7 @@ from ..transforms.functional import (
 from ..transforms.hybrid import HybridTransform
 from ..transforms.planner import plan
 from ..transforms.static import describe
+from .profiling_ranges import profiling_range
 from .indices import sample_index, sample_indices
 from .store_reader import check_mode, open_reader
 
@@ -292,14 +293,18 @@ class StoreDataset(Dataset):
         """
         idx = self._indices(indices)
         if self.shape is not None and not self.per_sample_ops:
-            images = self._gather(idx, generator)
+            with profiling_range("dlstore.read"):      # with the fused crop/flip, inside the one copy
+                images = self._gather(idx, generator)
         else:
-            samples = self._per_sample_inputs(idx.tolist())
-            for op in self.per_sample_ops:
-                samples = [op(x) for x in samples]
-            images = _stack(samples, self.path)
-        for op in self._batch_rest:
-            images = op(images, generator)
+            with profiling_range("dlstore.read"):
+                samples = self._per_sample_inputs(idx.tolist())
+            with profiling_range("dlstore.host_transforms"):
+                for op in self.per_sample_ops:
+                    samples = [op(x) for x in samples]
+                images = _stack(samples, self.path)
+        with profiling_range("dlstore.host_transforms"):
+            for op in self._batch_rest:
+                images = op(images, generator)
         labels: Any = torch.from_numpy(self._labels[idx])
         if self.target_transform is not None and labels.ndim == 2:   # target vectors: one (K,) tensor each
             out = [self.target_transform(v) for v in labels]

@@ -18,6 +18,8 @@ from .bench.probes import (
 )
 from .profiling import LoaderReport, profile_loader, synthetic_step
 from .timed_dataset import TimedDataset
+from .timeline import Timeline
+from .train_profile import TrainingProfile, profile_training, training_step
 from .tuning import TuneResult, loader_kwargs, measure_throughput, tune
 from .verification import VerifyReport, verify
 
@@ -26,6 +28,8 @@ __all__ = [
     "CpuInfo",
     "LoaderReport",
     "TimedDataset",
+    "Timeline",
+    "TrainingProfile",
     "TuneResult",
     "VerifyReport",
     "cpu_info",
@@ -34,9 +38,11 @@ __all__ = [
     "loader_kwargs",
     "measure_throughput",
     "profile_loader",
+    "profile_training",
     "resident_fraction",
     "run_bench",
     "synthetic_step",
+    "training_step",
     "tune",
     "usable_cpus",
     "verify",

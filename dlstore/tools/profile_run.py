@@ -12,7 +12,7 @@ the trip from worker processes), and the first batch (worker start-up, opening t
 
 from __future__ import annotations
 
-import itertools
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -20,8 +20,9 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .oversubscription import ThreadCheck, check_threads
-from .profiling import LoaderReport, profile_loader
+from .profiling import LoaderReport
 from .throughput import build_loader
+from .timeline import Timeline, record_timeline
 from .timed_dataset import ms
 
 # A wait per step above this many times what batch building explains (plus a millisecond of
@@ -93,6 +94,7 @@ class ProfileResult:
     latency: str | None = None
     latency_stats: dict[str, Any] | None = None
     transform: str = ""
+    timeline: Timeline | None = None
 
     def expected_wait(self) -> float:
         """The wait per step batch building explains: all of it when the loop builds the batch
@@ -137,6 +139,8 @@ class ProfileResult:
             lines.append("per-sample fetch latency (TimedDataset, all workers):")
             lines.append("  " + self.latency.replace("\n", "\n  "))
         lines.append(str(self.report))
+        if self.timeline is not None:
+            lines.append(str(self.timeline))
         why = self.explanation()
         if why:
             lines.append(f"why       {why}")
@@ -150,12 +154,18 @@ class ProfileResult:
                 "expected_wait_s": self.expected_wait(), "explanation": self.explanation(),
                 "thread_check": dict(asdict(self.thread_check), oversubscribed=self.thread_check.oversubscribed,
                                      message=self.thread_check.message()),
-                "dataset_latency": self.latency_stats}
+                "dataset_latency": self.latency_stats,
+                "timeline": self.timeline.to_json() if self.timeline is not None else None}
 
 
 def run_profile(dataset: Any, kwargs: dict[str, Any], *, steps: int, step: Callable[[Any, Any], None],
-                step_spec: str, device: str, store_loader: bool | None = None, transform: str = "") -> ProfileResult:
+                step_spec: str, device: str, store_loader: bool | None = None, transform: str = "",
+                label: str = "", trace_dir: str | os.PathLike | None = None,
+                util_interval: float = 0.05) -> ProfileResult:
     """Profile ``steps`` steps of ``step`` over the loader ``kwargs`` describe (``throughput.build_loader``).
+
+    The loop runs through ``timeline.record_timeline``: per-step timestamps, GPU utilisation on
+    CUDA every ``util_interval`` s, a ``torch.profiler`` trace in ``trace_dir`` when given.
 
     A plain ``DataLoader`` reads through a ``TimedDataset`` (per-sample latency in every worker);
     ``dlstore.loader`` needs the store itself, so its batches are timed by ``batch_build_time``.
@@ -172,21 +182,16 @@ def run_profile(dataset: Any, kwargs: dict[str, Any], *, steps: int, step: Calla
     check = check_threads(extra_processes=workers,
                           samples=list(images.unbind(0)) if hasattr(images, "unbind") else None)
 
-    def batches():  # as many epochs as it takes to reach `steps`
-        while True:
-            yield from loader
-
-    with profile_loader(itertools.islice(batches(), steps), device=device) as p:
-        for x, y in p:
-            step(x, y)
-    report = p.report()
+    described = describe_loader(loader, kwargs)
+    report, timeline = record_timeline(loader, step, steps=steps, device=device, label=label or described,
+                                       trace_dir=trace_dir, util_interval=util_interval)
     latency = stats = None
     if timed is not None:
         latency = timed.report()
         stats = {kind: vars(s) for kind, s in timed.stats().items()}
-    return ProfileResult(loader=describe_loader(loader, kwargs), kwargs=dict(kwargs), report=report, build_s=build_s,
+    return ProfileResult(loader=described, kwargs=dict(kwargs), report=report, build_s=build_s,
                          parallel=workers, step_spec=step_spec, device=device, thread_check=check, latency=latency,
-                         latency_stats=stats, transform=transform)
+                         latency_stats=stats, transform=transform, timeline=timeline)
 
 
 __all__ = ["ProfileResult", "batch_build_time", "build_batch", "describe_loader", "parallelism", "run_profile"]

@@ -75,7 +75,7 @@ class LoaderProfile:
     """The object ``profile_loader`` yields: iterate it instead of the loader.
 
     After (or during) the loop, ``report()`` returns a ``LoaderReport`` and
-    ``waits`` / ``steps`` hold the raw per-step seconds.
+    ``waits`` / ``steps`` hold the raw per-step seconds, ``starts`` when each step's wait began.
     """
 
     def __init__(self, loader: Any, *, sync: Callable[[], None] | None, skip_first: int,
@@ -83,6 +83,7 @@ class LoaderProfile:
         self.loader = loader
         self.waits: list[float] = []
         self.steps: list[float] = []
+        self.starts: list[float] = []   # perf_counter() when each wait began: the timeline
         self._sync = sync
         self._skip_first = skip_first
         self._record = record_function
@@ -110,6 +111,7 @@ class LoaderProfile:
                 except StopIteration:
                     return
             got = time.perf_counter()
+            self.starts.append(start)
             self.waits.append(got - start)
             try:
                 with self._label("dlstore.step"):

@@ -36,6 +36,7 @@ from ...transforms.batch import BatchNormalize, BatchTransform
 from ...transforms.equivalents import batch_steps
 from ...transforms.planner import stages
 from ..passes import LoaderIterator, PassState
+from ..profiling_ranges import profiling_range
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Ring slots: batch k+1 is being copied while batch k+2 is staged; one spare so staging
@@ -271,18 +272,20 @@ class DeviceLoader:
             del batch, images                             # the host buffer is free for the next batch
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
                 # non_blocking only from pinned memory on CUDA: elsewhere the slot may be rewritten next
-                x = slot.to(self.device, non_blocking=cuda) if self.device.type != "cpu" else slot.clone()
-                if cuda:
-                    copied = torch.cuda.Event()
-                    copied.record(stream)
-                    ring.release_after(j, copied)
-                if isinstance(labels, torch.Tensor) and cuda:
-                    # pinned (torch's caching host allocator keeps the block until the copy is done):
-                    # from pageable memory the copy would first wait for everything on the stream
-                    labels = labels.pin_memory().to(self.device, non_blocking=True)
-                elif isinstance(labels, torch.Tensor):
-                    labels = labels.to(self.device)
-                x = run_steps(steps, x, generator)
+                with profiling_range("dlstore.copy_to_device"):
+                    x = slot.to(self.device, non_blocking=cuda) if self.device.type != "cpu" else slot.clone()
+                    if cuda:
+                        copied = torch.cuda.Event()
+                        copied.record(stream)
+                        ring.release_after(j, copied)
+                    if isinstance(labels, torch.Tensor) and cuda:
+                        # pinned (torch's caching host allocator keeps the block until the copy is done):
+                        # from pageable memory the copy would first wait for everything on the stream
+                        labels = labels.pin_memory().to(self.device, non_blocking=True)
+                    elif isinstance(labels, torch.Tensor):
+                        labels = labels.to(self.device)
+                with profiling_range("dlstore.device_transforms"):
+                    x = run_steps(steps, x, generator)
                 if self.dtype is not None and x.is_floating_point() and x.dtype != self.dtype:
                     x = x.to(self.dtype)
                 if self.channels_last:

@@ -46,6 +46,7 @@ from torch.utils.data import BatchSampler
 from ...errors import ArgumentError
 from ..intraop import one_thread_here
 from ..passes import LoaderIterator, PassState
+from ..profiling_ranges import profiling_range
 
 
 def batch_seed(base: int, epoch: int, k: int) -> int:
@@ -123,12 +124,13 @@ class ThreadLoader:
         return int(getattr(self.batch_sampler, "epoch", self.epoch))
 
     def _build(self, indices: Any, seed: int) -> tuple[torch.Tensor, Any]:
-        generator = torch.Generator()
-        generator.manual_seed(seed)
-        images, labels = self.dataset.get_batch(indices, generator=generator)
-        if self.pin_memory:
-            images, labels = _pin(images), _pin(labels)
-        return images, labels
+        with profiling_range("dlstore.build_batch"):   # in the builder thread: read + host transforms
+            generator = torch.Generator()
+            generator.manual_seed(seed)
+            images, labels = self.dataset.get_batch(indices, generator=generator)
+            if self.pin_memory:
+                images, labels = _pin(images), _pin(labels)
+            return images, labels
 
     def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
         return LoaderIterator(self._thread_batches())
