@@ -46,6 +46,7 @@ from ..transforms.hybrid import HybridTransform
 from ..transforms.planner import plan
 from ..transforms.static import describe
 from .profiling_ranges import profiling_range
+from .decode_crop import decode_crop_batch, split_decode_crop
 from .indices import sample_index, sample_indices
 from .store_reader import check_mode, open_reader
 
@@ -107,8 +108,10 @@ class StoreDataset(Dataset):
         batch_transform: Callable[..., torch.Tensor] | None = None,
         reader_options: dict[str, Any] | None = None,
         check: str = "none",
+        reduced_decode: bool = False,
     ):
         self.check = check_mode(check)
+        self.reduced_decode = bool(reduced_decode)
         if not isinstance(path, (str, os.PathLike)):
             raise ArgumentTypeError(f"{type(self).__name__} takes the path of a store (str or os.PathLike), "
                                     f"got {type(path).__name__}")
@@ -151,13 +154,16 @@ class StoreDataset(Dataset):
         self.target_transform = target_transform
         self.batch_transform = batch_transform
         self.per_sample_ops, self.batch_ops = planned.split(fixed_shape=self.shape is not None)
+        # An encoded store's leading RandomResizedCrop: drawn from the headers, run as each record decodes
+        self.decode_crop, self.per_sample_ops, self.batch_ops = split_decode_crop(
+            self.reader, self.per_sample_ops, self.batch_ops)
         if batch_transform is not None:
             self.batch_ops.append(batch_transform)
         # Leading crop (constant padding) and flip run inside the copy that assembles the batch.
         self._fused_crop: BatchRandomCrop | None = None
         self._fused_flip: BatchRandomHorizontalFlip | None = None
         rest = list(self.batch_ops)
-        if self.shape is not None and not self.per_sample_ops:
+        if self.shape is not None and not self.per_sample_ops and self.decode_crop is None:
             if rest and isinstance(rest[0], BatchRandomCrop) and rest[0].padding_mode == "constant" \
                     and isinstance(rest[0].fill, int) and 0 <= rest[0].fill <= 255:
                 self._fused_crop = rest.pop(0)
@@ -292,7 +298,11 @@ class StoreDataset(Dataset):
             a (B, K) tensor of their dtype (int64 or float32).
         """
         idx = self._indices(indices)
-        if self.shape is not None and not self.per_sample_ops:
+        if self.decode_crop is not None:
+            with profiling_range("dlstore.read"):      # decode + RandomResizedCrop, record by record
+                images = decode_crop_batch(self.reader, idx.tolist(), self.decode_crop, generator, self._new_batch,
+                                           reduced=self.reduced_decode)
+        elif self.shape is not None and not self.per_sample_ops:
             with profiling_range("dlstore.read"):      # with the fused crop/flip, inside the one copy
                 images = self._gather(idx, generator)
         else:
