@@ -169,6 +169,8 @@ class StoreDataset(Dataset):
                 self._fused_crop = rest.pop(0)
             if rest and isinstance(rest[0], BatchRandomHorizontalFlip):
                 self._fused_flip = rest.pop(0)
+        if self.decode_crop is not None and rest and isinstance(rest[0], BatchRandomHorizontalFlip):
+            self._fused_flip = rest.pop(0)                  # flipped in the copy of each crop
         self._batch_rest = rest
         # Loader threads (dlstore.loader(threads=...)) call get_batch at once: each thread has
         # its own padded buffer of the vectorised gather, and the pool's check-and-take is locked.
@@ -301,7 +303,7 @@ class StoreDataset(Dataset):
         if self.decode_crop is not None:
             with profiling_range("dlstore.read"):      # decode + RandomResizedCrop, record by record
                 images = decode_crop_batch(self.reader, idx.tolist(), self.decode_crop, generator, self._new_batch,
-                                           reduced=self.reduced_decode)
+                                           flip=self._fused_flip, reduced=self.reduced_decode)
         elif self.shape is not None and not self.per_sample_ops:
             with profiling_range("dlstore.read"):      # with the fused crop/flip, inside the one copy
                 images = self._gather(idx, generator)
@@ -370,7 +372,7 @@ class StoreDataset(Dataset):
     def fuses_crop_flip(self) -> bool:
         """True when get_batch runs a leading RandomCrop / HorizontalFlip inside its copy (the
         kernel of ``dlstore.transforms.compiled`` where numba imports, else the pure one)."""
-        return self._fused_crop is not None or self._fused_flip is not None
+        return self.decode_crop is None and (self._fused_crop is not None or self._fused_flip is not None)
 
     def _new_batch(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialised uint8 tensor for a batch.

@@ -8,7 +8,8 @@ it here, record by record, inside the batch the loader thread builds::
     boxes   = drawn for every record at once from the batch's generator, as
               v2.RandomResizedCrop.get_params draws on an image of that size
     for each record: decode it (torchvision, the GIL released), crop + resize its box
-              (torchvision's resized_crop kernel) into the batch, while it is in cache
+              (torchvision's resized_crop kernel) into the batch, while it is in cache,
+              flipped there when a RandomHorizontalFlip follows (drawn after the boxes)
 
 so the output equals torchvision's ``F.resized_crop`` on the decoded image with the
 drawn box, which is ``v2.RandomResizedCrop`` given the same parameters. Draws come
@@ -31,7 +32,7 @@ import torch
 
 from ..errors import StoreCorruptError, TransformSpecError
 from ..formats.encoding import DecodingReader, image_size, reduced_scale
-from ..transforms.batch import BatchRandomResizedCrop, BatchTransform
+from ..transforms.batch import BatchRandomHorizontalFlip, BatchRandomResizedCrop, BatchTransform
 from ..transforms.equivalents import batch_equivalent
 
 
@@ -52,8 +53,9 @@ def split_decode_crop(reader: Any, per_sample_ops: list[Any], batch_ops: list[Ba
 
 def decode_crop_batch(reader: DecodingReader, idx: list[int], crop: BatchRandomResizedCrop,
                       generator: torch.Generator | None, new_batch: Callable[[tuple[int, ...]], torch.Tensor],
-                      *, reduced: bool = False) -> torch.Tensor:
-    """Samples ``idx`` decoded and cropped by ``crop`` into one (B, C, h, w) uint8 batch (``new_batch``)."""
+                      *, flip: BatchRandomHorizontalFlip | None = None, reduced: bool = False) -> torch.Tensor:
+    """Samples ``idx`` decoded and cropped by ``crop`` into one (B, C, h, w) uint8 batch (``new_batch``),
+    each flipped as ``flip`` draws (drawn after the boxes, as ``BatchCompose([crop, flip])`` draws)."""
     from torchvision.transforms.v2 import functional as F
 
     where = str(getattr(reader.raw, "path", "store"))
@@ -61,6 +63,8 @@ def decode_crop_batch(reader: DecodingReader, idx: list[int], crop: BatchRandomR
     sizes = torch.tensor([image_size(r) for r in records], dtype=torch.long).reshape(-1, 2)
     boxes = crop.sample_sizes(sizes[:, 0], sizes[:, 1], generator=generator)
     out_size = list(crop.size)
+    flips = flip.sample((len(idx), 1, *out_size), generator=generator)["flip"].tolist() if flip is not None \
+        else [False] * len(idx)
     out = None
     for j, (record, i, t, l, h, w) in enumerate(zip(records, idx, *(boxes[k].tolist() for k in
                                                                     ("top", "left", "height", "width")))):
@@ -80,7 +84,8 @@ def decode_crop_batch(reader: DecodingReader, idx: list[int], crop: BatchRandomR
         elif image.shape[0] != out.shape[1]:
             raise TransformSpecError(f"{where}: cannot batch samples of {out.shape[1]} and "
                                      f"{image.shape[0]} channels (sample {i}); convert with one colour mode")
-        out[j] = F.resized_crop(image, t, l, h, w, out_size, antialias=crop.antialias)
+        resized = F.resized_crop(image, t, l, h, w, out_size, antialias=crop.antialias)
+        out[j] = resized.flip(-1) if flips[j] else resized     # the flip in the copy into the batch
     if out is None:
         return torch.empty((0, 3, *out_size), dtype=torch.uint8)
     return out
