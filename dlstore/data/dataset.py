@@ -74,6 +74,8 @@ class StoreDataset(Dataset):
         shape: (C, H, W) of every sample, or None for a variable-shape store.
         already_applied: the leading ops of a whole pipeline given as ``transform`` that the
             store's static spec stands for, so they do not run (empty when none).
+        decode_crop: on a JPEG/PNG store, the leading RandomResizedCrop that ``get_batch`` runs as
+            each record decodes (``decode_crop``; ``reduced_decode=True``: at a DCT scale), or None.
 
     Samples of fixed-shape shards stores are zero-copy views of a private
     copy-on-write memory map: nothing is read until the tensor is used, and an
