@@ -60,7 +60,8 @@ def decode_crop_batch(reader: DecodingReader, idx: list[int], crop: BatchRandomR
 
     where = str(getattr(reader.raw, "path", "store"))
     records = reader.records(idx)
-    sizes = torch.tensor([image_size(r) for r in records], dtype=torch.long).reshape(-1, 2)
+    sizes = torch.tensor([image_size(r, where=f"{where} sample {i}") for r, i in zip(records, idx)],
+                         dtype=torch.long).reshape(-1, 2)
     boxes = crop.sample_sizes(sizes[:, 0], sizes[:, 1], generator=generator)
     out_size = list(crop.size)
     flips = flip.sample((len(idx), 1, *out_size), generator=generator)["flip"].tolist() if flip is not None \

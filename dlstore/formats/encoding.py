@@ -91,8 +91,9 @@ def decode(record: np.ndarray, *, where: str = "sample") -> np.ndarray:
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 
 
-def image_size(record: np.ndarray) -> tuple[int, int]:
-    """(height, width) of an encoded record, read from its header (JPEG, PNG; else PIL opens it)."""
+def image_size(record: np.ndarray, *, where: str = "sample") -> tuple[int, int]:
+    """(height, width) of an encoded record, read from its header (JPEG, PNG; else PIL opens it);
+    StoreCorruptError naming ``where`` when it has none."""
     data = memoryview(np.ascontiguousarray(record)).cast("B")
     n = len(data)
     if n > 24 and data[:8] == b"\x89PNG\r\n\x1a\n":
@@ -112,8 +113,12 @@ def image_size(record: np.ndarray) -> tuple[int, int]:
                 k += 2
                 continue
             k += 2 + ((data[k + 2] << 8) | data[k + 3])
-    with Image.open(io.BytesIO(data)) as img:   # anything else (a header this scan does not know)
-        return img.size[1], img.size[0]
+    try:   # anything else (a header this scan does not know)
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size[1], img.size[0]
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise StoreCorruptError(f"{where}: stored image bytes have no image header ({type(exc).__name__}: "
+                                f"{exc})") from exc
 
 
 def reduced_scale(height: int, width: int, out: tuple[int, int]) -> int:

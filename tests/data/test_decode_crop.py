@@ -63,6 +63,13 @@ def test_image_size_reads_the_header_as_pil_does(kind):
     assert image_size(record) == (37, 53)
 
 
+def test_a_record_without_an_image_header_names_the_sample():
+    from dlstore.errors import StoreCorruptError
+
+    with pytest.raises(StoreCorruptError, match="s.shards sample 4: .*no image header"):
+        image_size(np.frombuffer(b"\xff\xd8 not a jpeg at all", np.uint8), where="s.shards sample 4")
+
+
 def test_loader_batches_equal_torchvision_resized_crop_with_the_drawn_boxes(jpeg_store):
     ds = dlstore.open_dataset(jpeg_store, transform=v2.Compose([v2.RandomResizedCrop(24), v2.RandomHorizontalFlip()]))
     assert ds.shape is None and ds.decode_crop is not None and not ds.per_sample_ops
