@@ -46,6 +46,7 @@ from ..transforms.hybrid import HybridTransform
 from ..transforms.planner import plan
 from ..transforms.static import describe
 from .profiling_ranges import profiling_range
+from .decode_crop import decode_crop_batch, split_decode_crop
 from .indices import sample_index, sample_indices
 from .store_reader import check_mode, open_reader
 
@@ -73,6 +74,8 @@ class StoreDataset(Dataset):
         shape: (C, H, W) of every sample, or None for a variable-shape store.
         already_applied: the leading ops of a whole pipeline given as ``transform`` that the
             store's static spec stands for, so they do not run (empty when none).
+        decode_crop: on a JPEG/PNG store, the leading RandomResizedCrop that ``get_batch`` runs as
+            each record decodes (``decode_crop``; ``reduced_decode=True``: at a DCT scale), or None.
 
     Samples of fixed-shape shards stores are zero-copy views of a private
     copy-on-write memory map: nothing is read until the tensor is used, and an
@@ -107,8 +110,10 @@ class StoreDataset(Dataset):
         batch_transform: Callable[..., torch.Tensor] | None = None,
         reader_options: dict[str, Any] | None = None,
         check: str = "none",
+        reduced_decode: bool = False,
     ):
         self.check = check_mode(check)
+        self.reduced_decode = bool(reduced_decode)
         if not isinstance(path, (str, os.PathLike)):
             raise ArgumentTypeError(f"{type(self).__name__} takes the path of a store (str or os.PathLike), "
                                     f"got {type(path).__name__}")
@@ -151,18 +156,23 @@ class StoreDataset(Dataset):
         self.target_transform = target_transform
         self.batch_transform = batch_transform
         self.per_sample_ops, self.batch_ops = planned.split(fixed_shape=self.shape is not None)
+        # An encoded store's leading RandomResizedCrop: drawn from the headers, run as each record decodes
+        self.decode_crop, self.per_sample_ops, self.batch_ops = split_decode_crop(
+            self.reader, self.per_sample_ops, self.batch_ops)
         if batch_transform is not None:
             self.batch_ops.append(batch_transform)
         # Leading crop (constant padding) and flip run inside the copy that assembles the batch.
         self._fused_crop: BatchRandomCrop | None = None
         self._fused_flip: BatchRandomHorizontalFlip | None = None
         rest = list(self.batch_ops)
-        if self.shape is not None and not self.per_sample_ops:
+        if self.shape is not None and not self.per_sample_ops and self.decode_crop is None:
             if rest and isinstance(rest[0], BatchRandomCrop) and rest[0].padding_mode == "constant" \
                     and isinstance(rest[0].fill, int) and 0 <= rest[0].fill <= 255:
                 self._fused_crop = rest.pop(0)
             if rest and isinstance(rest[0], BatchRandomHorizontalFlip):
                 self._fused_flip = rest.pop(0)
+        if self.decode_crop is not None and rest and isinstance(rest[0], BatchRandomHorizontalFlip):
+            self._fused_flip = rest.pop(0)                  # flipped in the copy of each crop
         self._batch_rest = rest
         # Loader threads (dlstore.loader(threads=...)) call get_batch at once: each thread has
         # its own padded buffer of the vectorised gather, and the pool's check-and-take is locked.
@@ -292,7 +302,11 @@ class StoreDataset(Dataset):
             a (B, K) tensor of their dtype (int64 or float32).
         """
         idx = self._indices(indices)
-        if self.shape is not None and not self.per_sample_ops:
+        if self.decode_crop is not None:
+            with profiling_range("dlstore.read"):      # decode + RandomResizedCrop, record by record
+                images = decode_crop_batch(self.reader, idx.tolist(), self.decode_crop, generator, self._new_batch,
+                                           flip=self._fused_flip, reduced=self.reduced_decode)
+        elif self.shape is not None and not self.per_sample_ops:
             with profiling_range("dlstore.read"):      # with the fused crop/flip, inside the one copy
                 images = self._gather(idx, generator)
         else:
@@ -360,7 +374,7 @@ class StoreDataset(Dataset):
     def fuses_crop_flip(self) -> bool:
         """True when get_batch runs a leading RandomCrop / HorizontalFlip inside its copy (the
         kernel of ``dlstore.transforms.compiled`` where numba imports, else the pure one)."""
-        return self._fused_crop is not None or self._fused_flip is not None
+        return self.decode_crop is None and (self._fused_crop is not None or self._fused_flip is not None)
 
     def _new_batch(self, shape: tuple[int, ...]) -> torch.Tensor:
         """An uninitialised uint8 tensor for a batch.

@@ -47,6 +47,7 @@ def open_dataset(
     batch_transform: Callable[..., torch.Tensor] | None = None,
     reader_options: dict[str, Any] | None = None,
     check: str = "none",
+    reduced_decode: bool = False,
 ) -> StoreDataset:
     """Open a store written by ``dlstore convert`` as a map-style Dataset of the matching class.
 
@@ -79,6 +80,10 @@ def open_dataset(
             sha256 once, at open). A store converted before the sums existed
             raises UsageError (use ``"open"`` or convert again). See
             docs/robustness.md for the cost of each mode.
+        reduced_decode: a JPEG store whose ``transform`` begins with ``RandomResizedCrop``:
+            batches (``get_batch``, ``dlstore.loader``) decode each record at the smallest DCT
+            scale (1/2, 1/4, 1/8) at which its drawn box still holds the output size. Faster on
+            large records, not the exact pixels (docs/reading.md measures it); off by default.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
@@ -94,4 +99,4 @@ def open_dataset(
                                 f"{type(path).__name__}")
     cls = _CLASSES[formats.detect_format(path)]
     return cls(path, transform=transform, target_transform=target_transform, batch_transform=batch_transform,
-               reader_options=reader_options, check=check)
+               reader_options=reader_options, check=check, reduced_decode=reduced_decode)

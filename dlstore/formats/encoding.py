@@ -37,6 +37,12 @@ specified bit-exactly), so each reader checks once, on the first 4 records it
 decodes, that torchvision's pixels equal PIL's, and keeps to PIL if they do not.
 A batch in which a record does not decode falls back to PIL record by record,
 whose error names the store and the sample.
+
+Decode-time crops (``dlstore.data.decode_crop``): :func:`image_size` reads a record's
+(height, width) from its header (JPEG SOF, PNG IHDR) without decoding it, so a crop box
+can be drawn first; :meth:`DecodingReader.decode_record` then decodes one record (exact:
+as ``get_many``), or, given ``reduce``, at libjpeg's DCT scale 1/2, 1/4 or 1/8 (PIL's
+``Image.draft``; not PIL's or torchvision's full-size pixels: see docs/reading.md).
 """
 
 from __future__ import annotations
@@ -79,6 +85,67 @@ def decode(record: np.ndarray, *, where: str = "sample") -> np.ndarray:
     if arr.ndim == 2:
         return arr[None].copy()
     return np.ascontiguousarray(arr.transpose(2, 0, 1))
+
+
+# JPEG start-of-frame markers (they hold the size): C0-CF but DHT (C4), JPG (C8) and DAC (CC)
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+
+
+def image_size(record: np.ndarray, *, where: str = "sample") -> tuple[int, int]:
+    """(height, width) of an encoded record, read from its header (JPEG, PNG; else PIL opens it);
+    StoreCorruptError naming ``where`` when it has none."""
+    data = memoryview(np.ascontiguousarray(record)).cast("B")
+    n = len(data)
+    if n > 24 and data[:8] == b"\x89PNG\r\n\x1a\n":
+        return int.from_bytes(data[20:24], "big"), int.from_bytes(data[16:20], "big")
+    if n > 4 and data[0] == 0xFF and data[1] == 0xD8:
+        k = 2
+        while k + 9 < n:
+            if data[k] != 0xFF:
+                break
+            marker = data[k + 1]
+            if marker == 0xFF:        # fill byte
+                k += 1
+                continue
+            if marker in _SOF:
+                return (data[k + 5] << 8) | data[k + 6], (data[k + 7] << 8) | data[k + 8]
+            if marker == 0x01 or 0xD0 <= marker <= 0xD7:   # markers without a length
+                k += 2
+                continue
+            k += 2 + ((data[k + 2] << 8) | data[k + 3])
+    try:   # anything else (a header this scan does not know)
+        with Image.open(io.BytesIO(data)) as img:
+            return img.size[1], img.size[0]
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise StoreCorruptError(f"{where}: stored image bytes have no image header ({type(exc).__name__}: "
+                                f"{exc})") from exc
+
+
+def reduced_scale(height: int, width: int, out: tuple[int, int]) -> int:
+    """The largest DCT scale divisor (8, 4, 2 or 1) at which a ``height`` x ``width`` box of an
+    image still holds at least ``out`` = (out_h, out_w) pixels."""
+    for s in (8, 4, 2):
+        if height >= s * out[0] and width >= s * out[1]:
+            return s
+    return 1
+
+
+def decode_reduced(record: np.ndarray, scale: int, *, where: str = "sample") -> tuple[np.ndarray, int]:
+    """A JPEG record decoded at 1/``scale`` of its size by libjpeg's DCT scaling (PIL's ``draft``):
+    ((C, ceil(H/s), ceil(W/s)) uint8 array, the scale s applied (1 where the file allows none,
+    e.g. progressive))."""
+    try:
+        with Image.open(io.BytesIO(memoryview(np.ascontiguousarray(record)).cast("B"))) as img:
+            w, h = img.size
+            drafted = img.draft(img.mode, (max(1, w // scale), max(1, h // scale))) if img.format == "JPEG" else None
+            img.load()
+            arr = np.array(img)   # writable (torch wants it); a reduced image is small
+            applied = int(round(w / drafted[1][2])) if drafted is not None else 1
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise StoreCorruptError(f"{where}: stored image bytes do not decode ({type(exc).__name__}: {exc})") from exc
+    if arr.ndim == 2:
+        return arr[None], applied
+    return arr.transpose(2, 0, 1), applied
 
 
 def decode_batch(records: list[np.ndarray], encoding: str, *, device: Any = "cpu") -> list[Any]:
@@ -189,6 +256,26 @@ class DecodingReader:
                         self._batch_jpeg = equal
                     ok = self._batch_jpeg
         return None if ok is False else images
+
+    def records(self, indices: list[int]) -> list[np.ndarray]:
+        """The encoded records ``indices`` as stored (one read of the format's Reader)."""
+        return self.raw.get_many(indices)
+
+    def decode_record(self, record: np.ndarray, i: int, *, reduce: int = 1) -> tuple[np.ndarray, int]:
+        """Record ``record`` (sample ``i``) decoded: ((C, H, W) array, its scale divisor). ``reduce``
+        1: the pixels of ``get_many`` (a view of (H, W, C) memory) and divisor 1; 2, 4 or 8: a JPEG
+        decoded at most that much smaller by :func:`decode_reduced`, with the divisor applied."""
+        if reduce > 1 and self._encoding == "jpeg":
+            sample, applied = decode_reduced(record, reduce, where=f"{self._where} sample {i}")
+            if applied > 1 and sample.shape[0] in (1, 3):
+                return sample, applied
+        if self._batch_jpeg is not False:
+            decoded = self._decode_batch([record])
+            if decoded is not None and decoded[0].shape[0] in (1, 3):
+                sample = decoded[0].numpy()
+                self._check_shape(sample.shape, i)
+                return sample, 1
+        return self._decoded(record, i), 1
 
     def decode_many(self, indices: list[int], *, device: Any = "cpu") -> list[Any]:
         """Samples ``indices`` as uint8 (C, H, W) tensors on ``device``, decoded there where

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from ..errors import TransformSpecError
+from .boxes import random_resized_boxes
 from .cpu_kernels import cutout_samples, flip_samples, numpy_view
 from .static import PADDING_MODES, _size_pair
 
@@ -261,44 +262,14 @@ class BatchRandomResizedCrop(BatchTransform):
         self.antialias = bool(antialias)
 
     def sample(self, shape: Sequence[int], *, generator: Any = None, device: Any = "cpu") -> BatchParams:
-        import math
-
-
         b, _, height, width = shape
-        area = height * width
-        log_ratio = (math.log(self.ratio[0]), math.log(self.ratio[1]))
-        top = torch.zeros(b, dtype=torch.long, device=device)
-        left = torch.zeros_like(top)
-        ch = torch.zeros_like(top)
-        cw = torch.zeros_like(top)
-        done = torch.zeros(b, dtype=torch.bool, device=device)
-        for _ in range(10):
-            u = torch.rand(4, b, generator=generator, device=device, dtype=torch.float64)
-            target = area * (self.scale[0] + u[0] * (self.scale[1] - self.scale[0]))
-            aspect = torch.exp(log_ratio[0] + u[1] * (log_ratio[1] - log_ratio[0]))
-            w = torch.round(torch.sqrt(target * aspect)).long()
-            h = torch.round(torch.sqrt(target / aspect)).long()
-            ok = (w > 0) & (w <= width) & (h > 0) & (h <= height) & ~done
-            i = (u[2] * (height - h + 1).clamp_min(1)).long()
-            j = (u[3] * (width - w + 1).clamp_min(1)).long()
-            top = torch.where(ok, i, top)
-            left = torch.where(ok, j, left)
-            ch = torch.where(ok, h, ch)
-            cw = torch.where(ok, w, cw)
-            done |= ok
-        # Fallback for samples with no valid try: torchvision's centre crop.
-        in_ratio = width / height
-        if in_ratio < self.ratio[0]:
-            fw, fh = width, int(round(width / self.ratio[0]))
-        elif in_ratio > self.ratio[1]:
-            fw, fh = int(round(height * self.ratio[1])), height
-        else:
-            fw, fh = width, height
-        top = torch.where(done, top, torch.full_like(top, (height - fh) // 2))
-        left = torch.where(done, left, torch.full_like(left, (width - fw) // 2))
-        ch = torch.where(done, ch, torch.full_like(ch, fh))
-        cw = torch.where(done, cw, torch.full_like(cw, fw))
-        return {"top": top, "left": left, "height": ch, "width": cw}
+        return self.sample_sizes(torch.full((b,), height, dtype=torch.long, device=device),
+                                 torch.full((b,), width, dtype=torch.long, device=device), generator=generator)
+
+    def sample_sizes(self, heights: "torch.Tensor", widths: "torch.Tensor", *, generator: Any = None) -> BatchParams:
+        """The boxes of samples of their own sizes, ``heights`` x ``widths`` ((B,) int tensors), drawn as
+        ``sample`` draws them: what ``v2.RandomResizedCrop.get_params`` draws on each image."""
+        return random_resized_boxes(heights, widths, self.scale, self.ratio, generator=generator)
 
     def apply(self, images: "torch.Tensor", params: BatchParams) -> "torch.Tensor":
         from .functional import resized_crop

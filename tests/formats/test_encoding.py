@@ -180,19 +180,21 @@ def test_per_sample_transforms_on_an_encoded_store_equal_torchvision_on_pil(vars
 
     dlstore.convert(varsize_folder, tmp_path / name, static="resize_max=36", encoding="jpeg", quality=85,
                     workers=0, progress=False)
-    # One op: get_batch runs per-sample ops op by op over the batch, and a flip would run per
-    # batch, so longer pipelines draw in another order (tests/fidelity matches those draws).
+    # get_batch runs the crop as each record decodes (decode_crop), its boxes drawn from the
+    # generator it is given; the reference is torchvision's kernel on PIL's pixels with those boxes.
     transform = v2.RandomResizedCrop(16, antialias=True)
     ds = dlstore.open_dataset(tmp_path / name, transform=transform)
-    assert ds.shape is None and ds.per_sample_ops
+    assert ds.shape is None and not ds.per_sample_ops and ds.decode_crop is not None
     idx = [5, 0, 3, 3, 9, 1, 7]
     records = ds.reader.raw.get_many(idx)
     pil = [F.pil_to_tensor(Image.open(io.BytesIO(r.tobytes()))) for r in records]
     assert len({tuple(p.shape) for p in pil}) > 1           # the store holds several shapes
-    torch.manual_seed(7)
-    got, labels = ds.get_batch(idx)
-    torch.manual_seed(7)
-    assert torch.equal(got, torch.stack([transform(p) for p in pil]))
+    got, labels = ds.get_batch(idx, generator=torch.Generator().manual_seed(7))
+    heights, widths = (torch.tensor([p.shape[k] for p in pil]) for k in (1, 2))
+    boxes = ds.decode_crop.sample_sizes(heights, widths, generator=torch.Generator().manual_seed(7))
+    want = [F.resized_crop(p, *(int(boxes[k][j]) for k in ("top", "left", "height", "width")), [16, 16],
+                           antialias=True) for j, p in enumerate(pil)]
+    assert torch.equal(got, torch.stack(want))
     assert labels.tolist() == [ds.targets[i] for i in idx]
     torch.manual_seed(8)
     one = [ds[i][0] for i in idx]                           # dataset[i]: the single-record decode

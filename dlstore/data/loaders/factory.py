@@ -54,9 +54,12 @@ def threads_apply(dataset: StoreDataset) -> bool:
     draw from the generator ``get_batch`` is given. Per-sample ops (torchvision
     transforms without a batch equivalent, run sample by sample) hold the GIL
     between small kernels and draw from torch's global generator, which threads
-    share: those pipelines go to worker processes.
+    share: those pipelines go to worker processes. An encoded store whose pipeline begins
+    with RandomResizedCrop counts as fixed-shape: the crop runs as each record decodes,
+    drawn from that generator (``decode_crop``).
     """
-    return dataset.shape is not None and not dataset.per_sample_ops
+    fixed = dataset.shape is not None or getattr(dataset, "decode_crop", None) is not None
+    return fixed and not dataset.per_sample_ops
 
 
 def _backend_choice(backend: str, dataset: StoreDataset, *, num_workers: int, threads: int | None,

@@ -1,0 +1,129 @@
+"""RandomResizedCrop at decode time on JPEG stores (dlstore.data.decode_crop), against torchvision/PIL."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
+
+import dlstore
+from dlstore.data.loaders.threads import ThreadLoader
+from dlstore.formats.encoding import decode_reduced, image_size, reduced_scale
+from dlstore.sources.demo import make_image_folder, synthetic_image
+from dlstore.transforms import BatchRandomResizedCrop
+
+BOX = ("top", "left", "height", "width")
+
+
+@pytest.fixture(scope="module")
+def jpeg_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dc")
+    src = make_image_folder(root / "src", classes=2, per_class=6, size=(60, 80), vary_size=True)
+    dlstore.convert(src, root / "s.shards", encoding="jpeg", quality=90, workers=0, progress=False)
+    return root / "s.shards"
+
+
+def _pil(ds, i):
+    return F.pil_to_tensor(Image.open(io.BytesIO(ds.reader.raw.get_many([i])[0].tobytes())))
+
+
+def test_boxes_of_mixed_sizes_are_the_draws_of_each_size():
+    # column j of one draw over mixed sizes is what sample() draws for a batch of image j's size
+    crop = BatchRandomResizedCrop(8, scale=(0.08, 1.0))
+    sizes = [(20, 30), (31, 17), (9, 64), (48, 48), (12, 10)]
+    hs, ws = (torch.tensor([s[k] for s in sizes]) for k in (0, 1))
+    mixed = crop.sample_sizes(hs, ws, generator=torch.Generator().manual_seed(3))
+    for j, (h, w) in enumerate(sizes):
+        alone = crop.sample((len(sizes), 3, h, w), generator=torch.Generator().manual_seed(3))
+        assert [int(mixed[k][j]) for k in BOX] == [int(alone[k][j]) for k in BOX]
+        assert 0 <= mixed["top"][j] and mixed["top"][j] + mixed["height"][j] <= h
+        assert 0 <= mixed["left"][j] and mixed["left"][j] + mixed["width"][j] <= w
+
+
+@pytest.mark.parametrize("kind", ["baseline", "progressive", "gray", "png", "exif"])
+def test_image_size_reads_the_header_as_pil_does(kind):
+    img = Image.fromarray(synthetic_image(1, 2, (37, 53)))
+    buf = io.BytesIO()
+    if kind == "png":
+        img.save(buf, format="PNG")
+    elif kind == "gray":
+        img.convert("L").save(buf, format="JPEG")
+    elif kind == "exif":
+        exif = Image.Exif()
+        exif[0x010E] = "x" * 3000          # a long APP1 segment before the frame header
+        img.save(buf, format="JPEG", exif=exif)
+    else:
+        img.save(buf, format="JPEG", progressive=kind == "progressive")
+    record = np.frombuffer(buf.getvalue(), np.uint8).reshape(1, 1, -1)
+    assert image_size(record) == (37, 53)
+
+
+def test_a_record_without_an_image_header_names_the_sample():
+    from dlstore.errors import StoreCorruptError
+
+    with pytest.raises(StoreCorruptError, match="s.shards sample 4: .*no image header"):
+        image_size(np.frombuffer(b"\xff\xd8 not a jpeg at all", np.uint8), where="s.shards sample 4")
+
+
+def test_loader_batches_equal_torchvision_resized_crop_with_the_drawn_boxes(jpeg_store):
+    ds = dlstore.open_dataset(jpeg_store, transform=v2.Compose([v2.RandomResizedCrop(24), v2.RandomHorizontalFlip()]))
+    assert ds.shape is None and ds.decode_crop is not None and not ds.per_sample_ops
+    loader = dlstore.loader(ds, 5, shuffle=True, generator=torch.Generator().manual_seed(0))
+    assert isinstance(loader, ThreadLoader)        # the default: threads, the crop drawn per batch
+    batches = list(loader)
+    again = list(dlstore.loader(ds, 5, shuffle=True, threads=1, generator=torch.Generator().manual_seed(0)))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(batches, again))   # whatever the thread count
+    # each batch: torchvision's kernel on PIL's pixels with the boxes its generator draws first, then the flip
+    idx = [2, 7, 0, 11, 5]
+    g = torch.Generator().manual_seed(5)
+    got, _ = ds.get_batch(idx, generator=g)
+    pil = [_pil(ds, i) for i in idx]
+    g = torch.Generator().manual_seed(5)
+    boxes = ds.decode_crop.sample_sizes(torch.tensor([p.shape[1] for p in pil]),
+                                        torch.tensor([p.shape[2] for p in pil]), generator=g)
+    flips = ds.batch_ops[0].sample((5, 3, 24, 24), generator=g)["flip"]
+    for j, p in enumerate(pil):
+        want = F.resized_crop(p, *(int(boxes[k][j]) for k in BOX), [24, 24], antialias=True)
+        assert torch.equal(got[j], F.horizontal_flip(want) if flips[j] else want)
+
+
+def test_reduced_scale_keeps_the_output_covered():
+    assert reduced_scale(224, 224, (224, 224)) == 1
+    assert reduced_scale(447, 900, (224, 224)) == 1
+    assert reduced_scale(448, 900, (224, 224)) == 2
+    assert reduced_scale(900, 1800, (224, 224)) == 4
+    assert reduced_scale(1792, 1792, (224, 224)) == 8
+    assert reduced_scale(5000, 5000, (224, 224)) == 8
+
+
+def test_reduced_decode_is_libjpegs_dct_scaling_and_close_to_exact(tmp_path):
+    img = synthetic_image(3, 1, (480, 640))
+    buf = io.BytesIO()
+    Image.fromarray(img).save(buf, format="JPEG", quality=90)
+    record = np.frombuffer(buf.getvalue(), np.uint8).reshape(1, 1, -1)
+    small, s = decode_reduced(record, 4)
+    ref = Image.open(io.BytesIO(buf.getvalue()))
+    ref.draft("RGB", (160, 120))
+    assert s == 4 and small.shape == (3, 120, 160) and np.array_equal(small, np.asarray(ref).transpose(2, 0, 1))
+    # a store read with reduced_decode: small crops of large records decode reduced, others exactly
+    src = make_image_folder(tmp_path / "src", classes=1, per_class=4, size=(480, 640))
+    dlstore.convert(src, tmp_path / "s.lmdb", encoding="jpeg", quality=90, workers=0, progress=False)
+    transform = v2.RandomResizedCrop(32, scale=(0.5, 1.0))
+    exact = dlstore.open_dataset(tmp_path / "s.lmdb", transform=transform)
+    reduced = dlstore.open_dataset(tmp_path / "s.lmdb", transform=transform, reduced_decode=True)
+    a, _ = exact.get_batch([0, 1, 2, 3], generator=torch.Generator().manual_seed(1))
+    b, _ = reduced.get_batch([0, 1, 2, 3], generator=torch.Generator().manual_seed(1))
+    assert a.shape == b.shape == (4, 3, 32, 32) and not torch.equal(a, b)
+    mse = float(((a.double() - b.double()) ** 2).mean())
+    assert 10 * np.log10(255 ** 2 / mse) > 25
+    tight = dlstore.open_dataset(tmp_path / "s.lmdb", transform=v2.RandomResizedCrop(400, scale=(0.9, 1.0)),
+                                 reduced_decode=True)
+    c, _ = tight.get_batch([0, 1], generator=torch.Generator().manual_seed(2))
+    d, _ = dlstore.open_dataset(tmp_path / "s.lmdb", transform=v2.RandomResizedCrop(400, scale=(0.9, 1.0))
+                                ).get_batch([0, 1], generator=torch.Generator().manual_seed(2))
+    assert torch.equal(c, d)      # no box holds 2x the output: decoded exactly
