@@ -25,8 +25,9 @@ def check_matplotlib() -> None:
     measuring, so a missing plot library does not cost the run)."""
     try:
         import matplotlib  # noqa: F401
-    except ImportError:
-        raise UsageError(f"--plot needs matplotlib, which is not installed: {INSTALL}") from None
+    except ImportError as exc:
+        why = "is not installed" if isinstance(exc, ModuleNotFoundError) else f"cannot be imported ({exc})"
+        raise UsageError(f"--plot needs matplotlib, which {why}: {INSTALL}") from None
 
 
 def panel_text(timeline: Timeline) -> str:

@@ -137,12 +137,15 @@ class BenchReport:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
         written = {}
-        if importlib.util.find_spec("matplotlib") is not None:
-            written["png"] = _plot(self, out / "report.png")
-        else:
-            note = "matplotlib is not installed: report.png skipped (pip install 'dlstore[plot]')"
+        try:   # installed but unusable (built for another numpy) counts as absent: the run's numbers stand
+            import matplotlib  # noqa: F401
+        except ImportError as exc:
+            why = "is not installed" if importlib.util.find_spec("matplotlib") is None else f"cannot be imported ({exc})"
+            note = f"matplotlib {why}: report.png skipped (pip install 'dlstore[plot]')"
             if note not in self.notes:
                 self.notes.append(note)
+        else:
+            written["png"] = _plot(self, out / "report.png")
         written["json"] = out / "report.json"
         written["json"].write_text(json.dumps(self.to_json(), indent=1) + "\n")
         written["md"] = out / "report.md"
