@@ -9,8 +9,9 @@ import time
 
 import pytest
 import torch
+from _datasets import SleepyDataset
 from click.testing import CliRunner
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 import dlstore
 from dlstore.cli import main
@@ -21,22 +22,6 @@ from dlstore.tools.profiling import (
     profile_loader,
     synthetic_step,
 )
-
-
-class SleepyDataset(Dataset):
-    """Every ``__getitem__`` sleeps ``delay`` seconds; sample i is filled with i."""
-
-    def __init__(self, n: int = 24, delay: float = 0.0):
-        self.n, self.delay = n, delay
-        self.classes = ["a", "b"]
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        if self.delay:
-            time.sleep(self.delay)
-        return torch.full((2, 4, 4), i, dtype=torch.int32), i % 2
 
 
 @pytest.fixture(scope="module")

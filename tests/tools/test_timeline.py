@@ -8,29 +8,15 @@ import sys
 import time
 
 import pytest
-from click.testing import CliRunner
 import torch
-from torch.utils.data import DataLoader, Dataset
+from _datasets import SleepyDataset
+from click.testing import CliRunner
+from torch.utils.data import DataLoader
 
 import dlstore
 from dlstore.cli import main
 from dlstore.sources.demo import make_image_folder
 from dlstore.tools.timeline import Timeline, record_timeline, trace_schedule
-
-
-
-class SleepyDataset(Dataset):
-    """Every ``__getitem__`` sleeps ``delay`` seconds."""
-
-    def __init__(self, n: int, delay: float):
-        self.n, self.delay = n, delay
-
-    def __len__(self):
-        return self.n
-
-    def __getitem__(self, i):
-        time.sleep(self.delay)
-        return torch.full((2, 4, 4), i, dtype=torch.int32), i % 2
 
 
 @pytest.fixture(scope="module")
