@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -178,19 +179,42 @@ def usable_cpus() -> int:
     return cpu_info().usable
 
 
-def memory_limit_bytes(cgroup_root: Path = _CGROUP_ROOT) -> int | None:
-    """Physical memory, capped by the cgroup memory limit (v2 ``memory.max``, v1
-    ``memory/memory.limit_in_bytes``); None when unknown."""
+def _own_memory_cgroups(proc: Path, cgroup_root: Path) -> Iterator[tuple[Path, str, str]]:
+    """(folder, limit file, usage file) of each memory cgroup this process is in (v2 and v1)."""
+    try:
+        groups = (proc / "self" / "cgroup").read_text().splitlines()
+    except OSError:
+        return
+    for line in groups:
+        try:
+            _, controllers, path = line.split(":", 2)
+        except ValueError:
+            continue
+        if controllers == "":          # v2: one unified hierarchy
+            yield cgroup_root / path.lstrip("/"), "memory.max", "memory.current"
+        elif "memory" in controllers.split(","):
+            yield cgroup_root / "memory" / path.lstrip("/"), "memory.limit_in_bytes", "memory.usage_in_bytes"
+
+
+def _limit(folder: Path, name: str) -> int | None:
+    try:
+        limit = int((folder / name).read_text().strip())
+    except (OSError, ValueError):   # absent, or "max"
+        return None
+    return limit if limit < (1 << 60) else None   # v1 writes "no limit" as a huge number
+
+
+def memory_limit_bytes(cgroup_root: Path = _CGROUP_ROOT, proc: Path = Path("/proc")) -> int | None:
+    """Physical memory, capped by the memory limit of this process's cgroup (v2 ``memory.max``,
+    v1 ``memory.limit_in_bytes``); None when unknown."""
     try:
         total: int | None = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):
         total = None
-    for file in (cgroup_root / "memory.max", cgroup_root / "memory" / "memory.limit_in_bytes"):
-        try:
-            limit = int(file.read_text().strip())
-        except (OSError, ValueError):  # absent, or "max"
-            continue
-        total = limit if total is None else min(total, limit)
+    for folder, limit_file, _ in _own_memory_cgroups(proc, cgroup_root):
+        limit = _limit(folder, limit_file)
+        if limit is not None:
+            total = limit if total is None else min(total, limit)
     return total
 
 
@@ -203,25 +227,17 @@ def memory_available(proc: Path = Path("/proc"), cgroup_root: Path = _CGROUP_ROO
         for line in (proc / "meminfo").read_text().splitlines():
             if line.startswith("MemAvailable:"):
                 found.append(int(line.split()[1]) * 1024)
-        groups = (proc / "self" / "cgroup").read_text().splitlines()
     except (OSError, ValueError, IndexError):
-        groups = []
-    for line in groups:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":          # v2: one unified hierarchy
-            folder, files = cgroup_root / path.lstrip("/"), ("memory.max", "memory.current")
-        elif "memory" in controllers.split(","):
-            folder, files = cgroup_root / "memory" / path.lstrip("/"), ("memory.limit_in_bytes",
-                                                                        "memory.usage_in_bytes")
-        else:
-            continue
+        pass
+    for folder, limit_file, usage_file in _own_memory_cgroups(proc, cgroup_root):
+        limit = _limit(folder, limit_file)
         try:
-            limit, usage = (int((folder / name).read_text().strip()) for name in files)
+            usage = int((folder / usage_file).read_text().strip())
             stat = dict(line.split() for line in (folder / "memory.stat").read_text().splitlines())
-        except (OSError, ValueError):   # absent, or "max"
+        except (OSError, ValueError):
             continue
-        # inactive page cache is reclaimed before anything is evicted that is in use
-        idle = int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
-        if limit < (1 << 60):           # v1 writes "no limit" as a huge number
+        if limit is not None:
+            # inactive page cache is reclaimed before anything is evicted that is in use
+            idle = int(stat.get("total_inactive_file", stat.get("inactive_file", 0)))
             found.append(max(0, limit - usage + idle))
     return min(found) if found else None

@@ -15,7 +15,8 @@ format that cannot say where a sample is reads without it.
 
 The calls cost more than they save on a warm cache (0.94x the plain gather of shards,
 ``benchmarks/cold_cache.py``), so the default is on only where every epoch reads cold:
-samples of 64 KiB or more in a store larger than half the physical memory. The reader
+samples of 64 KiB or more in a store larger than half the memory (physical, or the
+process's cgroup limit). The reader
 option ``willneed=True`` turns it on elsewhere (a cold first epoch, a network filesystem).
 """
 
@@ -27,6 +28,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._system import memory_limit_bytes
 from ..errors import ArgumentError
 
 WILLNEED_MIN_SAMPLE_BYTES = 64 << 10   # below it one call per sample costs more than a page fault saves
@@ -42,14 +44,12 @@ class Extents(NamedTuple):
 
 
 def willneed_default(count: int, sample_bytes: float) -> bool:
-    """On for samples of 64 KiB or more (on average) in a store of ``count`` larger than half the RAM."""
+    """On for samples of 64 KiB or more (on average) in a store of ``count`` larger than half the
+    memory (physical, or this process's cgroup limit where lower)."""
     if not hasattr(os, "posix_fadvise") or sample_bytes < WILLNEED_MIN_SAMPLE_BYTES:
         return False
-    try:
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return False
-    return count * sample_bytes > ram // 2
+    memory = memory_limit_bytes()
+    return memory is not None and count * sample_bytes > memory // 2
 
 
 def choose_willneed(willneed: Any, count: int, sample_bytes: float) -> bool:

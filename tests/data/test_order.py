@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import collections
+import os
 
 import numpy as np
 import pytest
@@ -173,6 +174,24 @@ def test_memory_available_reads_the_process_cgroup(tmp_path):
     assert _system.memory_available(proc, tmp_path / "cg") == 650000
     (v2 / "memory.max").write_text("max\n")
     assert _system.memory_available(proc, tmp_path / "cg") == 8000 * 1024
+
+
+def test_memory_limit_reads_the_process_cgroup_not_the_root(tmp_path):
+    """The limit of the cgroup this process is in (a job's memory cgroup), not the hierarchy's root."""
+    proc = tmp_path / "proc"
+    (proc / "self").mkdir(parents=True)
+    (proc / "self" / "cgroup").write_text("7:cpu,memory:/job\n0::/\n")
+    cg = tmp_path / "cg"
+    (cg / "memory" / "job").mkdir(parents=True)
+    (cg / "memory" / "memory.limit_in_bytes").write_text(str(1 << 62))   # the root: no limit
+    (cg / "memory" / "job" / "memory.limit_in_bytes").write_text("5000000\n")
+    assert _system.memory_limit_bytes(cg, proc) == 5000000
+    (cg / "memory" / "job" / "memory.limit_in_bytes").write_text(str(1 << 62))
+    assert _system.memory_limit_bytes(cg, proc) == os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    (proc / "self" / "cgroup").write_text("0::/pod/box\n")              # v2
+    (cg / "pod" / "box").mkdir(parents=True)
+    (cg / "pod" / "box" / "memory.max").write_text("7000000\n")
+    assert _system.memory_limit_bytes(cg, proc) == 7000000
 
 
 @pytest.mark.parametrize("options", [{"backend": "threads", "threads": 2}, {"backend": "ring", "num_workers": 2},

@@ -178,6 +178,26 @@ def test_resized_crop_parameters_follow_torchvision(image, scale, ratio):
     ours = BatchRandomResizedCrop(8, scale=scale, ratio=ratio).sample((N, 3, h, w), generator=_gen(2))
     ref = _torchvision_draws(v2.RandomResizedCrop(8, scale=scale, ratio=ratio), (3, h, w),
                              ("top", "left", "height", "width"))
+    _assert_resized_like_torchvision(ours, ref, image, scale, ratio)
+
+
+def test_resized_crop_boxes_of_mixed_sizes_follow_torchvision_per_size():
+    """``sample_sizes`` (what the JPEG path draws before it decodes, each record at its own size):
+    the sizes interleaved in one batch, each size's boxes drawn as ``get_params`` draws on it."""
+    scale, ratio = (0.08, 1.0), (3 / 4, 4 / 3)
+    sizes = torch.tensor([image for image, _, _ in RESIZED])
+    which = torch.arange(len(sizes)).repeat(N)          # size 0, 1, 2, 0, 1, 2, ...
+    boxes = BatchRandomResizedCrop(8, scale=scale, ratio=ratio).sample_sizes(
+        sizes[which, 0], sizes[which, 1], generator=_gen(6))
+    for k, (image, _, _) in enumerate(RESIZED):
+        ours = {key: value[which == k] for key, value in boxes.items()}
+        ref = _torchvision_draws(v2.RandomResizedCrop(8, scale=scale, ratio=ratio), (3, *image),
+                                 ("top", "left", "height", "width"), seed=k)
+        _assert_resized_like_torchvision(ours, ref, image, scale, ratio)
+
+
+def _assert_resized_like_torchvision(ours, ref, image, scale, ratio):
+    h, w = image
     assert (ours["top"] >= 0).all() and (ours["top"] + ours["height"] <= h).all()
     assert (ours["left"] >= 0).all() and (ours["left"] + ours["width"] <= w).all()
 

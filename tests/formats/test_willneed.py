@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import dlstore
 from dlstore.errors import ArgumentError
+from dlstore.formats.readahead import advise
 
 SHAPE = (3, 64, 96)   # 18 KiB a sample: several pages, not page-aligned
 SUFFIXES = (".shards", ".lmdb", ".h5")
@@ -119,7 +120,11 @@ def test_advice_names_exactly_the_batch_samples(tmp_path, suffix):
     if _resident(data)[sorted(wanted | untouched)].any():
         pytest.skip(f"this filesystem keeps {data} cached after POSIX_FADV_DONTNEED (tmpfs?): "
                     "cannot observe the advice")
-    ds.reader._advise_batch(np.array([7, 3]))
+    extents = ds.reader._extents(np.array([7, 3]))
+    # finding where the samples lie reads none of their bytes (py-lmdb's get() would: it
+    # faults a value in before returning it, one sample at a time, before any advice)
+    assert not _resident(data)[sorted(wanted)].any()
+    advise(extents)
     deadline = time.monotonic() + 5
     while not _resident(data)[sorted(wanted)].all() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -135,6 +140,23 @@ def _which_samples(path: Path, extents, samples: np.ndarray) -> list[int]:
     lengths = np.broadcast_to(extents.length, extents.offset.shape).tolist()
     return [int(np.flatnonzero((flat == np.frombuffer(data[o:o + n], np.uint8)).all(axis=1))[0])
             for o, n in zip(extents.offset.tolist(), lengths)]
+
+
+def test_lmdb_extents_of_values_small_and_big_hold_their_bytes(tmp_path):
+    """Values small enough to sit in their B-tree leaf and values in overflow pages, in one store
+    (variable sizes): each extent holds exactly its sample's bytes."""
+    rng = np.random.default_rng(5)
+    images = [rng.integers(0, 256, (h, 7, 3), dtype=np.uint8) for h in (2, 40, 3, 700, 1, 90)]
+    dst = tmp_path / "mixed.lmdb"
+    dlstore.convert([(im, 0) for im in images], dst, workers=0, progress=False)
+    reader = dlstore.open_dataset(dst, reader_options={"willneed": True}).reader
+    reader._ensure_open()
+    order = np.array([3, 0, 5, 2, 4, 1])
+    extents = reader._extents(order)
+    content = (dst / "data.mdb").read_bytes()
+    for k, i in enumerate(order.tolist()):
+        o, n = int(extents.offset[k]), int(extents.length[k])
+        assert content[o:o + n] == images[i].transpose(2, 0, 1).tobytes(), f"sample {i}"
 
 
 @pytest.mark.parametrize("suffix", SUFFIXES)

@@ -39,10 +39,10 @@ store is published by rename only after a final ``fsync``, so a crash leaves onl
 
 Reading: the environment is opened ``readonly=True, lock=False`` (a published store never
 changes in place: it is replaced by rename, so readers need no lock table), lazily, once per
-process. ``readahead`` defaults to True when the data file is smaller than half the physical
-memory (the page cache will hold it, and readahead fills it with fewer, larger reads) and to
-False otherwise (random reads of a store bigger than RAM: readahead would evict pages that are
-still needed for neighbours that are not); pass ``readahead=`` to choose.
+process. ``readahead`` defaults to True when the data file is smaller than half the memory
+(physical, or the process's cgroup limit: the page cache will hold it, and readahead fills it
+with fewer, larger reads) and to False otherwise (random reads of a store bigger than memory:
+readahead would evict pages still needed for neighbours that are not); pass ``readahead=`` to choose.
 """
 
 from __future__ import annotations

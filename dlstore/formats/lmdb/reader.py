@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import os
+import struct
+import sys
 from pathlib import Path
 from typing import Any
 
 import lmdb
 import numpy as np
 
+from ..._system import memory_limit_bytes
 from ...errors import (
     StoreCorruptError,
 )
@@ -36,6 +40,17 @@ from .layout import (
     sample_key,
 )
 
+# LMDB's pages and leaf nodes (lmdb.h, MDB_page and MDB_node; 64-bit little-endian builds only).
+# A page: its number, padding, flags, the end of its node-offset array and the start of its
+# nodes, then the array. A node: data size low and high 16 bits, flags, key size, the key; then
+# the value, or for a big value the number of its first overflow page (the value follows that
+# page's header).
+_PAGE_HEADER = struct.Struct("<QHHHH")
+_NODE_HEADER = struct.Struct("<HHHH")
+_PGNO = struct.Struct("<Q")
+_P_LEAF, _P_LEAF2, _F_BIGDATA = 0x02, 0x20, 0x01
+_NODE_LAYOUT_KNOWN = sys.byteorder == "little" and struct.calcsize("P") == 8
+
 
 def _env_folder(path: str | os.PathLike) -> Path:
     """The environment folder, also when given its ``data.mdb`` (as format detection allows)."""
@@ -44,11 +59,14 @@ def _env_folder(path: str | os.PathLike) -> Path:
 
 
 def _default_readahead(data: Path) -> bool:
-    try:
-        ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        return True
-    return data.stat().st_size <= ram // 2
+    """On for a store that fits in half the memory (physical, or this process's cgroup limit).
+
+    The map's readahead reads around every page fault (``read_ahead_kb`` of the disk: 8 MiB on
+    some virtual disks): a store the page cache holds is read in that few, large reads whatever
+    the order; a random read of a bigger one reads neighbours only to evict them.
+    """
+    memory = memory_limit_bytes()
+    return memory is None or data.stat().st_size <= memory // 2
 
 
 def _get_required(txn: lmdb.Transaction, key: bytes, path: Path) -> bytes:
@@ -101,11 +119,11 @@ class LmdbReader(StoreReader):
         path: the ``.lmdb`` folder.
         manifest: the already-read manifest (read from the store if None).
         readahead: OS readahead on the data file; default: True if the file is smaller than half
-            the physical memory, else False (see the module doc). Readers of one store in one
+            the memory, else False (``_default_readahead``). Readers of one store in one
             process share one environment (py-lmdb allows a single open per process); the first
             one's setting applies.
         willneed: before each batch is copied out, posix_fadvise(WILLNEED) each of its values'
-            pages in ``data.mdb`` (found from their addresses in the map), so a cold batch has all
+            pages in ``data.mdb`` (found from their B-tree nodes, see ``_extents``), so a cold batch has all
             its reads in flight at once (see ``readahead.py``); None: on only for big samples of a
             store that cannot stay cached.
     """
@@ -123,6 +141,9 @@ class LmdbReader(StoreReader):
         self.readahead = _default_readahead(data) if readahead is None else bool(readahead)
         self._env: lmdb.Environment | None = None
         self._map_base: int | None = None
+        self._page_bytes = self._file_bytes = 0
+        self._value_offsets: np.ndarray | None = None   # (count,) file offset of each value found so far (-1: not yet)
+        self._value_lengths: np.ndarray | None = None
         self._pid: int | None = None
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
         # Metadata lives in the environment: open, read, let go (nothing held open if this process forks next).
@@ -169,6 +190,8 @@ class LmdbReader(StoreReader):
         check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
         # where this process maps data.mdb (the environment maps it whole, from byte 0, at its open)
         self._map_base = mapping_base(self.path / "data.mdb") if self.willneed else None
+        self._page_bytes = self._env.stat()["psize"]
+        self._file_bytes = (self.path / "data.mdb").stat().st_size
 
     @_lmdb_errors_as_damage
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
@@ -232,23 +255,70 @@ class LmdbReader(StoreReader):
 
     @_lmdb_errors_as_damage
     def _extents(self, indices: np.ndarray) -> Extents | None:
-        """Each value's bytes in data.mdb: its address in the map less the map's base (a value
-        lies in the map, read-only, while the transaction lives; looking it up reads only the
-        B-tree's pages, never the value's)."""
-        base = self._map_base
-        if base is None:
+        """Each value's bytes in data.mdb, read from the B-tree's leaf pages, never from the value.
+
+        py-lmdb's ``get`` faults the whole value in before it returns (its "preload"), and any
+        lookup reads the header page of a big value: finding a cold batch by lookups would read
+        its samples one page fault at a time before any advice. Instead the first lookup that
+        lands in a leaf page parses the whole leaf (``_parse_leaf``) and keeps the extent of
+        every sample it holds: one lookup per leaf (a hundred samples or more) per reader.
+        None (no advice) where a page does not read as LMDB's layout says.
+        """
+        if self._map_base is None or not _NODE_LAYOUT_KNOWN:
             return None
-        offsets = np.empty(len(indices), dtype=np.int64)
-        lengths = np.empty(len(indices), dtype=np.int64)
-        with self._env.begin(buffers=True) as txn:
-            for k, i in enumerate(indices.tolist()):
-                value = txn.get(sample_key(i))
-                if not value:    # missing or empty: the read that follows says so
-                    offsets[k] = lengths[k] = 0
-                    continue
-                offsets[k] = np.frombuffer(value, dtype=np.uint8).__array_interface__["data"][0] - base
-                lengths[k] = len(value)
-        return Extents([self.path / "data.mdb"], np.zeros(len(indices), dtype=np.int64), offsets, lengths)
+        if self._value_offsets is None:
+            self._value_offsets = np.full(self.count, -1, dtype=np.int64)
+            self._value_lengths = np.zeros(self.count, dtype=np.int64)
+        offsets, lengths = self._value_offsets, self._value_lengths
+        unknown = [i for i in np.unique(indices).tolist() if offsets[i] < 0]
+        if unknown:
+            with self._env.begin(buffers=True) as txn:
+                cursor = txn.cursor()
+                for i in unknown:
+                    if offsets[i] >= 0:            # found in a leaf parsed for an earlier one
+                        continue
+                    if not cursor.set_key(sample_key(i)):
+                        offsets[i], lengths[i] = 0, 0   # missing: the read that follows says so
+                        continue
+                    at = np.frombuffer(cursor.key(), dtype=np.uint8).__array_interface__["data"][0]
+                    if not self._parse_leaf(at) or offsets[i] < 0:
+                        return None
+        return Extents([self.path / "data.mdb"], np.zeros(len(indices), dtype=np.int64),
+                       offsets[indices], lengths[indices])
+
+    def _parse_leaf(self, at: int) -> bool:
+        """Record the extent of every sample in the leaf page holding the address ``at``; False
+        where the page is not a leaf as LMDB lays it out (lmdb.h: ``MDB_page``, ``MDB_node``)."""
+        base, page = self._map_base, self._page_bytes
+        if not base <= at < base + self._file_bytes:
+            return False                               # not a view into the map
+        start = (at - base) // page * page
+        raw = ctypes.string_at(base + start, page)
+        _pgno, _pad, flags, lower, _upper = _PAGE_HEADER.unpack_from(raw)
+        if not flags & _P_LEAF or flags & _P_LEAF2 or not _PAGE_HEADER.size <= lower <= page:
+            return False
+        ptrs = np.frombuffer(raw, dtype="<u2", count=(lower - _PAGE_HEADER.size) // 2, offset=_PAGE_HEADER.size)
+        for ptr in ptrs.tolist():
+            if ptr + _NODE_HEADER.size > page:
+                return False
+            lo, hi, node_flags, key_bytes = _NODE_HEADER.unpack_from(raw, ptr)
+            key = raw[ptr + _NODE_HEADER.size:ptr + _NODE_HEADER.size + key_bytes]
+            if len(key) != KEY_DIGITS or not key.isdigit():
+                continue                               # metadata (__dlstore__, __labels__, ...)
+            i = int(key)
+            if i >= self.count:
+                continue
+            after = ptr + _NODE_HEADER.size + key_bytes
+            if node_flags & _F_BIGDATA:
+                (pgno,) = _PGNO.unpack_from(raw, after)
+                offset = pgno * page + _PAGE_HEADER.size
+            else:
+                offset = start + after
+            length = lo | hi << 16
+            if offset + length > self._file_bytes:
+                return False
+            self._value_offsets[i], self._value_lengths[i] = offset, length
+        return True
 
     def _copy(self, txn: lmdb.Transaction, i: int) -> np.ndarray:
         shape = self._shape_of(i)
