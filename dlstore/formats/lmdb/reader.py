@@ -142,8 +142,9 @@ class LmdbReader(StoreReader):
         self._env: lmdb.Environment | None = None
         self._map_base: int | None = None
         self._page_bytes = self._file_bytes = 0
-        self._value_offsets: np.ndarray | None = None   # (count,) file offset of each value found so far (-1: not yet)
-        self._value_lengths: np.ndarray | None = None
+        # (offsets, lengths), each (count,): where each value found so far lies in data.mdb (offset
+        # -1: not yet). One attribute, set once: the loader's threads call _extents concurrently.
+        self._values: tuple[np.ndarray, np.ndarray] | None = None
         self._pid: int | None = None
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
         # Metadata lives in the environment: open, read, let go (nothing held open if this process forks next).
@@ -266,10 +267,9 @@ class LmdbReader(StoreReader):
         """
         if self._map_base is None or not _NODE_LAYOUT_KNOWN:
             return None
-        if self._value_offsets is None:
-            self._value_offsets = np.full(self.count, -1, dtype=np.int64)
-            self._value_lengths = np.zeros(self.count, dtype=np.int64)
-        offsets, lengths = self._value_offsets, self._value_lengths
+        if self._values is None:
+            self._values = (np.full(self.count, -1, dtype=np.int64), np.zeros(self.count, dtype=np.int64))
+        offsets, lengths = self._values
         unknown = [i for i in np.unique(indices).tolist() if offsets[i] < 0]
         if unknown:
             with self._env.begin(buffers=True) as txn:
@@ -281,12 +281,12 @@ class LmdbReader(StoreReader):
                         offsets[i], lengths[i] = 0, 0   # missing: the read that follows says so
                         continue
                     at = np.frombuffer(cursor.key(), dtype=np.uint8).__array_interface__["data"][0]
-                    if not self._parse_leaf(at) or offsets[i] < 0:
+                    if not self._parse_leaf(at, offsets, lengths) or offsets[i] < 0:
                         return None
         return Extents([self.path / "data.mdb"], np.zeros(len(indices), dtype=np.int64),
                        offsets[indices], lengths[indices])
 
-    def _parse_leaf(self, at: int) -> bool:
+    def _parse_leaf(self, at: int, offsets: np.ndarray, lengths: np.ndarray) -> bool:
         """Record the extent of every sample in the leaf page holding the address ``at``; False
         where the page is not a leaf as LMDB lays it out (lmdb.h: ``MDB_page``, ``MDB_node``)."""
         base, page = self._map_base, self._page_bytes
@@ -317,7 +317,9 @@ class LmdbReader(StoreReader):
             length = lo | hi << 16
             if offset + length > self._file_bytes:
                 return False
-            self._value_offsets[i], self._value_lengths[i] = offset, length
+            # a value's length first: a thread that sees the offset set reads both
+            lengths[i] = length
+            offsets[i] = offset
         return True
 
     def _copy(self, txn: lmdb.Transaction, i: int) -> np.ndarray:
