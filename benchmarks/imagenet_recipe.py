@@ -169,12 +169,12 @@ def import_ffcv():
         from ffcv.writer import DatasetWriter
     except ImportError as exc:   # ffcv absent, or its libffcv / numba / cv2 not loadable
         return None, f"{type(exc).__name__}: {exc}"
-    import ffcv
+    from importlib.metadata import version
     return dict(cv2=cv2, IntField=IntField, RGBImageField=RGBImageField, IntDecoder=IntDecoder,
                 RandomResizedCropRGBImageDecoder=RandomResizedCropRGBImageDecoder, imdecode=imdecode,
                 resize_crop=resize_crop, Loader=Loader, OrderOption=OrderOption, Reader=Reader,
                 RandomHorizontalFlip=RandomHorizontalFlip, ToTensor=ToTensor, ToTorchImage=ToTorchImage,
-                DatasetWriter=DatasetWriter, version=getattr(ffcv, "__version__", None)), None
+                DatasetWriter=DatasetWriter, version=version("ffcv")), None   # ffcv.__version__ says 0.0.3rc1
 
 
 class FfcvStored:
