@@ -191,8 +191,10 @@ class LmdbReader(StoreReader):
         check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
         # where this process maps data.mdb (the environment maps it whole, from byte 0, at its open)
         self._map_base = mapping_base(self.path / "data.mdb") if self.willneed else None
+        # the pages the open transaction's snapshot can hold, from the environment itself (the
+        # path may already name a replacing store, or none, between an overwrite's renames)
         self._page_bytes = self._env.stat()["psize"]
-        self._file_bytes = (self.path / "data.mdb").stat().st_size
+        self._file_bytes = (self._env.info()["last_pgno"] + 1) * self._page_bytes
 
     @_lmdb_errors_as_damage
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
