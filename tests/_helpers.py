@@ -15,8 +15,11 @@ module's own folder there (``from fidelity_harness import ...``).
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import datetime
 import json
+import mmap
 import os
 import signal
 import socket
@@ -28,6 +31,8 @@ import traceback
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
 
 import dlstore
 from dlstore.sources.demo import make_image_folder
@@ -186,3 +191,41 @@ def rank_main(rank: int, world: int, port: int, out: str, fn: Callable, args: tu
     except RuntimeError:
         pass
     dist.destroy_process_group()
+
+
+# --- the page cache, observed with mincore(2) through ctypes (not dlstore's own probe) ---
+
+def resident_pages(path: Path) -> np.ndarray:
+    """mincore(2) vector of a file: True for each page in the page cache."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
+    size = path.stat().st_size
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
+        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
+        libc.munmap(addr, size)
+    finally:
+        os.close(fd)
+    return (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
+
+
+def pages_holding(path: Path, sample: np.ndarray) -> set[int]:
+    """The pages of ``path`` holding ``sample``'s bytes, found by searching the file for them."""
+    content = path.read_bytes()
+    offset = content.find(sample.tobytes())
+    assert offset >= 0 and content.find(sample.tobytes(), offset + 1) < 0
+    return set(range(offset // mmap.PAGESIZE, (offset + sample.nbytes - 1) // mmap.PAGESIZE + 1))
+
+
+def evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)

@@ -9,6 +9,7 @@ with its handles open; the base class does the rest::
                                  -> sums check
     read_range(start, stop)      [start, stop) through get_batch (a format with a faster
                                  sequential path overrides it)
+    prefetch(indices)            check -> open -> advise (no read)
 
 "advise": with ``willneed`` on, the kernel is told where every sample of the batch lies
 before the gather (``readahead.py``), so a cold batch has all its reads in flight at once;
@@ -93,6 +94,18 @@ class StoreReader(SampleChecks, ForkSafe):
         if not 0 <= start <= stop <= self.count:
             raise SampleIndexError(f"{self.path}: range [{start}, {stop}) out of range for a store of "
                                    f"{self.count} samples")
+
+    def prefetch(self, indices: Any) -> bool:
+        """Ask the kernel to read samples ``indices`` ahead (``posix_fadvise(WILLNEED)``, nearby
+        samples merged; returns at once); False where this store cannot say where they lie.
+        An epoch order that reads ahead by windows calls it (``data/order.py``)."""
+        indices = check_indices(self.path, indices, self.count)
+        self._ensure_open()
+        extents = self._extents(indices) if len(indices) else None
+        if extents is None:
+            return False
+        advise(extents)
+        return True
 
     def _advise_batch(self, indices: np.ndarray) -> None:
         """With ``willneed`` on, tell the kernel where the checked ``indices`` lie (handles open)."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import os
+import time
 
 import numpy as np
 import pytest
@@ -219,3 +220,48 @@ def test_loader_refuses_sampler_with_shuffle_or_distributed(store):
             dlstore.loader(ds, 4, sampler=s, **{name: True})
     with pytest.raises(ArgumentTypeError, match="sampler="):
         dlstore.loader(ds, 4, sampler=5)
+
+
+@pytest.mark.parametrize("suffix", [".shards", ".lmdb", ".h5"])
+def test_readahead_reads_each_next_windows_samples(tmp_path, suffix):
+    """Entering a window advises the next one: its samples' own bytes (found by searching the
+    data file for them) are resident before the sampler yields any of them, in every format;
+    the first window is advised before the first sample."""
+    from _helpers import evict, pages_holding, resident_pages
+
+    n, block, window = 24, 3, 2
+    images = np.random.default_rng(3).integers(0, 256, (n, 64, 96, 3), dtype=np.uint8)   # 18 KiB each
+    dst = tmp_path / f"s{suffix}"
+    dlstore.convert((images, np.arange(n) % 2), dst, workers=0, progress=False)
+    data = {".shards": dst / "shard-00000.npy", ".lmdb": dst / "data.mdb", ".h5": dst}[suffix]
+    # LMDB without its map's readahead, which would read any sample's neighbours with it
+    ds = dlstore.open_dataset(dst, reader_options={"readahead": False} if suffix == ".lmdb" else None)
+    sampler = dlstore.BlockShuffleSampler(ds, block_size=block, window=window, seed=4)
+    groups, starts = order.windows(n, block, window, 4)
+    # what finding samples reads (LMDB's leaves, HDF5's chunk index) is read now, before the
+    # file is (searching it below would let a fault here map the neighbours, which no eviction drops)
+    ds.reader.prefetch([0])
+    chw = images.transpose(0, 3, 1, 2)
+    pages = [set().union(*(pages_holding(data, chw[i]) for b in g.tolist()
+                           for i in range(b * block, (b + 1) * block))) for g in groups]
+    evict(data)
+    kept = set(np.flatnonzero(resident_pages(data)).tolist())   # pages this process maps stay (LMDB's looked-up)
+    pages = [p - kept for p in pages]
+    if not all(pages):
+        pytest.skip(f"this filesystem keeps {data} cached after POSIX_FADV_DONTNEED (tmpfs?): "
+                    "cannot observe the advice")
+
+    def wait_for(wanted):
+        deadline = time.monotonic() + 5
+        while not resident_pages(data)[sorted(wanted)].all() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return resident_pages(data)[sorted(wanted)].mean()
+
+    it = iter(sampler)
+    got = [next(it)]
+    assert wait_for(pages[0]) == 1.0
+    for w in range(1, len(groups)):
+        while len(got) < starts[w - 1] + 1:      # the first sample of window w - 1 advises window w
+            got.append(next(it))
+        assert wait_for(pages[w]) == 1.0, f"window {w}"
+    assert sorted(got + list(it)) == list(range(n))

@@ -9,21 +9,19 @@ through ctypes here, not through dlstore's own probe.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
 import os
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _helpers import evict, pages_holding, resident_pages
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dlstore
 from dlstore.errors import ArgumentError
-from dlstore.formats.readahead import advise
+from dlstore.formats.readahead import Extents, advice_limit, advise, ranges
 
 SHAPE = (3, 64, 96)   # 18 KiB a sample: several pages, not page-aligned
 SUFFIXES = (".shards", ".lmdb", ".h5")
@@ -68,42 +66,6 @@ def test_default_is_off_for_a_store_that_fits_in_memory_and_bad_values_are_refus
         dlstore.open_dataset(dst, reader_options={"willneed": "yes"})
 
 
-def _resident(path: Path) -> np.ndarray:
-    """mincore(2) vector of a file: True for each page in the page cache."""
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-    size = path.stat().st_size
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        vec = (ctypes.c_ubyte * (-(-size // mmap.PAGESIZE)))()
-        assert libc.mincore(addr, size, vec) == 0, os.strerror(ctypes.get_errno())
-        libc.munmap(addr, size)
-    finally:
-        os.close(fd)
-    return (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
-
-
-def _pages(path: Path, sample: np.ndarray) -> set[int]:
-    """The pages of ``path`` holding ``sample``'s bytes, found by searching the file for them."""
-    content = path.read_bytes()
-    offset = content.find(sample.tobytes())
-    assert offset >= 0 and content.find(sample.tobytes(), offset + 1) < 0
-    return set(range(offset // mmap.PAGESIZE, (offset + sample.nbytes - 1) // mmap.PAGESIZE + 1))
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 @pytest.mark.parametrize("suffix", SUFFIXES)
 def test_advice_names_exactly_the_batch_samples(tmp_path, suffix):
     dst = _store(tmp_path, 12, suffix)
@@ -114,21 +76,21 @@ def test_advice_names_exactly_the_batch_samples(tmp_path, suffix):
     ds = dlstore.open_dataset(dst, reader_options=options)
     ds.reader._ensure_open()
     ds.reader._extents(np.array([0]))   # what finding samples reads (HDF5's chunk index) is read now
-    wanted = _pages(data, expected[3]) | _pages(data, expected[7])
-    untouched = _pages(data, expected[5]) - wanted   # sample 5: between, never advised
-    _evict(data)
-    if _resident(data)[sorted(wanted | untouched)].any():
+    wanted = pages_holding(data, expected[3]) | pages_holding(data, expected[7])
+    untouched = pages_holding(data, expected[5]) - wanted   # sample 5: between, never advised
+    evict(data)
+    if resident_pages(data)[sorted(wanted | untouched)].any():
         pytest.skip(f"this filesystem keeps {data} cached after POSIX_FADV_DONTNEED (tmpfs?): "
                     "cannot observe the advice")
     extents = ds.reader._extents(np.array([7, 3]))
     # finding where the samples lie reads none of their bytes (py-lmdb's get() would: it
     # faults a value in before returning it, one sample at a time, before any advice)
-    assert not _resident(data)[sorted(wanted)].any()
+    assert not resident_pages(data)[sorted(wanted)].any()
     advise(extents)
     deadline = time.monotonic() + 5
-    while not _resident(data)[sorted(wanted)].all() and time.monotonic() < deadline:
+    while not resident_pages(data)[sorted(wanted)].all() and time.monotonic() < deadline:
         time.sleep(0.01)
-    resident = _resident(data)
+    resident = resident_pages(data)
     assert resident[sorted(wanted)].all()
     assert untouched and not resident[sorted(untouched)].any()
 
@@ -180,3 +142,44 @@ def test_every_batch_read_advises_its_samples(tmp_path, monkeypatch, suffix):
     assert advised == [[9, 2, 2, 5], [4, 0]]
     dlstore.open_dataset(dst, reader_options={"willneed": False}).reader.get_batch([1, 2])
     assert len(advised) == 2
+
+
+def test_advice_reads_a_range_longer_than_one_call_reads(tmp_path):
+    """Linux reads at most the disk's readahead limit per WILLNEED call and drops the rest of a
+    longer range: advise() reads the whole range, in pieces."""
+    path = tmp_path / "data.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT)
+    try:
+        limit = advice_limit(fd)
+        size = 3 * limit + 5000                  # three calls' worth and a partial page
+        os.write(fd, np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8).tobytes())
+    finally:
+        os.close(fd)
+    evict(path)
+    if resident_pages(path).any():
+        pytest.skip(f"this filesystem keeps {path} cached after POSIX_FADV_DONTNEED (tmpfs?): "
+                    "cannot observe the advice")
+    advise(Extents([path], np.zeros(1, dtype=np.int64), np.array([0]), np.array([size])))
+    deadline = time.monotonic() + 10
+    while not resident_pages(path).all() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert resident_pages(path).mean() == 1.0
+
+
+@settings(max_examples=300, deadline=None)
+@given(extents=st.lists(st.tuples(st.integers(0, 300), st.integers(1, 40)), min_size=1, max_size=12),
+       gap=st.integers(0, 30))
+def test_ranges_cover_the_extents_and_merge_only_gaps_up_to_gap(extents, gap):
+    offset = np.array([o for o, _ in extents], dtype=np.int64)
+    end = offset + np.array([n for _, n in extents], dtype=np.int64)
+    starts, stops = ranges(offset, end, gap)
+    covered = np.zeros(400, dtype=bool)
+    for o, e in zip(offset.tolist(), end.tolist()):
+        covered[o:e] = True
+    assert (starts < stops).all() and (starts[1:] > stops[:-1] + gap).all()   # sorted, apart by more than gap
+    for o, e in zip(offset.tolist(), end.tolist()):                            # each extent in one range
+        assert ((starts <= o) & (e <= stops)).sum() == 1
+    for s, e in zip(starts.tolist(), stops.tolist()):
+        assert covered[s] and covered[e - 1]                                   # no range starts or ends in a gap
+        holes = np.flatnonzero(np.diff(np.concatenate([[1], covered[s:e].astype(np.int8), [1]])))
+        assert all(b - a <= gap for a, b in zip(holes[::2], holes[1::2]))     # and holds no gap wider than gap

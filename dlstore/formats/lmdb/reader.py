@@ -189,8 +189,9 @@ class LmdbReader(StoreReader):
     def _open(self) -> None:
         self._env = shared(self.path, self.readahead)
         check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
-        # where this process maps data.mdb (the environment maps it whole, from byte 0, at its open)
-        self._map_base = mapping_base(self.path / "data.mdb") if self.willneed else None
+        # where this process maps data.mdb (the environment maps it whole, from byte 0, at its open):
+        # what finding a value's extent needs, for willneed and for prefetch
+        self._map_base = mapping_base(self.path / "data.mdb")
         # the pages the open transaction's snapshot can hold, from the environment itself (the
         # path may already name a replacing store, or none, between an overwrite's renames)
         self._page_bytes = self._env.stat()["psize"]
