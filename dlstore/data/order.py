@@ -107,8 +107,8 @@ class Readahead:
         while k < len(self.files) and start < end:
             base = int(self.ends[k] - self.sizes[k])
             length = min(end, int(self.ends[k])) - start
-            extents = Extents([self.files[k]], np.zeros(1, dtype=np.int64), np.array([start - base]), np.array([length]))
-            advise(extents)
+            advise(Extents([self.files[k]], np.zeros(1, dtype=np.int64), np.array([start - base]),
+                           np.array([length])))
             start += length
             k += 1
 

@@ -32,6 +32,9 @@ from .handles import ForkSafe
 from .integrity import SampleChecks
 from .readahead import Extents, advise
 
+# samples of a batch looked up in the page cache before it is advised: all there, no advice
+PROBES = 8
+
 
 class StoreReader(SampleChecks, ForkSafe):
     """A store's samples by index. Subclasses set ``path``, ``count``, ``shape`` (None: variable)
@@ -112,7 +115,7 @@ class StoreReader(SampleChecks, ForkSafe):
         if self.willneed and len(indices) > 1:
             extents = self._extents(indices)
             if extents is not None:
-                advise(extents)
+                advise(extents, probe=PROBES)
 
     # --- what a format supplies (indices checked, handles open) ------------------------------
 

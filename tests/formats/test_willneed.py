@@ -131,9 +131,9 @@ def test_every_batch_read_advises_its_samples(tmp_path, monkeypatch, suffix):
     advised: list[list[int]] = []
     real = reader_module.advise
 
-    def record(extents):
+    def record(extents, **options):
         advised.append(_which_samples(_data_file(dst), extents, _images(12).transpose(0, 3, 1, 2)))
-        real(extents)
+        real(extents, **options)
 
     monkeypatch.setattr(reader_module, "advise", record)
     on = dlstore.open_dataset(dst, reader_options={"willneed": True})
@@ -144,9 +144,10 @@ def test_every_batch_read_advises_its_samples(tmp_path, monkeypatch, suffix):
     assert len(advised) == 2
 
 
-def test_advice_reads_a_range_longer_than_one_call_reads(tmp_path):
+@pytest.mark.parametrize("probe", [0, 8])
+def test_advice_reads_a_range_longer_than_one_call_reads(tmp_path, probe):
     """Linux reads at most the disk's readahead limit per WILLNEED call and drops the rest of a
-    longer range: advise() reads the whole range, in pieces."""
+    longer range: advise() reads the whole range, in pieces (also after probing the cache)."""
     path = tmp_path / "data.bin"
     fd = os.open(path, os.O_WRONLY | os.O_CREAT)
     try:
@@ -159,7 +160,7 @@ def test_advice_reads_a_range_longer_than_one_call_reads(tmp_path):
     if resident_pages(path).any():
         pytest.skip(f"this filesystem keeps {path} cached after POSIX_FADV_DONTNEED (tmpfs?): "
                     "cannot observe the advice")
-    advise(Extents([path], np.zeros(1, dtype=np.int64), np.array([0]), np.array([size])))
+    advise(Extents([path], np.zeros(1, dtype=np.int64), np.array([0]), np.array([size])), probe=probe)
     deadline = time.monotonic() + 10
     while not resident_pages(path).all() and time.monotonic() < deadline:
         time.sleep(0.01)
@@ -183,3 +184,36 @@ def test_ranges_cover_the_extents_and_merge_only_gaps_up_to_gap(extents, gap):
         assert covered[s] and covered[e - 1]                                   # no range starts or ends in a gap
         holes = np.flatnonzero(np.diff(np.concatenate([[1], covered[s:e].astype(np.int8), [1]])))
         assert all(b - a <= gap for a, b in zip(holes[::2], holes[1::2]))     # and holds no gap wider than gap
+
+
+def test_a_cached_batch_is_not_advised_and_an_uncached_one_is(tmp_path, monkeypatch):
+    """With ``probe``, a batch whose probed samples are all in the page cache costs no advice;
+    one probed sample evicted, and the batch is advised."""
+    path = tmp_path / "data.bin"
+    path.write_bytes(np.random.default_rng(1).integers(0, 256, 64 * 8192, dtype=np.uint8).tobytes())
+    extents = Extents([path], np.zeros(16, dtype=np.int64), np.arange(16) * 4 * 8192, np.array(4096))
+    calls = []
+    real = os.posix_fadvise
+    monkeypatch.setattr(os, "posix_fadvise", lambda fd, o, n, how: (calls.append(how), real(fd, o, n, how)))
+    path.read_bytes()                                   # all cached
+    advise(extents, probe=8)
+    assert os.POSIX_FADV_WILLNEED not in calls
+    evict(path)
+    if resident_pages(path).any():
+        pytest.skip(f"this filesystem keeps {path} cached after POSIX_FADV_DONTNEED (tmpfs?)")
+    advise(extents, probe=8)
+    assert calls.count(os.POSIX_FADV_WILLNEED) == 16    # 16 extents 28 KiB apart: none merged
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_default_is_on_for_a_store_bigger_than_half_the_memory_whatever_its_sample_size(tmp_path, monkeypatch, suffix):
+    """18 KiB samples (below the 64 KiB the default once required): on once the store exceeds half
+    of the memory limit the process has, off while it fits."""
+    import dlstore.formats.readahead as readahead
+
+    dst = _store(tmp_path, 12, suffix)
+    size = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()) if dst.is_dir() else dst.stat().st_size
+    monkeypatch.setattr(readahead, "memory_limit_bytes", lambda: size)          # the store: more than half
+    assert dlstore.open_dataset(dst).reader.willneed is True
+    monkeypatch.setattr(readahead, "memory_limit_bytes", lambda: 4 * size)
+    assert dlstore.open_dataset(dst).reader.willneed is False

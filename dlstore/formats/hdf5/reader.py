@@ -75,7 +75,7 @@ class Hdf5Reader(StoreReader):
             stores (see the module doc).
         willneed: before each batch is read, posix_fadvise(WILLNEED) each of its samples' chunks
             (fixed-shape stores in one file), so a cold batch has all its reads in flight at once
-            (see ``readahead.py``); None: on only for big samples of a store that cannot stay cached.
+            (see ``readahead.py``); None: on only for a store that cannot stay cached.
     """
 
     format = FORMAT

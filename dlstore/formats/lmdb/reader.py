@@ -124,8 +124,8 @@ class LmdbReader(StoreReader):
             one's setting applies.
         willneed: before each batch is copied out, posix_fadvise(WILLNEED) each of its values'
             pages in ``data.mdb`` (found from their B-tree nodes, see ``_extents``), so a cold batch has all
-            its reads in flight at once (see ``readahead.py``); None: on only for big samples of a
-            store that cannot stay cached.
+            its reads in flight at once (see ``readahead.py``); None: on only for a store that
+            cannot stay cached.
     """
 
     format = FORMAT

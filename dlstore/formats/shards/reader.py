@@ -53,7 +53,7 @@ class ShardReader(StoreReader):
                  willneed: bool | None = None):
         """``willneed``: posix_fadvise(WILLNEED) for each sample of a batch before the gather, so a
         cold batch has all its reads in flight at once (see ``readahead.py``); None: on only for
-        big samples of a store that cannot stay cached."""
+        a store that cannot stay cached."""
         self.path = Path(path)
         self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see common
         self._identity = self._pin.identity
