@@ -23,10 +23,14 @@ the original. This script measures, in one run:
 (c) read rate, samples/s: the store through ``dlstore.loader`` against torchvision
     ``ImageFolder`` with the full pipeline (decode, RandomResizedCrop(224),
     RandomHorizontalFlip, PILToTensor) through a ``DataLoader``; both shuffled,
-    uint8 batches, the same workers, rounds interleaved (target >= 5x). For
-    context the same store held raw (``--encoding raw``: no decode per read) is
-    measured in the same rounds, with its size, and the same JPEG store with
-    every record decoded by PIL instead of torchvision (the per-record gain);
+    uint8 batches, the same workers, rounds interleaved (target >= 5x). With
+    ``--workers 0`` the ``DataLoader`` runs on one core, while ``dlstore.loader``
+    picks a ``ThreadLoader`` of min(usable CPUs, 8) threads (both cores of a 2-core
+    machine): two more rows fix the count (``backend="threads"``, ``threads=1`` and
+    ``threads=2``). For context the same store held raw (``--encoding raw``: no
+    decode per read) is measured in the same rounds, with its size, and the same
+    JPEG store with every record decoded by PIL instead of torchvision (the
+    per-record gain);
 (d) FFCV side by side, when ``ffcv`` imports (it is no dependency of dlstore): the
     same images written by FFCV's ``DatasetWriter`` (``RGBImageField(write_mode='jpg',
     max_resolution=512, jpeg_quality=90)``: the recipe's cap and quality; the cap is
@@ -34,7 +38,8 @@ the original. This script measures, in one run:
     ``RandomResizedCropRGBImageDecoder((224, 224))`` (scale (0.08, 1), ratio (3/4, 4/3)),
     ``RandomHorizontalFlip``, ``ToTensor``, ``ToTorchImage``, ``order=RANDOM``, with
     ``num_workers`` 1 and 2 (numba threads in the main process), in the same
-    interleaved rounds as (c). Fidelity as in (a): FFCV's stored JPEG decoded by the
+    interleaved rounds as (c), set against dlstore's threads 1 and 2 (the same
+    cores; target for threads=2 / FFCV w2: >= 1.2x). Fidelity as in (a): FFCV's stored JPEG decoded by the
     libturbojpeg call of its ``SimpleRGBImageDecoder`` (``ffcv.libffcv.imdecode``;
     the decoder class itself refuses a dataset whose images differ in size), a box
     drawn by ``get_params`` on it (from the same torch RNG state as the recipe's box),
@@ -48,7 +53,7 @@ the original. This script measures, in one run:
 
         apt-get install -y libturbojpeg0-dev libopencv-dev pkg-config
         python3 -m venv /work/venv-ffcv
-        /work/venv-ffcv/bin/pip install torch torchvision
+        /work/venv-ffcv/bin/pip install torch==2.14.1 torchvision==0.29.1   # the main venv's
         /work/venv-ffcv/bin/pip install -e . scikit-learn
         /work/venv-ffcv/bin/pip install ffcv==1.0.2   # builds libffcv against the system
                                                       # OpenCV and libturbojpeg; pulls numba, opencv-python
@@ -336,6 +341,13 @@ def epoch_rate(loader, limit: int) -> float:
     return seen / (time.perf_counter() - start)
 
 
+def backend_of(loader) -> str:
+    """What ``dlstore.loader`` chose: its type, and its thread or worker count."""
+    if hasattr(loader, "threads"):
+        return f"{type(loader).__name__}, threads={loader.threads}"
+    return f"{type(loader).__name__}, num_workers={getattr(loader, 'num_workers', getattr(loader, 'workers', '?'))}"
+
+
 def ffcv_epoch_rate(loader, limit: int) -> float:
     """``epoch_rate`` for an FFCV ``Loader``: its epoch thread, which decodes ahead, is stopped
     and joined before the next configuration is timed, and torch's thread count (which FFCV
@@ -455,12 +467,19 @@ def main() -> None:
                                     generator=torch.Generator().manual_seed(0))
         raw_loader = dlstore.loader(dlstore.open_dataset(raw, transform=dynamic), batch_size=args.batch,
                                     shuffle=True, num_workers=args.workers, generator=torch.Generator().manual_seed(0))
+        # with workers 0 the default loader is a ThreadLoader of min(usable CPUs, 8) threads, not
+        # one core: these two rows fix the count, 1 (per core, against FFCV w1) and 2 (both
+        # cores, against FFCV w2, whose numba threads use both)
+        threads_loaders = {f"store_threads{n}": dlstore.loader(
+            dlstore.open_dataset(dst, transform=dynamic), batch_size=args.batch, shuffle=True, backend="threads",
+            threads=n, generator=torch.Generator().manual_seed(0)) for n in (1, 2)}
         folder = datasets.ImageFolder(src, transform=v2.Compose(
             [v2.RandomResizedCrop(CROP, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor()]))
         folder_loader = DataLoader(folder, batch_size=args.batch, shuffle=True, num_workers=args.workers)
         limit = min(args.limit, len(folder))
-        loaders = {"imagefolder": folder_loader, "store": store_loader, "store_pil": pil_loader,
+        loaders = {"imagefolder": folder_loader, "store": store_loader, **threads_loaders, "store_pil": pil_loader,
                    "store_raw": raw_loader}
+        store_backend = backend_of(store_loader)
         if ff:
             for w in (1, 2):
                 loaders[f"ffcv_w{w}"] = ffcv_loader(beton, ff, args.batch, w)
@@ -481,8 +500,11 @@ def main() -> None:
         speedup = median["store"] / median["imagefolder"]
         print(f"(c) read rate, {limit} samples per round, batch {args.batch}, workers {args.workers}, "
               f"{args.rounds} rounds interleaved: ImageFolder {median['imagefolder']:.0f} samples/s, "
-              f"store {median['store']:.0f} samples/s: {speedup:.2f}x (target >= 5); held raw "
+              f"store {median['store']:.0f} samples/s ({store_backend}): {speedup:.2f}x (target >= 5); held raw "
               f"{median['store_raw']:.0f} samples/s: {median['store_raw'] / median['imagefolder']:.2f}x")
+        scaling = statistics.median(a / b for a, b in zip(rates["store_threads2"], rates["store_threads1"]))
+        print(f"    backend='threads': threads=1 {median['store_threads1']:.0f} samples/s, threads=2 "
+              f"{median['store_threads2']:.0f} samples/s: {scaling:.2f}x (median of the per-round ratios)")
         decoder = statistics.median(a / b for a, b in zip(rates["store"], rates["store_pil"]))
         print(f"    torchvision decode / PIL decode, the same store: {decoder:.2f}x (median of the per-round "
               f"ratios; {median['store_pil']:.0f} samples/s with PIL, "
@@ -495,13 +517,25 @@ def main() -> None:
                                            median[f"ffcv_w{w}"] / median["imagefolder"]}
             read_ffcv["store_over_ffcv_w2"] = median["store"] / median["ffcv_w2"]
             read_ffcv["store_over_ffcv_w1"] = median["store"] / median["ffcv_w1"]
+            # like for like in cores: dlstore's n threads against FFCV's n numba threads, as the ratio
+            # of the medians and as the median of the per-round ratios (less moved by one slow round)
+            for n in (1, 2):
+                mine, theirs = f"store_threads{n}", f"ffcv_w{n}"
+                read_ffcv[f"{mine}_over_{theirs}"] = {
+                    "of_medians": median[mine] / median[theirs],
+                    "median_per_round": statistics.median(a / b for a, b in zip(rates[mine], rates[theirs])),
+                    **({"target": 1.2} if n == 2 else {})}
             read_ffcv["ffcv_loader"] = ("Loader(order=RANDOM, os_cache default, CPU; image: "
                                         "RandomResizedCropRGBImageDecoder((224, 224)), RandomHorizontalFlip, ToTensor, "
                                         "ToTorchImage; label: IntDecoder, ToTensor)")
             print(f"    FFCV, num_workers 1: {median['ffcv_w1']:.0f} samples/s, num_workers 2: "
                   f"{median['ffcv_w2']:.0f} samples/s ({median['ffcv_w2'] / median['imagefolder']:.2f}x "
-                  f"ImageFolder); dlstore default (workers {args.workers}) / FFCV w2: "
+                  f"ImageFolder); dlstore default ({store_backend}) / FFCV w2: "
                   f"{read_ffcv['store_over_ffcv_w2']:.2f}x, / FFCV w1: {read_ffcv['store_over_ffcv_w1']:.2f}x")
+            for n in (1, 2):
+                ratio = read_ffcv[f"store_threads{n}_over_ffcv_w{n}"]
+                print(f"    dlstore threads={n} / FFCV num_workers={n}: {ratio['of_medians']:.2f}x "
+                      f"(per round, median {ratio['median_per_round']:.2f}x)" + (" (target >= 1.2)" if n == 2 else ""))
         else:
             read_ffcv = {"ffcv_w1": FFCV_SKIPPED, "ffcv_w2": FFCV_SKIPPED}
         load_after = uptime()
@@ -522,6 +556,7 @@ def main() -> None:
                      "target": 1.2, "raw_store_bytes": raw_bytes, "raw_ratio": raw_bytes / source_bytes},
             "fidelity": fid,
             "read": {"rates": rates, "median": median, "speedup": speedup, "target": 5.0,
+                     "store_backend": store_backend, "threads2_over_threads1": scaling,
                      "speedup_raw": median["store_raw"] / median["imagefolder"],
                      "torchvision_over_pil_decode": decoder, **read_ffcv},
             "ffcv": ffcv_info,
