@@ -64,6 +64,19 @@ def willneed_default(count: int, sample_bytes: float) -> bool:
     return memory is not None and count * sample_bytes > memory // 2
 
 
+def readahead_default(store_bytes: int) -> bool:
+    """The map's OS readahead: on for a store that fits in half the memory (physical, or this
+    process's cgroup limit).
+
+    A page fault in a map reads ``read_ahead_kb`` of the disk around it (8 MiB on some virtual
+    disks): a store the page cache holds is read in that few, large reads whatever the order;
+    a random read of a bigger one reads neighbours only to evict them (shards of 3 KB samples
+    in a cgroup holding a quarter of the store: 9x the store's bytes read per epoch's worth).
+    """
+    memory = memory_limit_bytes()
+    return memory is None or store_bytes <= memory // 2
+
+
 def choose_willneed(willneed: Any, count: int, sample_bytes: float) -> bool:
     """The reader option ``willneed``: True/False as given, None the default above; else ArgumentError."""
     if willneed is None:

@@ -565,8 +565,9 @@ def test_reader_options_reach_the_reader(rgb_folder, tmp_path):
     dlstore.convert(rgb_folder, tmp_path / "s.shards", workers=0, progress=False)
     assert dlstore.open_dataset(tmp_path / "s.lmdb", reader_options={"readahead": False}).reader.readahead is False
     assert dlstore.open_dataset(tmp_path / "s.lmdb", reader_options={"readahead": True}).reader.readahead is True
+    assert dlstore.open_dataset(tmp_path / "s.shards", reader_options={"readahead": False}).reader.readahead is False
     with pytest.raises(ValueError, match="do not apply to shards stores"):
-        dlstore.open_dataset(tmp_path / "s.shards", reader_options={"readahead": False})
+        dlstore.open_dataset(tmp_path / "s.shards", reader_options={"chunk_cache_bytes": 1 << 20})
 
 
 @pytest.mark.parametrize("name", ["s.shards", "s.lmdb", "s.h5"])

@@ -217,3 +217,28 @@ def test_default_is_on_for_a_store_bigger_than_half_the_memory_whatever_its_samp
     assert dlstore.open_dataset(dst).reader.willneed is True
     monkeypatch.setattr(readahead, "memory_limit_bytes", lambda: 4 * size)
     assert dlstore.open_dataset(dst).reader.willneed is False
+
+
+@pytest.mark.parametrize("suffix", [".shards", ".lmdb"])
+def test_readahead_off_reads_only_the_faulted_pages(tmp_path, suffix):
+    """``readahead=False`` (the default for a store bigger than half the memory): reading a
+    sample from the cold map reads its own pages, not the disk's readahead unit around them;
+    with readahead on, the same read brings in neighbours."""
+    dst = _store(tmp_path, 24, suffix)
+    data = _data_file(dst)
+    chw = _images(24).transpose(0, 3, 1, 2)
+    wanted = pages_holding(data, chw[12])
+    resident = {}
+    for readahead in (False, True):
+        reader = dlstore.open_dataset(dst, reader_options={"readahead": readahead, "willneed": False}).reader
+        reader._ensure_open()
+        reader.prefetch([0])            # LMDB's lookups touch leaves: done before the eviction
+        evict(data)
+        before = set(np.flatnonzero(resident_pages(data)).tolist())
+        if before >= wanted:
+            pytest.skip(f"this filesystem keeps {data} cached after POSIX_FADV_DONTNEED (tmpfs?)")
+        np.testing.assert_array_equal(np.array(reader.get(12)), chw[12])
+        resident[readahead] = set(np.flatnonzero(resident_pages(data)).tolist()) - before
+        del reader
+    assert resident[False] and resident[False] <= wanted
+    assert len(resident[True] - wanted) > 0

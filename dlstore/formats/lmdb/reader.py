@@ -13,7 +13,6 @@ from typing import Any
 import lmdb
 import numpy as np
 
-from ..._system import memory_limit_bytes
 from ...errors import (
     StoreCorruptError,
 )
@@ -26,7 +25,7 @@ from ..integrity import (
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
 from ..pins import StorePin, check_identity
-from ..readahead import Extents, choose_willneed, mapping_base
+from ..readahead import Extents, choose_willneed, mapping_base, readahead_default
 from ..reader import StoreReader
 from ..targets import read_lmdb
 from .layout import (
@@ -56,17 +55,6 @@ def _env_folder(path: str | os.PathLike) -> Path:
     """The environment folder, also when given its ``data.mdb`` (as format detection allows)."""
     path = Path(path)
     return path.parent if path.name == "data.mdb" and path.is_file() else path
-
-
-def _default_readahead(data: Path) -> bool:
-    """On for a store that fits in half the memory (physical, or this process's cgroup limit).
-
-    The map's readahead reads around every page fault (``read_ahead_kb`` of the disk: 8 MiB on
-    some virtual disks): a store the page cache holds is read in that few, large reads whatever
-    the order; a random read of a bigger one reads neighbours only to evict them.
-    """
-    memory = memory_limit_bytes()
-    return memory is None or data.stat().st_size <= memory // 2
 
 
 def _get_required(txn: lmdb.Transaction, key: bytes, path: Path) -> bytes:
@@ -119,7 +107,7 @@ class LmdbReader(StoreReader):
         path: the ``.lmdb`` folder.
         manifest: the already-read manifest (read from the store if None).
         readahead: OS readahead on the data file; default: True if the file is smaller than half
-            the memory, else False (``_default_readahead``). Readers of one store in one
+            the memory, else False (``readahead.readahead_default``). Readers of one store in one
             process share one environment (py-lmdb allows a single open per process); the first
             one's setting applies.
         willneed: before each batch is copied out, posix_fadvise(WILLNEED) each of its values'
@@ -138,7 +126,7 @@ class LmdbReader(StoreReader):
         data = data_file(self.path)
         self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see common
         self._identity = self._pin.identity
-        self.readahead = _default_readahead(data) if readahead is None else bool(readahead)
+        self.readahead = readahead_default(data.stat().st_size) if readahead is None else bool(readahead)
         self._env: lmdb.Environment | None = None
         self._map_base: int | None = None
         self._page_bytes = self._file_bytes = 0

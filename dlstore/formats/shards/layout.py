@@ -70,4 +70,4 @@ def _load_npy(path: Path, mmap: bool) -> np.ndarray:
 
 
 SUFFIXES = (".shards",)
-READER_OPTIONS = ("willneed",)   # keyword options of Reader, see open_dataset(reader_options=)
+READER_OPTIONS = ("readahead", "willneed")   # keyword options of Reader, see open_dataset(reader_options=)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -16,7 +17,7 @@ from ..checks import batch_out, check_indices, safe_member
 from ..integrity import check_sidecar_seal
 from ..manifest import loads as load_manifest_text
 from ..pins import StorePin, check_identity
-from ..readahead import Extents, choose_willneed
+from ..readahead import Extents, choose_willneed, readahead_default
 from ..reader import StoreReader
 from ..synced import sha256_file
 from ..targets import read_shards
@@ -50,10 +51,12 @@ class ShardReader(StoreReader):
     _handles = ("_maps", "_map_lock")
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
-                 willneed: bool | None = None):
-        """``willneed``: posix_fadvise(WILLNEED) for each sample of a batch before the gather, so a
-        cold batch has all its reads in flight at once (see ``readahead.py``); None: on only for
-        a store that cannot stay cached."""
+                 readahead: bool | None = None, willneed: bool | None = None):
+        """``readahead``: the OS readahead of the files' maps; None: on if the store fits in half
+        the memory (``readahead.readahead_default``), else off (``MADV_RANDOM``: a fault reads its
+        own page). ``willneed``: posix_fadvise(WILLNEED) for each sample of a batch before the
+        gather, so a cold batch has all its reads in flight at once (see ``readahead.py``); None:
+        on only for a store that cannot stay cached."""
         self.path = Path(path)
         self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see common
         self._identity = self._pin.identity
@@ -104,6 +107,8 @@ class ShardReader(StoreReader):
         sample_bytes = (int(np.prod(self.shape)) if self.kind == "fixed"
                         else float(np.prod(self.index[:, 2:], axis=1).mean()) if self.count else 0.0)
         self.willneed = choose_willneed(willneed, self.count, sample_bytes)
+        self.readahead = (readahead_default(sum(f.stat().st_size for f in self.files if f.exists()))
+                          if readahead is None else bool(readahead))
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
 
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
@@ -181,6 +186,8 @@ class ShardReader(StoreReader):
             except FileNotFoundError:
                 raise StoreCorruptError(f"{f}: missing data file named in the manifest") from None
         check_identity(self.path, self._identity)   # after the open: the file is the old store's, or this raises
+        if not self.readahead and getattr(arr, "_mmap", None) is not None:
+            arr._mmap.madvise(mmap.MADV_RANDOM)
         self._maps[k] = arr
         return arr
 
