@@ -149,7 +149,10 @@ def advise(extents: Extents, *, probe: int = 0) -> None:
         try:
             if probe:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                if _cached(fd, starts[np.linspace(0, len(starts) - 1, min(probe, len(starts))).astype(np.int64)]):
+                # samples spread over the file's extents, not the merged ranges' starts: a block
+                # merges into one range, and its first page cached says little about the rest
+                found = np.sort(offset[mine])
+                if _cached(fd, found[np.linspace(0, len(found) - 1, min(probe, len(found))).astype(np.int64)]):
                     continue
             limit = advice_limit(fd)
             for start, stop in zip(starts.tolist(), stops.tolist()):

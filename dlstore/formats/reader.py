@@ -107,7 +107,7 @@ class StoreReader(SampleChecks, ForkSafe):
         extents = self._extents(indices) if len(indices) else None
         if extents is None:
             return False
-        advise(extents)
+        advise(extents, probe=PROBES)
         return True
 
     def _advise_batch(self, indices: np.ndarray) -> None:

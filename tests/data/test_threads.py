@@ -587,3 +587,48 @@ def test_iterators_alive_at_exit_end_quietly(rgb_folder, tmp_path):
     proc = subprocess.run([sys.executable, str(script), str(rgb_folder),
                            str(tmp_path)], check=False, capture_output=True, text=True, timeout=240)
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "exiting\n", "")
+
+
+@pytest.mark.parametrize("suffix", [".shards", ".lmdb"])
+def test_with_willneed_the_loader_advises_batches_ahead_of_their_build(tmp_path, suffix):
+    """Reader willneed on: when the first batch is handed out, the samples of batches not yet
+    submitted to a thread (here the last) are already read or on their way; batches unchanged."""
+    from _helpers import evict, pages_holding, resident_pages
+
+    n = 24
+    images = np.random.default_rng(8).integers(0, 256, (n, 64, 96, 3), dtype=np.uint8)   # 18 KiB each
+    dst = tmp_path / f"s{suffix}"
+    dlstore.convert((images, np.arange(n) % 2), dst, workers=0, progress=False)
+    data = {".shards": dst / "shard-00000.npy", ".lmdb": dst / "data.mdb"}[suffix]
+    ds = dlstore.open_dataset(dst, reader_options={"willneed": True, "readahead": False})
+    ds.reader.prefetch([0])      # LMDB's leaves looked up now, before the file is searched and evicted
+    chw = images.transpose(0, 3, 1, 2)
+    last = set().union(*(pages_holding(data, chw[i]) for i in range(n - 4, n)))
+    evict(data)
+    last -= set(np.flatnonzero(resident_pages(data)).tolist())
+    if not last:
+        pytest.skip(f"this filesystem keeps {data} cached after POSIX_FADV_DONTNEED (tmpfs?)")
+    loader = dlstore.loader(ds, 4, backend="threads", threads=1, prefetch_factor=1)
+    it = iter(loader)
+    first, _ = next(it)
+    deadline = time.monotonic() + 5
+    while not resident_pages(data)[sorted(last)].all() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert resident_pages(data)[sorted(last)].all()
+    got = torch.cat([first] + [x for x, _ in it])
+    assert torch.equal(got, torch.from_numpy(chw))
+
+
+def test_a_bad_index_ahead_fails_its_own_batch_not_the_ones_before(tmp_path):
+    """The advice ahead reads the sampler early: an index out of range there must still fail
+    only when its batch is built, after the batches before it were handed out."""
+    from dlstore.errors import SampleIndexError
+
+    dst = tmp_path / "s.shards"
+    dlstore.convert((np.zeros((6, 8, 8, 3), np.uint8), np.arange(6) % 2), dst, workers=0, progress=False)
+    ds = dlstore.open_dataset(dst, reader_options={"willneed": True})
+    loader = dlstore.loader(ds, 2, sampler=[0, 1, 2, 3, 99], backend="threads", threads=1)
+    it = iter(loader)
+    assert [len(next(it)[0]), len(next(it)[0])] == [2, 2]
+    with pytest.raises(SampleIndexError, match="99"):
+        next(it)

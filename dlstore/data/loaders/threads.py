@@ -23,6 +23,12 @@ Each thread runs the torch ops of its batch (batch transforms, the pinning copy)
 itself alone (``intraop.one_thread_here``): the threads are the parallelism, and a torch
 intra-op team per thread would oversubscribe the cores and stall on a busy machine.
 
+With the reader's ``willneed`` on (a store that cannot stay cached), the kernel is asked
+for each batch's samples ``ADVISE_AHEAD_BYTES`` of batches before a thread builds it
+(``StoreReader.prefetch``), so the disk reads ahead of the gathers whatever the order, as
+its own readahead does for a sequential read of a file (which the store's maps no longer
+have: ``readahead.readahead_default``).
+
 A batch handed out is never written again by the loader: each is a buffer of
 its own, and the dataset recycles a buffer only once no tensor refers to it
 (``StoreDataset._new_batch``). With ``pin_memory`` the batch is copied, on the
@@ -43,7 +49,7 @@ import numpy as np
 import torch
 from torch.utils.data import BatchSampler
 
-from ...errors import ArgumentError
+from ...errors import ArgumentError, DlstoreError
 from ..intraop import one_thread_here
 from ..passes import LoaderIterator, PassState
 from ..profiling_ranges import profiling_range
@@ -146,6 +152,11 @@ class ThreadLoader:
         keep = getattr(self.dataset, "_keep_buffers", None)
         release = keep(self.prefetch + 4) if keep is not None else None
         batches = itertools.islice(enumerate(iter(self.batch_sampler)), skip, None)   # (resumed: past those)
+        reader = _reader(self.dataset)
+        if getattr(reader, "willneed", False) and hasattr(reader, "prefetch"):
+            shape = getattr(reader, "shape", None)
+            sample = int(np.prod(shape)) if shape else 64 << 10
+            batches = _advised_ahead(batches, reader, sample * getattr(self.batch_sampler, "batch_size", 1))
         # each thread builds a batch on its own: torch's ops in it start no intra-op team (see intraop)
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-loader", initializer=one_thread_here)
         pending: deque[Future] = deque()
@@ -175,6 +186,33 @@ class ThreadLoader:
                 f"prefetch={self.prefetch}, pin_memory={self.pin_memory})")
 
 
+# Bytes of batches whose samples are advised ahead of the one being built: a few of the
+# disk's readahead units (8 MiB here), well under the memory a store too big to cache leaves.
+ADVISE_AHEAD_BYTES = 32 << 20
+
+
+def _advised_ahead(batches: Iterator[tuple[int, Any]], reader: Any,
+                   batch_bytes: float) -> Iterator[tuple[int, Any]]:
+    """``batches`` unchanged, each one's samples advised to the kernel (``reader.prefetch``)
+    ``ADVISE_AHEAD_BYTES`` worth of batches before it is yielded."""
+    ahead = int(min(64, max(1, ADVISE_AHEAD_BYTES // max(batch_bytes, 1))))
+    window: deque[tuple[int, Any]] = deque()
+    for item in batches:
+        try:
+            reader.prefetch(item[1])
+        except DlstoreError:     # advice only: building that batch raises the error, in its turn
+            pass
+        window.append(item)
+        if len(window) > ahead:
+            yield window.popleft()
+    yield from window
+
+
+def _reader(dataset: Any) -> Any:
+    reader = getattr(dataset, "reader", None)
+    return getattr(reader, "raw", reader)             # DecodingReader wraps the format's reader
+
+
 def _open_handles(dataset: Any) -> None:
     """Open the reader's handles here, before the threads start.
 
@@ -182,8 +220,6 @@ def _open_handles(dataset: Any) -> None:
     threads racing to open are safe); opening here keeps that cost, and any error
     about the store, out of the first batch's thread.
     """
-    reader = getattr(dataset, "reader", None)
-    reader = getattr(reader, "raw", reader)             # DecodingReader wraps the format's reader
-    ensure = getattr(reader, "_ensure_open", None)
+    ensure = getattr(_reader(dataset), "_ensure_open", None)
     if ensure is not None:
         ensure()
