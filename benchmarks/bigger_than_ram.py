@@ -7,7 +7,8 @@ first. The limit is a quarter of the store's bytes plus the reader process's own
 (torch, dlstore, one batch: measured first, in a process of its own); the page cache the epoch
 fills is charged to that cgroup, so only a quarter of the store can stay cached.
 
-    sequential   dlstore.loader(ds, B, backend="threads")                 the disk's best case
+    sequential   dlstore.loader(ds, B, backend="threads")                 the reader's defaults
+    sequential-ra  the same, reader_options={"readahead": True}           the kernel's own readahead
     random       dlstore.loader(ds, B, shuffle=True, backend="threads")   a full shuffle
     block        dlstore.loader(ds, B, sampler=BlockShuffleSampler(ds, seed=r), backend="threads")
                  (default block_size and window, sized inside the cgroup from what it leaves)
@@ -17,7 +18,7 @@ That stop favours sequential and block (the cache holds nothing useful to a rand
 the start), so the random rows are a lower bound of a full epoch's rate: 'epoch %' says how
 much was read. Reported per epoch: samples/s, bytes the process read from the disk during the epoch
 (``/proc/self/io``) per store byte, major faults. Ratios are to sequential of the same format, median over rounds.
-Target: block >= 0.8x sequential. Then the randomness of block shuffle against a full shuffle,
+Target: block >= 0.8x the better of the two sequential epochs (the disk's best case). Then the randomness of block shuffle against a full shuffle,
 for this store's layout and for an ImageNet-like one (1,281,167 samples in 1,000 class runs,
 110 KB each, 8 ranks on a node with 64 GiB available).
 
@@ -43,7 +44,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, uptime, write_json  # noqa: E402
 
-ORDERS = ("sequential", "random", "block")
+ORDERS = ("sequential", "sequential-ra", "random", "block")
 CGROUP = Path("/sys/fs/cgroup")
 TARGET = 0.8
 
@@ -108,7 +109,7 @@ def child(args: argparse.Namespace) -> None:
     import dlstore
 
     torch.set_num_threads(1)
-    ds = dlstore.open_dataset(args.store)
+    ds = dlstore.open_dataset(args.store, reader_options={"readahead": True} if args.order == "sequential-ra" else None)
     sampler, info = None, {}
     if args.order == "block":
         sampler = dlstore.BlockShuffleSampler(ds, seed=args.seed)
@@ -245,7 +246,7 @@ def main() -> int:
                   f"({size / limits[fmt]:.1f}x smaller than the store; {kind})", flush=True)
         for r in range(args.rounds):
             for fmt, (store, n) in stores.items():
-                for order in ORDERS[r % 3:] + ORDERS[:r % 3]:   # rotated: no order always runs first
+                for order in ORDERS[r % len(ORDERS):] + ORDERS[:r % len(ORDERS)]:   # rotated: none always first
                     drop_caches()
                     group = MemoryCgroup(kind, f"dlstore-btr-{os.getpid()}-{r}-{fmt}-{order}", limits[fmt])
                     try:
@@ -255,23 +256,26 @@ def main() -> int:
                     res["read_per_store_byte"] = res["read_bytes"] / results["formats"][fmt]["store_bytes"]
                     runs[fmt][order].append(res)
                     extra = f", block {res['block_size']} x window {res['window']}" if order == "block" else ""
-                    print(f"round {r + 1} {fmt:6s} {order:10s} {res['rate']:9,.0f} samples/s, read "
+                    print(f"round {r + 1} {fmt:6s} {order:13s} {res['rate']:9,.0f} samples/s, read "
                           f"{res['read_per_store_byte']:5.2f}x the store, {res['majflt']:8,} major faults, "
                           f"peak {res['cgroup_peak'] / 1e6:5.0f} MB, {100 * res['epoch_fraction']:3.0f} % of the epoch "
                           f"in {res['seconds']:.1f} s, load {res['load1']:.2f}{extra}", flush=True)
-    print(f"\n{'':8s}{'order':11s}{'samples/s':>11s}{'/ sequential':>14s}{'read / store':>14s}")
+    print(f"\n{'':8s}{'order':14s}{'samples/s':>11s}{'/ sequential':>14s}{'/ best seq.':>13s}{'read / store':>14s}")
     for fmt, by_order in runs.items():
         seq = statistics.median(x["rate"] for x in by_order["sequential"])
+        best = max(seq, statistics.median(x["rate"] for x in by_order["sequential-ra"]))
         summary = {}
         for order, rs in by_order.items():
             rate = statistics.median(x["rate"] for x in rs)
             ratios = sorted(x["rate"] / y["rate"] for x, y in zip(rs, by_order["sequential"]))
-            summary[order] = {"rate": rate, "ratio": rate / seq, "ratio_per_round": ratios,
+            summary[order] = {"rate": rate, "ratio": rate / seq, "ratio_to_best_sequential": rate / best,
+                              "ratio_per_round": ratios,
                               "read_per_store_byte": statistics.median(x["read_per_store_byte"] for x in rs),
                               "runs": rs}
-            print(f"{fmt:8s}{order:11s}{rate:11,.0f}{rate / seq:14.2f}{summary[order]['read_per_store_byte']:14.2f}")
+            print(f"{fmt:8s}{order:14s}{rate:11,.0f}{rate / seq:14.2f}{rate / best:13.2f}"
+                  f"{summary[order]['read_per_store_byte']:14.2f}")
         summary["block"]["target"] = TARGET
-        summary["block"]["meets_target"] = summary["block"]["ratio"] >= TARGET
+        summary["block"]["meets_target"] = summary["block"]["ratio_to_best_sequential"] >= TARGET
         results["formats"][fmt]["orders"] = summary
     first = next(iter(runs.values()))["block"][0]
     fmt0, (_, n0) = next(iter(stores.items()))

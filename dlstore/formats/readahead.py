@@ -131,9 +131,9 @@ def _cached(fd: int, offsets: np.ndarray) -> bool:
 
 def advise(extents: Extents, *, probe: int = 0) -> None:
     """posix_fadvise(WILLNEED) for every extent: one open per file, nearby extents merged,
-    each range in pieces of at most ``advice_limit``. ``probe``: first look whether that many
-    of a file's extents, spread over it, are cached, and advise none of it if all are (one
-    call per extent would cost a warm batch more than its gather)."""
+    each range in pieces of at most ``advice_limit``. ``probe``: first look whether the last
+    page of that many of a file's extents, spread over it, is cached, and advise none of it if
+    all are (one call per extent would cost a warm batch more than its gather)."""
     file_no = np.asarray(extents.file_no, dtype=np.int64)
     offset = np.asarray(extents.offset, dtype=np.int64)
     length = np.broadcast_to(np.asarray(extents.length, dtype=np.int64), offset.shape)
@@ -149,10 +149,11 @@ def advise(extents: Extents, *, probe: int = 0) -> None:
         try:
             if probe:
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
-                # samples spread over the file's extents, not the merged ranges' starts: a block
-                # merges into one range, and its first page cached says little about the rest
-                found = np.sort(offset[mine])
-                if _cached(fd, found[np.linspace(0, len(found) - 1, min(probe, len(found))).astype(np.int64)]):
+                # the last byte of samples spread over the file's extents: a block merges into one
+                # range, whose first page says little about the rest, and a sample's first page is
+                # the one a lookup touches (LMDB reads a big value's header page to find it)
+                last = np.sort(end[mine] - 1)
+                if _cached(fd, last[np.linspace(0, len(last) - 1, min(probe, len(last))).astype(np.int64)]):
                     continue
             limit = advice_limit(fd)
             for start, stop in zip(starts.tolist(), stops.tolist()):

@@ -234,12 +234,13 @@ def test_readahead_reads_each_next_windows_samples(tmp_path, suffix):
     dst = tmp_path / f"s{suffix}"
     dlstore.convert((images, np.arange(n) % 2), dst, workers=0, progress=False)
     data = {".shards": dst / "shard-00000.npy", ".lmdb": dst / "data.mdb", ".h5": dst}[suffix]
-    # LMDB without its map's readahead, which would read any sample's neighbours with it
+    # Opened and searched (LMDB's leaves, HDF5's chunk index) with the file evicted: a page fault
+    # maps the cached pages around it too (fault-around), and no eviction drops a mapped page.
+    # LMDB without its map's readahead, which would read any sample's neighbours with it.
+    evict(data)
     ds = dlstore.open_dataset(dst, reader_options={"readahead": False} if suffix == ".lmdb" else None)
     sampler = dlstore.BlockShuffleSampler(ds, block_size=block, window=window, seed=4)
     groups, starts = order.windows(n, block, window, 4)
-    # what finding samples reads (LMDB's leaves, HDF5's chunk index) is read now, before the
-    # file is (searching it below would let a fault here map the neighbours, which no eviction drops)
     ds.reader.prefetch([0])
     chw = images.transpose(0, 3, 1, 2)
     pages = [set().union(*(pages_holding(data, chw[i]) for b in g.tolist()
