@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import functools
 import os
+import threading
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -62,6 +63,20 @@ def willneed_default(count: int, sample_bytes: float) -> bool:
         return False
     memory = memory_limit_bytes()
     return memory is not None and count * sample_bytes > memory // 2
+
+
+_THREAD = threading.local()
+
+
+def batches_advised_ahead() -> None:
+    """Mark the calling thread as one whose batches its loader advises ahead (``ThreadLoader``'s
+    builders): a reader's own advice of each batch there would repeat it."""
+    _THREAD.ahead = True
+
+
+def advised_ahead() -> bool:
+    """Whether the calling thread's batches are advised ahead by its loader."""
+    return getattr(_THREAD, "ahead", False)
 
 
 def readahead_default(store_bytes: int) -> bool:
@@ -139,9 +154,8 @@ def advise(extents: Extents, *, probe: int = 0) -> None:
     length = np.broadcast_to(np.asarray(extents.length, dtype=np.int64), offset.shape)
     keep = (offset >= 0) & (length > 0)
     file_no, offset, end = file_no[keep], offset[keep], offset[keep] + length[keep]
-    for k in np.unique(file_no).tolist():
-        mine = file_no == k
-        starts, stops = ranges(offset[mine], end[mine])
+    for k in (np.unique(file_no).tolist() if len(extents.files) > 1 else [0] if len(offset) else []):
+        mine = file_no == k if len(extents.files) > 1 else slice(None)
         try:
             fd = os.open(extents.files[k], os.O_RDONLY)
         except OSError:
@@ -152,9 +166,10 @@ def advise(extents: Extents, *, probe: int = 0) -> None:
                 # the last byte of samples spread over the file's extents: a block merges into one
                 # range, whose first page says little about the rest, and a sample's first page is
                 # the one a lookup touches (LMDB reads a big value's header page to find it)
-                last = np.sort(end[mine] - 1)
-                if _cached(fd, last[np.linspace(0, len(last) - 1, min(probe, len(last))).astype(np.int64)]):
+                last = end[mine] - 1
+                if _cached(fd, last[::max(1, -(-len(last) // probe))]):
                     continue
+            starts, stops = ranges(offset[mine], end[mine])
             limit = advice_limit(fd)
             for start, stop in zip(starts.tolist(), stops.tolist()):
                 for piece in range(start, stop, limit):

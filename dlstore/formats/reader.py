@@ -30,7 +30,7 @@ from ..errors import SampleIndexError, VariableShapeError
 from .checks import batch_out, check_index, check_indices
 from .handles import ForkSafe
 from .integrity import SampleChecks
-from .readahead import Extents, advise
+from .readahead import Extents, advise, advised_ahead
 
 # samples of a batch looked up in the page cache before it is advised: all there, no advice
 PROBES = 8
@@ -111,8 +111,9 @@ class StoreReader(SampleChecks, ForkSafe):
         return True
 
     def _advise_batch(self, indices: np.ndarray) -> None:
-        """With ``willneed`` on, tell the kernel where the checked ``indices`` lie (handles open)."""
-        if self.willneed and len(indices) > 1:
+        """With ``willneed`` on, tell the kernel where the checked ``indices`` lie (handles open),
+        unless this thread's loader advised them ahead."""
+        if self.willneed and len(indices) > 1 and not advised_ahead():
             extents = self._extents(indices)
             if extents is not None:
                 advise(extents, probe=PROBES)

@@ -632,3 +632,21 @@ def test_a_bad_index_ahead_fails_its_own_batch_not_the_ones_before(tmp_path):
     assert [len(next(it)[0]), len(next(it)[0])] == [2, 2]
     with pytest.raises(SampleIndexError, match="99"):
         next(it)
+
+
+def test_batches_advised_ahead_are_not_advised_again_by_their_builder(tmp_path, monkeypatch):
+    """Each batch is advised once, ahead, from the loader's own thread; the builder threads'
+    reads skip the reader's per-batch advice (it would repeat the same calls)."""
+    import dlstore.formats.reader as reader_module
+
+    dst = tmp_path / "s.shards"
+    dlstore.convert((np.zeros((12, 8, 8, 3), np.uint8), np.arange(12) % 2), dst, workers=0, progress=False)
+    ds = dlstore.open_dataset(dst, reader_options={"willneed": True})
+    seen: list[str] = []
+    real = reader_module.advise
+    monkeypatch.setattr(reader_module, "advise",
+                        lambda extents, **options: (seen.append(threading.current_thread().name), real(extents, **options)))
+    assert sum(len(x) for x, _ in dlstore.loader(ds, 3, backend="threads", threads=2)) == 12
+    assert seen == [threading.current_thread().name] * 4
+    ds.reader.get_batch([0, 1])                  # outside the loader the reader still advises its batch
+    assert len(seen) == 5

@@ -50,6 +50,7 @@ import torch
 from torch.utils.data import BatchSampler
 
 from ...errors import ArgumentError, DlstoreError
+from ...formats.readahead import batches_advised_ahead
 from ..intraop import one_thread_here
 from ..passes import LoaderIterator, PassState
 from ..profiling_ranges import profiling_range
@@ -153,12 +154,14 @@ class ThreadLoader:
         release = keep(self.prefetch + 4) if keep is not None else None
         batches = itertools.islice(enumerate(iter(self.batch_sampler)), skip, None)   # (resumed: past those)
         reader = _reader(self.dataset)
-        if getattr(reader, "willneed", False) and hasattr(reader, "prefetch"):
+        ahead = getattr(reader, "willneed", False) and hasattr(reader, "prefetch")
+        if ahead:
             shape = getattr(reader, "shape", None)
             sample = int(np.prod(shape)) if shape else 64 << 10
             batches = _advised_ahead(batches, reader, sample * getattr(self.batch_sampler, "batch_size", 1))
         # each thread builds a batch on its own: torch's ops in it start no intra-op team (see intraop)
-        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-loader", initializer=one_thread_here)
+        pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-loader",
+                                  initializer=_advised_builder if ahead else one_thread_here)
         pending: deque[Future] = deque()
 
         def submit(k: int, indices: Any) -> None:
@@ -206,6 +209,11 @@ def _advised_ahead(batches: Iterator[tuple[int, Any]], reader: Any,
         if len(window) > ahead:
             yield window.popleft()
     yield from window
+
+
+def _advised_builder() -> None:
+    one_thread_here()
+    batches_advised_ahead()   # the reader's own advice of each batch would repeat _advised_ahead's
 
 
 def _reader(dataset: Any) -> Any:
