@@ -13,7 +13,7 @@ finds them read or on their way. Each format says only where its samples are::
 Advice only: an error is ignored (the read that follows names any real one), and a
 format that cannot say where a sample is reads without it.
 
-Extents less than ``MERGE_GAP`` apart are advised as one range, and a range is advised in
+Extents at most ``MERGE_GAP`` apart are advised as one range, and a range is advised in
 pieces of at most what one call reads: Linux reads at most ``max(read_ahead_kb,
 max_sectors_kb)`` of the file's disk per ``WILLNEED`` (``force_page_cache_ra``) and drops
 the rest of a longer range without saying so (a 64 MiB call read 8 MiB on this machine's
@@ -41,7 +41,7 @@ import numpy as np
 from .._system import memory_limit_bytes
 from ..errors import ArgumentError
 
-# A gap this small is read with its neighbours: its pages cost less than another call, and
+# A gap up to this is read with its neighbours: its pages cost less than another call, and
 # LMDB's values (page headers, leaf pages between them) and HDF5's chunks are rarely adjacent.
 MERGE_GAP = 16 << 10
 FALLBACK_LIMIT = 128 << 10   # what one call reads where the disk's queue limits cannot be read
@@ -124,7 +124,7 @@ def advice_limit(fd: int) -> int:
 
 def ranges(offset: np.ndarray, end: np.ndarray, gap: int = MERGE_GAP) -> tuple[np.ndarray, np.ndarray]:
     """``[start, stop)`` byte ranges covering the extents ``[offset, end)`` of one file, extents
-    less than ``gap`` apart merged: sorted and disjoint."""
+    at most ``gap`` apart merged: sorted and disjoint."""
     order = np.argsort(offset, kind="stable")
     offset, end = offset[order], np.maximum.accumulate(end[order])
     first = np.ones(len(offset), dtype=bool)

@@ -546,7 +546,8 @@ def test_jpeg_batch_with_a_damaged_record_names_it(stores):
 
 
 EXIT_WITH_LIVE_ITERATORS = """
-import sys, torch
+import faulthandler, sys, torch
+faulthandler.dump_traceback_later(200, exit=True)   # a hang (CI saw one, once) shows its threads' stacks
 from torchvision.transforms import v2
 import dlstore
 
@@ -589,10 +590,13 @@ def test_iterators_alive_at_exit_end_quietly(rgb_folder, tmp_path):
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "exiting\n", "")
 
 
+@pytest.mark.parametrize("backend", [{"backend": "threads", "threads": 1}, {"backend": "ring", "num_workers": 1}],
+                         ids=["threads", "ring"])
 @pytest.mark.parametrize("suffix", [".shards", ".lmdb"])
-def test_with_willneed_the_loader_advises_batches_ahead_of_their_build(tmp_path, suffix):
+def test_with_willneed_the_loader_advises_batches_ahead_of_their_build(tmp_path, suffix, backend):
     """Reader willneed on: when the first batch is handed out, the samples of batches not yet
-    submitted to a thread (here the last) are already read or on their way; batches unchanged."""
+    submitted to a thread or worker (here the last) are already read or on their way; batches
+    unchanged."""
     from _helpers import evict, pages_holding, resident_pages
 
     n = 24
@@ -608,14 +612,14 @@ def test_with_willneed_the_loader_advises_batches_ahead_of_their_build(tmp_path,
     last -= set(np.flatnonzero(resident_pages(data)).tolist())
     if not last:
         pytest.skip(f"this filesystem keeps {data} cached after POSIX_FADV_DONTNEED (tmpfs?)")
-    loader = dlstore.loader(ds, 4, backend="threads", threads=1, prefetch_factor=1)
+    loader = dlstore.loader(ds, 4, prefetch_factor=1, **backend)
     it = iter(loader)
-    first, _ = next(it)
+    first = next(it)[0].clone()   # (a ring slot is reused once handed back)
     deadline = time.monotonic() + 5
     while not resident_pages(data)[sorted(last)].all() and time.monotonic() < deadline:
         time.sleep(0.01)
     assert resident_pages(data)[sorted(last)].all()
-    got = torch.cat([first] + [x for x, _ in it])
+    got = torch.cat([first] + [x.clone() for x, _ in it])
     assert torch.equal(got, torch.from_numpy(chw))
 
 

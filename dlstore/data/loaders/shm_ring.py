@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import warnings
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
@@ -188,7 +187,7 @@ class ShmRingLoader(ThreadLoader):
         # received and not handed out; resumed, it raises (below)
         pool.busy -= pool.ready
         pool.ready.clear()
-        batches = itertools.islice(enumerate(iter(self.batch_sampler)), skip, None)   # (resumed: past those)
+        batches, _ = self._index_batches(skip)   # (resumed: past those; advised ahead with willneed)
         pending: dict[int, int] = {}      # k -> slot: dispatched this pass, not yet handed out
         ready: dict[int, tuple] = {}      # k -> (slot, rows, labels, error): reported this pass
         exhausted = False

@@ -24,8 +24,8 @@ itself alone (``intraop.one_thread_here``): the threads are the parallelism, and
 intra-op team per thread would oversubscribe the cores and stall on a busy machine.
 
 With the reader's ``willneed`` on (a store that cannot stay cached), the kernel is asked
-for each batch's samples ``ADVISE_AHEAD_BYTES`` of batches before a thread builds it
-(``StoreReader.prefetch``), so the disk reads ahead of the gathers whatever the order, as
+for each batch's samples ``ADVISE_AHEAD_BYTES`` of batches before a thread (or, in
+``ShmRingLoader``, a worker process) builds it (``StoreReader.prefetch``), so the disk reads ahead of the gathers whatever the order, as
 its own readahead does for a sequential read of a file (which the store's maps no longer
 have: ``readahead.readahead_default``).
 
@@ -152,13 +152,7 @@ class ThreadLoader:
         # smaller batch; fewer and the dataset would allocate (and page-fault) new ones.
         keep = getattr(self.dataset, "_keep_buffers", None)
         release = keep(self.prefetch + 4) if keep is not None else None
-        batches = itertools.islice(enumerate(iter(self.batch_sampler)), skip, None)   # (resumed: past those)
-        reader = _reader(self.dataset)
-        ahead = getattr(reader, "willneed", False) and hasattr(reader, "prefetch")
-        if ahead:
-            shape = getattr(reader, "shape", None)
-            sample = int(np.prod(shape)) if shape else 64 << 10
-            batches = _advised_ahead(batches, reader, sample * getattr(self.batch_sampler, "batch_size", 1))
+        batches, ahead = self._index_batches(skip)
         # each thread builds a batch on its own: torch's ops in it start no intra-op team (see intraop)
         pool = ThreadPoolExecutor(self.threads, thread_name_prefix="dlstore-loader",
                                   initializer=_advised_builder if ahead else one_thread_here)
@@ -183,6 +177,17 @@ class ThreadLoader:
             pool.shutdown(wait=True, cancel_futures=True)
             if release is not None:       # the dataset's other passes keep what they asked for
                 release()
+
+    def _index_batches(self, skip: int) -> tuple[Iterator[tuple[int, Any]], bool]:
+        """This pass's ``(k, indices)`` from the batch sampler, past the ``skip`` a resumed pass
+        has served; with the reader's ``willneed`` on, each advised ahead (the second value)."""
+        batches = itertools.islice(enumerate(iter(self.batch_sampler)), skip, None)
+        reader = _reader(self.dataset)
+        if not (getattr(reader, "willneed", False) and hasattr(reader, "prefetch")):
+            return batches, False
+        shape = getattr(reader, "shape", None)
+        sample = int(np.prod(shape)) if shape else 64 << 10
+        return _advised_ahead(batches, reader, sample * getattr(self.batch_sampler, "batch_size", 1)), True
 
     def __repr__(self) -> str:
         return (f"ThreadLoader({self.dataset!r}, batches={len(self)}, threads={self.threads}, "
