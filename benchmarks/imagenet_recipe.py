@@ -235,6 +235,18 @@ def _map_box(box, stored_hw: tuple[int, int], original_size: tuple[int, int]) ->
     return top, left, height, width
 
 
+def _add(sums: list, diff: torch.Tensor, psnr: list | None) -> None:
+    """One crop's difference from its reference into ``sums`` ([abs, squares, count]); its PSNR
+    appended to ``psnr`` when given."""
+    d = diff.to(torch.float64)
+    sums[0] += d.abs().sum().item()
+    sums[1] += (d * d).sum().item()
+    sums[2] += d.numel()
+    if psnr is not None:
+        mse = (d * d).mean().item()
+        psnr.append(10 * math.log10(255 ** 2 / mse) if mse else float("inf"))
+
+
 def _summary(abs_sum: float, sq_sum: float, n: int) -> dict:
     mse = sq_sum / n
     return {"mean_abs_diff": abs_sum / n, "psnr_db": 10 * math.log10(255 ** 2 / mse) if mse else None}
@@ -291,13 +303,8 @@ def fidelity(ds: dlstore.StoreDataset, resize_max: int, crops: int, seed: int,
             orig_hwc = np.asarray(original)
             f_kernel = cv2.resize(orig_hwc[ft:ft + fh, fl:fl + fw], (CROP, CROP), interpolation=cv2.INTER_AREA)
             for name, out in (("recipe", f_out), ("kernel", f_kernel)):
-                d = (torch.from_numpy(out).permute(2, 0, 1).to(torch.int32) - f_ref).to(torch.float64)
-                ff_sums[name][0] += d.abs().sum().item()
-                ff_sums[name][1] += (d * d).sum().item()
-                ff_sums[name][2] += d.numel()
-                if name == "recipe":
-                    mse = (d * d).mean().item()
-                    ff_psnr.append(10 * math.log10(255 ** 2 / mse) if mse else float("inf"))
+                _add(ff_sums[name], torch.from_numpy(out).permute(2, 0, 1).to(torch.int32) - f_ref,
+                     ff_psnr if name == "recipe" else None)
         reference = F.pil_to_tensor(F.resized_crop(original, top, left, height, width, [CROP, CROP],
                                                    antialias=True)).to(torch.int32)
         outs = {
@@ -307,13 +314,7 @@ def fidelity(ds: dlstore.StoreDataset, resize_max: int, crops: int, seed: int,
             "recipe": F.resized_crop(stored, *box, [CROP, CROP], antialias=True),
         }
         for name, out in outs.items():
-            d = (out.to(torch.int32) - reference).to(torch.float64)
-            sums[name][0] += d.abs().sum().item()
-            sums[name][1] += (d * d).sum().item()
-            sums[name][2] += d.numel()
-            if name == "recipe":
-                mse = (d * d).mean().item()
-                per_crop_psnr.append(10 * math.log10(255 ** 2 / mse) if mse else float("inf"))
+            _add(sums[name], out.to(torch.int32) - reference, per_crop_psnr if name == "recipe" else None)
     result = {name: _summary(*sums[name]) for name in sums}
     result["recipe"]["per_crop_psnr_db"] = _psnr_stats(per_crop_psnr)
     result["crops"] = len(picks)

@@ -132,7 +132,7 @@ class StoreDataset(Dataset):
         self.reader = open_reader(self.path, self.format, reader_options, check)
         self.manifest: dict[str, Any] = self.reader.manifest
         # (N, K) target vectors, or None: int labels
-        vectors = getattr(getattr(self.reader, "raw", self.reader), "targets", None)
+        vectors = getattr(self.format_reader, "targets", None)
         self.classes: list[str] = list(self.manifest["classes"])
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         labels = np.asarray(self.reader.labels, dtype=np.int64)
@@ -183,12 +183,17 @@ class StoreDataset(Dataset):
         self._pool_wants: list[int] = []   # what each live pass asked of _keep_buffers
 
     @property
+    def format_reader(self) -> Any:
+        """The format's reader (a ``StoreReader``), under the ``DecodingReader`` of an encoded store."""
+        return getattr(self.reader, "raw", self.reader)
+
+    @property
     def origins(self) -> Any:
         """Where each sample came from (``Origins``: a path relative to the source root, or the
         source index); read from the store on first use."""
         origins = self.__dict__.get("_origins")
         if origins is None:
-            origins = getattr(self.reader, "raw", self.reader).origins()
+            origins = self.format_reader.origins()
             if origins is None:
                 raise UsageError(f"{self.path}: this store records no provenance (converted by an older "
                                  "dlstore); convert it again to get samples/imgs")

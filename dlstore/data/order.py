@@ -83,7 +83,7 @@ class Readahead:
     """
 
     def __init__(self, dataset: Any):
-        self.reader = getattr(getattr(dataset, "reader", None), "raw", getattr(dataset, "reader", None))
+        self.reader = getattr(dataset, "format_reader", None)
         self.exact = hasattr(self.reader, "prefetch")
         path = Path(dataset.path)
         files = [path] if path.is_file() else sorted((f for f in path.rglob("*") if f.is_file()),

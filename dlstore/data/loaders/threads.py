@@ -182,7 +182,7 @@ class ThreadLoader:
         """This pass's ``(k, indices)`` from the batch sampler, past the ``skip`` a resumed pass
         has served; with the reader's ``willneed`` on, each advised ahead (the second value)."""
         batches = itertools.islice(enumerate(iter(self.batch_sampler)), skip, None)
-        reader = _reader(self.dataset)
+        reader = getattr(self.dataset, "format_reader", None)
         if not (getattr(reader, "willneed", False) and hasattr(reader, "prefetch")):
             return batches, False
         shape = getattr(reader, "shape", None)
@@ -221,11 +221,6 @@ def _advised_builder() -> None:
     batches_advised_ahead()   # the reader's own advice of each batch would repeat _advised_ahead's
 
 
-def _reader(dataset: Any) -> Any:
-    reader = getattr(dataset, "reader", None)
-    return getattr(reader, "raw", reader)             # DecodingReader wraps the format's reader
-
-
 def _open_handles(dataset: Any) -> None:
     """Open the reader's handles here, before the threads start.
 
@@ -233,6 +228,6 @@ def _open_handles(dataset: Any) -> None:
     threads racing to open are safe); opening here keeps that cost, and any error
     about the store, out of the first batch's thread.
     """
-    ensure = getattr(_reader(dataset), "_ensure_open", None)
+    ensure = getattr(getattr(dataset, "format_reader", None), "_ensure_open", None)
     if ensure is not None:
         ensure()

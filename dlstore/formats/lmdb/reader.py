@@ -261,7 +261,8 @@ class LmdbReader(StoreReader):
         if self._values is None:
             self._values = (np.full(self.count, -1, dtype=np.int64), np.zeros(self.count, dtype=np.int64))
         offsets, lengths = self._values
-        unknown = [i for i in np.unique(indices).tolist() if offsets[i] < 0]
+        wanted = np.unique(indices)
+        unknown = wanted[offsets[wanted] < 0].tolist()
         if unknown:
             with self._env.begin(buffers=True) as txn:
                 cursor = txn.cursor()
