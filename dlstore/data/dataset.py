@@ -130,9 +130,9 @@ class StoreDataset(Dataset):
                 f"dlstore.{_FORMAT_CLASSES.get(self.format, 'StoreDataset')} or dlstore.open_dataset (which "
                 "detects the format)")
         self.reader = open_reader(self.path, self.format, reader_options, check)
+        self.format_reader = getattr(self.reader, "raw", self.reader)   # the StoreReader under any decoding
         self.manifest: dict[str, Any] = self.reader.manifest
-        # (N, K) target vectors, or None: int labels
-        vectors = getattr(self.format_reader, "targets", None)
+        vectors = getattr(self.format_reader, "targets", None)   # (N, K) target vectors, or None: int labels
         self.classes: list[str] = list(self.manifest["classes"])
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
         labels = np.asarray(self.reader.labels, dtype=np.int64)
@@ -181,11 +181,6 @@ class StoreDataset(Dataset):
         self._pool_lock = threading.Lock()
         self._pool_size = _POOL_SIZE   # a ThreadLoader raises it to cover the batches it keeps in flight
         self._pool_wants: list[int] = []   # what each live pass asked of _keep_buffers
-
-    @property
-    def format_reader(self) -> Any:
-        """The format's reader (a ``StoreReader``), under the ``DecodingReader`` of an encoded store."""
-        return getattr(self.reader, "raw", self.reader)
 
     @property
     def origins(self) -> Any:
