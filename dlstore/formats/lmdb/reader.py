@@ -48,6 +48,8 @@ _PAGE_HEADER = struct.Struct("<QHHHH")
 _NODE_HEADER = struct.Struct("<HHHH")
 _PGNO = struct.Struct("<Q")
 _P_LEAF, _P_LEAF2, _F_BIGDATA = 0x02, 0x20, 0x01
+# (an environment, its map as a uint8 array): the array is valid only while the environment is open
+_Mapped = tuple[lmdb.Environment, np.ndarray]
 _NODE_LAYOUT_KNOWN = sys.byteorder == "little" and struct.calcsize("P") == 8
 
 
@@ -103,6 +105,11 @@ _DAMAGE = tuple(getattr(lmdb, name) for name in (
 class LmdbReader(StoreReader):
     """Reads samples of an LMDB store; each read copies the value out of the map once.
 
+    A batch whose values' places are known (``_extents``: read from the B-tree's leaf pages,
+    once per leaf) is copied straight from the map at those places, without a B-tree lookup per
+    value (``_located``). That is safe because a published store is never written again (a
+    conversion writes a new one and renames it in place: this reader's map keeps the old file).
+
     Args:
         path: the ``.lmdb`` folder.
         manifest: the already-read manifest (read from the store if None).
@@ -117,7 +124,7 @@ class LmdbReader(StoreReader):
     """
 
     format = FORMAT
-    _handles = ("_env", "_map_base")
+    _handles = ("_env", "_map_base", "_mapped")
 
     @_lmdb_errors_as_damage
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
@@ -129,6 +136,8 @@ class LmdbReader(StoreReader):
         self.readahead = readahead_default(data.stat().st_size) if readahead is None else bool(readahead)
         self._env: lmdb.Environment | None = None
         self._map_base: int | None = None
+        # the map's first _file_bytes, never held without its environment
+        self._mapped: _Mapped | None = None
         self._page_bytes = self._file_bytes = 0
         # (offsets, lengths), each (count,): where each value found so far lies in data.mdb (offset
         # -1: not yet). One attribute, set once: the loader's threads call _extents concurrently.
@@ -184,6 +193,9 @@ class LmdbReader(StoreReader):
         # path may already name a replacing store, or none, between an overwrite's renames)
         self._page_bytes = self._env.stat()["psize"]
         self._file_bytes = (self._env.info()["last_pgno"] + 1) * self._page_bytes
+        if self._map_base is not None and _NODE_LAYOUT_KNOWN and self._file_bytes:
+            data = np.ctypeslib.as_array((ctypes.c_uint8 * self._file_bytes).from_address(self._map_base))
+            self._mapped = (self._env, data)
 
     @_lmdb_errors_as_damage
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
@@ -232,15 +244,39 @@ class LmdbReader(StoreReader):
 
     @_lmdb_errors_as_damage
     def _read_many(self, indices: list[int]) -> list[np.ndarray]:
-        # One transaction; each sample its own array (not a view of one block), so a sample
-        # kept by the caller pins only its own memory.
+        # Each sample its own array (not a view of one block), so a sample kept by the caller
+        # pins only its own memory; looked up in one transaction where not located.
+        located = self._located(np.asarray(indices, dtype=np.int64))
+        if located is not None:
+            (_env, data), offsets, lengths = located
+            shapes = [self._shape_of(i) for i in indices]
+            if all(c * h * w == n for (c, h, w), n in zip(shapes, lengths.tolist())):
+                return [data[o:o + n].reshape(shape).copy()
+                        for o, n, shape in zip(offsets.tolist(), lengths.tolist(), shapes)]
         with self._env.begin(buffers=True) as txn:
             return [self._copy(txn, i) for i in indices]
+
+    def _located(self, indices: np.ndarray) -> tuple[_Mapped, np.ndarray, np.ndarray] | None:
+        """((environment, map array), offsets, lengths) of ``indices``' values, or None where
+        their places cannot be read from the leaves (``_extents``): look each one up. A missing
+        value has length 0, so the caller's size check sends it to the lookup that names it."""
+        mapped = self._mapped
+        if mapped is None or not len(indices):
+            return None
+        extents = self._extents(indices)
+        return None if extents is None else (mapped, extents.offset, extents.length)
 
     @_lmdb_errors_as_damage
     def _read_batch(self, indices: np.ndarray, out: np.ndarray) -> None:
         flat = out.reshape(len(indices), -1)
         nbytes = flat.shape[1]
+        located = self._located(indices)
+        if located is not None and (located[2] == nbytes).all():
+            (_env, data), offsets, _ = located          # _env: the map stays while it is copied from
+            # every value's bytes as a row of one strided view of the map: one gather for the batch
+            rows = np.lib.stride_tricks.as_strided(data, shape=(len(data) - nbytes + 1, nbytes), strides=(1, 1))
+            flat[:] = rows[offsets]
+            return
         with self._env.begin(buffers=True) as txn:
             for k, i in enumerate(indices.tolist()):
                 flat[k] = np.frombuffer(self._value(txn, i, nbytes), dtype=np.uint8)
