@@ -20,6 +20,7 @@ docs/reading.md (``benchmarks/bigger_than_ram.py`` prints it).
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 from collections.abc import Iterator, Sized
@@ -85,15 +86,20 @@ class Readahead:
     def __init__(self, dataset: Any):
         self.reader = getattr(dataset, "format_reader", None)
         self.exact = hasattr(self.reader, "prefetch")
-        path = Path(dataset.path)
+        self.path = Path(dataset.path)
+        self.n = len(dataset)
+
+    @functools.cached_property
+    def _layout(self) -> tuple[list[Path], np.ndarray, np.ndarray]:
+        """(data files, their sizes, their cumulative ends): the estimate's, listed on its first use."""
+        path = self.path
         files = [path] if path.is_file() else sorted((f for f in path.rglob("*") if f.is_file()),
                                                      key=lambda f: -f.stat().st_size)
         sizes = [f.stat().st_size for f in files]
         keep = next((k + 1 for k in range(len(sizes)) if sum(sizes[:k + 1]) >= 0.95 * sum(sizes)), len(sizes))
-        self.files = sorted(files[:keep])
-        self.sizes = np.array([f.stat().st_size for f in self.files], dtype=np.int64)
-        self.ends = np.cumsum(self.sizes)
-        self.n = len(dataset)
+        kept = sorted(files[:keep])
+        kept_sizes = np.array([f.stat().st_size for f in kept], dtype=np.int64)
+        return kept, kept_sizes, np.cumsum(kept_sizes)
 
     def __call__(self, first: int, stop: int) -> None:
         """Advise the bytes of samples ``[first, stop)``."""
@@ -101,13 +107,14 @@ class Readahead:
             self.exact = self.reader.prefetch(np.arange(first, stop, dtype=np.int64))
             if self.exact:
                 return
-        total = int(self.ends[-1]) if len(self.ends) else 0
+        files, sizes, ends = self._layout
+        total = int(ends[-1]) if len(ends) else 0
         start, end = first * total // max(self.n, 1), -(-stop * total // max(self.n, 1))
-        k = int(np.searchsorted(self.ends, start, side="right"))
-        while k < len(self.files) and start < end:
-            base = int(self.ends[k] - self.sizes[k])
-            length = min(end, int(self.ends[k])) - start
-            advise(Extents([self.files[k]], np.zeros(1, dtype=np.int64), np.array([start - base]),
+        k = int(np.searchsorted(ends, start, side="right"))
+        while k < len(files) and start < end:
+            base = int(ends[k] - sizes[k])
+            length = min(end, int(ends[k])) - start
+            advise(Extents([files[k]], np.zeros(1, dtype=np.int64), np.array([start - base]),
                            np.array([length])))
             start += length
             k += 1

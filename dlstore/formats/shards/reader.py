@@ -107,8 +107,8 @@ class ShardReader(StoreReader):
         sample_bytes = (int(np.prod(self.shape)) if self.kind == "fixed"
                         else float(np.prod(self.index[:, 2:], axis=1).mean()) if self.count else 0.0)
         self.willneed = choose_willneed(willneed, self.count, sample_bytes)
-        self.readahead = (readahead_default(sum(f.stat().st_size for f in self.files if f.exists()))
-                          if readahead is None else bool(readahead))
+        # the samples' bytes stand for the files' (no stat of every shard at each open)
+        self.readahead = readahead_default(self.count * sample_bytes) if readahead is None else bool(readahead)
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
 
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
