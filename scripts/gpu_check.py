@@ -330,7 +330,7 @@ def jpeg_decode(path: str, device: torch.device, count: int, repeats: int) -> di
     """``count`` samples of a store encoded as the JPEG stores encode them (PIL, quality 90), decoded
     by PIL (the reference), by ``torchvision.io.decode_jpeg`` on the CPU (what JPEG stores use), and
     in one call on ``device`` (nvjpeg on CUDA): pixel differences against PIL and images/s of each.
-    What decoding a JPEG store's batches on the GPU would change (issue 17: not built yet)."""
+    The decoder alone; ``jpeg_store_device`` times the whole device JPEG path."""
     from dlstore.formats.encoding import decode, decode_batch, encode
 
     ds = dlstore.open_dataset(path)
@@ -354,6 +354,51 @@ def jpeg_decode(path: str, device: torch.device, count: int, repeats: int) -> di
         out[name] = {"images_per_s": spread([len(records) / x for x in seconds]),
                      "identical_to_pil": bool(diff.max() == 0), "max_abs_diff": int(diff.max()),
                      "mean_abs_diff": float(diff.float().mean()), "fraction_pixels_differing": float((diff > 0).float().mean())}
+    return out
+
+
+def jpeg_store_device(folder: Path, store: Path, device: torch.device, *, batch: int, seconds: float,
+                      rounds: int) -> dict[str, Any]:
+    """A JPEG store (q90) of ``folder`` read with RandomResizedCrop(224) + flip + normalise through
+    ``loader(device=...)``: decoded on the device (records handed over, ``dlstore/data/device_decode.py``)
+    against decoded on the host's loader threads, rounds interleaved; and the device's uint8 crops
+    against the host's for the same draws (on CUDA: nvjpeg's and the CUDA resize's rounding)."""
+    from torchvision.transforms import v2
+
+    from dlstore.data.loaders.device import DeviceLoader, host_stage
+
+    dlstore.convert(folder, store, encoding="jpeg", quality=90, workers=usable_cpus(), progress=False)
+    crop = [v2.RandomResizedCrop(224), v2.RandomHorizontalFlip()]
+    ds = dlstore.open_dataset(store, transform=v2.Compose(
+        [*crop, v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]))
+    ways = {"host decode": host_stage(ds), "device decode": host_stage(ds, records_to=device)}
+
+    def rate(way: str, r: int) -> float:
+        host_ds, steps = ways[way]
+        g = torch.Generator().manual_seed(r)
+        loader = DeviceLoader(dlstore.loader(host_ds, batch, shuffle=True, generator=g), device, steps)
+        n, t = 0, time.perf_counter()
+        for images, _ in loader:
+            n += len(images)
+            if time.perf_counter() - t > seconds:
+                break
+        sync(device)
+        return n / (time.perf_counter() - t)
+
+    rates: dict[str, list[float]] = {w: [] for w in ways}
+    for r in range(rounds):
+        for way in ways if r % 2 == 0 else reversed(list(ways)):
+            rates[way].append(rate(way, r))
+    out: dict[str, Any] = {"images": len(ds), "decodes_on_device": type(ways["device decode"][1][0]).__name__,
+                           **{w: {"samples_per_s": spread(v)} for w, v in rates.items()}}
+    plain = dlstore.open_dataset(store, transform=v2.Compose(crop))
+    records_ds, steps = host_stage(plain, records_to=device)
+    idx = list(range(min(len(plain), 256)))
+    want = plain.get_batch(idx, generator=torch.Generator().manual_seed(0))[0]
+    got = steps[0](records_ds.get_batch(idx, generator=torch.Generator().manual_seed(0))[0], device).cpu()
+    diff = (got.int() - want.int()).abs()
+    out["uint8_vs_host"] = {"max_abs_diff": int(diff.max()), "mean_abs_diff": float(diff.float().mean()),
+                            "psnr_db": float(10 * torch.log10(255.0**2 / diff.float().pow(2).mean().clamp_min(1e-10)))}
     return out
 
 
@@ -431,6 +476,14 @@ def run(args: argparse.Namespace, log=print) -> dict[str, Any]:
         log("JPEG decode: PIL vs decode_jpeg on the CPU and on the device ...")
         out["jpeg_decode"] = jpeg_decode(out["stores"]["imagenet"]["path"], device, count=64 if args.quick else 512,
                                          repeats=1 if args.quick else 3)
+        log("JPEG store through loader(device=...): decoded on the device vs on the host threads ...")
+        out["jpeg_store_device"] = jpeg_store_device(
+            tmp / "imagenet" / "images", tmp / "imagenet_jpeg.shards", device, batch=64 if args.quick else 128,
+            seconds=0.3 if args.quick else 3.0, rounds=2 if args.quick else 4)
+        j = out["jpeg_store_device"]
+        log(f"  host {j['host decode']['samples_per_s']['median']:,.0f}, device "
+            f"{j['device decode']['samples_per_s']['median']:,.0f} samples/s; uint8 vs host: max |d| "
+            f"{j['uint8_vs_host']['max_abs_diff']}, PSNR {j['uint8_vs_host']['psnr_db']:.1f} dB")
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     h2d = out["h2d"]["gb_per_s"]["median"]
@@ -526,6 +579,13 @@ def report(out: dict[str, Any]) -> str:
                      + ", ".join(f"{k} {v['images_per_s']['median']:,.0f}/s (max |diff| {v['max_abs_diff']}, "
                                  f"{v['fraction_pixels_differing']:.1%} of pixels differ)"
                                  for k, v in j.items() if isinstance(v, dict)))
+    if "jpeg_store_device" in out:
+        j = out["jpeg_store_device"]
+        u = j["uint8_vs_host"]
+        lines.append(f"JPEG store, RRC(224) + flip + normalise via loader(device=): host decode "
+                     f"{j['host decode']['samples_per_s']['median']:,.0f}/s, device decode "
+                     f"{j['device decode']['samples_per_s']['median']:,.0f}/s; device crops vs host: max |diff| "
+                     f"{u['max_abs_diff']}, mean {u['mean_abs_diff']:.3f}, PSNR {u['psnr_db']:.1f} dB")
     if "device_tests" in out:
         t = out["device_tests"]
         c = t["counts"]

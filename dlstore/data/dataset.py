@@ -27,26 +27,17 @@ import torch
 from torch.utils.data import Dataset, get_worker_info
 
 from .. import formats
-from ..errors import (
-    ArgumentTypeError,
-    StoreCorruptError,
-    TransformSpecError,
-    UsageError,
-    WrongFormatError,
-)
+from ..errors import ArgumentTypeError, StoreCorruptError, TransformSpecError, UsageError, WrongFormatError
 from ..sources.origins import OriginPairs
 from ..transforms import compiled
 from ..transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip
-from ..transforms.functional import (
-    VECTORISED_MAX_PIXELS,
-    crop_flip_loop,
-    crop_flip_windows,
-)
+from ..transforms.functional import VECTORISED_MAX_PIXELS, crop_flip_loop, crop_flip_windows
 from ..transforms.hybrid import HybridTransform
 from ..transforms.planner import plan
 from ..transforms.static import describe
 from .profiling_ranges import profiling_range
 from .decode_crop import decode_crop_batch, split_decode_crop
+from .device_decode import draw_encoded
 from .indices import sample_index, sample_indices
 from .store_reader import check_mode, open_reader
 
@@ -95,6 +86,7 @@ class StoreDataset(Dataset):
     """
 
     FORMAT: str | None = None   # set by the format-specific subclasses
+    records_out = False         # get_batch hands out records and drawn boxes (device_decode.py), not pixels
 
     def __init_subclass__(cls, **kwargs: Any):
         super().__init_subclass__(**kwargs)
@@ -302,7 +294,10 @@ class StoreDataset(Dataset):
             a (B, K) tensor of their dtype (int64 or float32).
         """
         idx = self._indices(indices)
-        if self.decode_crop is not None:
+        if self.decode_crop is not None and self.records_out:     # decoded where the batch goes
+            with profiling_range("dlstore.read"):
+                images = draw_encoded(self.reader, idx.tolist(), self.decode_crop, generator, self._fused_flip)
+        elif self.decode_crop is not None:
             with profiling_range("dlstore.read"):      # decode + RandomResizedCrop, record by record
                 images = decode_crop_batch(self.reader, idx.tolist(), self.decode_crop, generator, self._new_batch,
                                            flip=self._fused_flip, reduced=self.reduced_decode)

@@ -537,6 +537,9 @@ def test_gpu_check_script_runs_on_cpu(tmp_path, capsys):
     jpeg = result["jpeg_decode"]      # on CPU: PIL and decode_jpeg on the same libjpeg-turbo records
     assert jpeg["images"] == 40 and jpeg["pil"]["identical_to_pil"] and jpeg["pil"]["max_abs_diff"] == 0
     assert jpeg["decode_jpeg cpu"]["images_per_s"]["median"] > 0 and "decode_jpeg cuda" not in jpeg
+    jstore = result["jpeg_store_device"]   # on CPU the device path's crops are the host's, bit for bit
+    assert jstore["decodes_on_device"] == "DeviceDecode" and jstore["uint8_vs_host"]["max_abs_diff"] == 0
+    assert min(jstore[w]["samples_per_s"]["median"] for w in ("host decode", "device decode")) > 0
     assert "device_tests" not in result  # CUDA only, unless --tests
     assert "GPU loader / best DataLoader" in capsys.readouterr().out
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("dlstore-gpu-check-")]  # cleaned up

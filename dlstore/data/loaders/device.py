@@ -35,6 +35,7 @@ from ...errors import ArgumentError, ArgumentTypeError
 from ...transforms.batch import BatchNormalize, BatchTransform
 from ...transforms.equivalents import batch_steps
 from ...transforms.planner import stages
+from ..device_decode import DeviceDecode, EncodedBatch, decodes_on_device
 from ..passes import LoaderIterator, PassState
 from ..profiling_ranges import profiling_range
 
@@ -44,8 +45,12 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 RING_SLOTS = 3
 
 
-def host_stage(dataset: Any) -> tuple[Any, list[Any]]:
+def host_stage(dataset: Any, *, records_to: torch.device | None = None) -> tuple[Any, list[Any]]:
     """``dataset`` cut at the end of its host stage, and its device stage as batch steps.
+
+    With ``records_to`` (a device), a JPEG store whose batches can be decoded there
+    (``device_decode.decodes_on_device``) is cut before the decode: its host batches are
+    EncodedBatches, and the first device step (a DeviceDecode) decodes and crops them.
 
     The device stage is the float tail of the dataset's transform (a HybridTransform's
     ``device_ops``; for a torchvision pipeline, the ops from the first float-producing
@@ -65,7 +70,8 @@ def host_stage(dataset: Any) -> tuple[Any, list[Any]]:
     steps = batch_steps(device_ops)
     if dataset.batch_transform is not None:
         steps.append(_Batched(dataset.batch_transform))
-    if not steps:
+    records = records_to is not None and getattr(dataset, "decode_crop", None) is not None   # checked on the view
+    if not steps and not records:
         return dataset, []
     if hybrid is not None:
         host_transform: Any = hybrid.host_only()
@@ -77,8 +83,11 @@ def host_stage(dataset: Any) -> tuple[Any, list[Any]]:
         host_transform = None
     # check="none": the reader below is the dataset's own, already checked as it asked
     view = type(dataset)(dataset.path, transform=host_transform, target_transform=dataset.target_transform,
-                         check="none")
+                         check="none", reduced_decode=dataset.reduced_decode)
     view.reader, view.check = dataset.reader, dataset.check
+    if records and decodes_on_device(view):
+        view.records_out = True
+        steps.insert(0, DeviceDecode(view.reader, view.decode_crop))
     return view, steps
 
 
@@ -133,7 +142,7 @@ class _Normalize:
 
 
 def _random(step: Any) -> bool:
-    return not isinstance(step, (BatchNormalize, _Normalize))
+    return not isinstance(step, (BatchNormalize, _Normalize, DeviceDecode))   # DeviceDecode: drawn on the host
 
 
 def run_steps(steps: Sequence[Any], images: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
@@ -255,6 +264,7 @@ class DeviceLoader:
         cuda = self.device.type == "cuda"
         stream = torch.cuda.Stream(self.device) if cuda else None
         steps = [_Normalize(s, self.device) if isinstance(s, BatchNormalize) else s for s in self.steps]
+        decode = steps.pop(0) if steps and isinstance(steps[0], DeviceDecode) else None
         ring = _Ring(self.ring, pin=cuda)
         epoch = self._epoch()
         skip = self._state.begin(self.generator, epoch)
@@ -268,13 +278,19 @@ class DeviceLoader:
 
         def issue(batch: tuple[torch.Tensor, Any]) -> tuple[torch.Tensor, Any, Any]:
             images, labels = batch
-            j, slot = ring.stage(images)
+            encoded = images if decode is not None and isinstance(images, EncodedBatch) else None
+            j, slot = ring.stage(images) if encoded is None else (None, None)
             del batch, images                             # the host buffer is free for the next batch
             with torch.cuda.stream(stream) if cuda else contextlib.nullcontext():
-                # non_blocking only from pinned memory on CUDA: elsewhere the slot may be rewritten next
+                if encoded is not None:                   # records: decoded and cropped on the device
+                    with profiling_range("dlstore.decode_on_device"):
+                        x = decode(encoded, self.device)
+                    del encoded
                 with profiling_range("dlstore.copy_to_device"):
-                    x = slot.to(self.device, non_blocking=cuda) if self.device.type != "cpu" else slot.clone()
-                    if cuda:
+                    # non_blocking only from pinned memory on CUDA: elsewhere the slot may be rewritten next
+                    if slot is not None:
+                        x = slot.to(self.device, non_blocking=cuda) if self.device.type != "cpu" else slot.clone()
+                    if slot is not None and cuda:
                         copied = torch.cuda.Event()
                         copied.record(stream)
                         ring.release_after(j, copied)

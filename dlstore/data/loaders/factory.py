@@ -253,7 +253,11 @@ def loader(
             torch.device(device)
         except (RuntimeError, TypeError) as exc:
             raise ArgumentError(f"dlstore.loader: device={device!r} is not a torch device ({exc})") from exc
-        host_ds, steps = host_stage(dataset)
+        # JPEG records go to CUDA undecoded (nvjpeg decodes them there: device_decode.py), except
+        # through the ring, whose slots hold pixels
+        target = torch.device(device)
+        to_device = target.type == "cuda" and not shm_ring and backend != "ring"
+        host_ds, steps = host_stage(dataset, records_to=target if to_device else None)
         host = loader(host_ds, batch_size, shuffle, num_workers, backend=backend, sampler=sampler,
                       drop_last=drop_last, generator=generator,
                       persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
