@@ -104,3 +104,19 @@ def test_the_host_stage_of_a_reduced_decode_keeps_it(jpeg_store):
     got, want, full = (d.get_batch(idx, generator=torch.Generator().manual_seed(1))[0] for d in (host_ds, alone, exact))
     assert not torch.equal(want, full)        # this draw decodes some records at a reduced scale
     assert torch.equal(got, want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (nvjpeg)")
+def test_cuda_decode_is_within_its_bound_of_the_host_path(jpeg_store):
+    """On CUDA (nvjpeg, the CUDA resize) the crops are the host path's for the same draws, within
+    rounding: a bound, not equality (scripts/gpu_check.py measures it on a bigger store)."""
+    ds = dlstore.open_dataset(jpeg_store, transform=_pipeline(False))
+    cuda = torch.device("cuda", torch.cuda.current_device())
+    host_ds, steps = host_stage(ds, records_to=cuda)
+    idx = list(range(len(ds)))
+    want = ds.get_batch(idx, generator=torch.Generator().manual_seed(4))[0]
+    got = steps[0](host_ds.get_batch(idx, generator=torch.Generator().manual_seed(4))[0], cuda)
+    assert got.is_cuda and got.shape == want.shape and got.dtype == torch.uint8
+    diff = (got.cpu().int() - want.int()).abs().float()
+    psnr = 10 * torch.log10(255.0**2 / diff.pow(2).mean().clamp_min(1e-10))
+    assert diff.mean() <= 1.5 and psnr >= 30, f"mean |d| {diff.mean():.3f}, PSNR {psnr:.1f} dB"
