@@ -1,26 +1,28 @@
 """RandomResizedCrop at decode time, for a store of JPEG/PNG records.
 
 A pipeline that starts with ``RandomResizedCrop`` (bilinear) on an encoded store runs
-it here, record by record, inside the batch the loader thread builds::
+it here, inside the batch the loader thread builds::
 
     records = one read of the batch
-    sizes   = each record's (height, width), from its header (no decode)
-    boxes   = drawn for every record at once from the batch's generator, as
-              v2.RandomResizedCrop.get_params draws on an image of that size
-    for each record: decode it (torchvision, the GIL released), crop + resize its box
-              (torchvision's resized_crop kernel) into the batch, while it is in cache,
-              flipped there when a RandomHorizontalFlip follows (drawn after the boxes)
+    images  = the batch decoded in one torchvision call (the GIL released; PIL where the
+              reader's check says so, or for a record that does not decode, whose error names it)
+    boxes   = drawn for every record at once from the batch's generator, on the decoded
+              sizes, as v2.RandomResizedCrop.get_params draws on an image of that size
+    for each record: crop + resize its box (torchvision's resized_crop kernel) into the
+              batch, flipped there when a RandomHorizontalFlip follows (drawn after the boxes)
 
 so the output equals torchvision's ``F.resized_crop`` on the decoded image with the
 drawn box, which is ``v2.RandomResizedCrop`` given the same parameters. Draws come
 from the loader's per-batch generator: reproducible whatever the thread count, which
-is why the loader picks threads for such a pipeline.
+is why the loader picks threads for such a pipeline. The Python per record is kept to
+a few lines: at two loader threads the GIL it holds is what caps their scaling.
 
 ``reduced_decode=True`` (opt-in; exact is the default) decodes a JPEG at the smallest
 DCT scale (1/2, 1/4, 1/8: ``Image.draft``) at which the drawn box still holds the
 output size, and crops the box mapped to that scale (rounded to its pixels): a large
 record cropped to a small output decodes 2-4x faster; the pixels are not the exact
-path's (docs/reading.md has the measured PSNR).
+path's (docs/reading.md has the measured PSNR). There the boxes come first, drawn on the
+sizes in the records' headers, as each box picks its record's scale.
 """
 
 from __future__ import annotations
@@ -32,7 +34,11 @@ import torch
 
 from ..errors import StoreCorruptError, TransformSpecError
 from ..formats.encoding import DecodingReader, image_size, reduced_scale
-from ..transforms.batch import BatchRandomHorizontalFlip, BatchRandomResizedCrop, BatchTransform
+from ..transforms.batch import (
+    BatchRandomHorizontalFlip,
+    BatchRandomResizedCrop,
+    BatchTransform,
+)
 from ..transforms.equivalents import batch_equivalent
 
 
@@ -60,33 +66,51 @@ def decode_crop_batch(reader: DecodingReader, idx: list[int], crop: BatchRandomR
 
     where = str(getattr(reader.raw, "path", "store"))
     records = reader.records(idx)
-    sizes = torch.tensor([image_size(r, where=f"{where} sample {i}") for r, i in zip(records, idx)],
-                         dtype=torch.long).reshape(-1, 2)
-    boxes = crop.sample_sizes(sizes[:, 0], sizes[:, 1], generator=generator)
     out_size = list(crop.size)
+    if not records:
+        return torch.empty((0, 3, *out_size), dtype=torch.uint8)
+    if reduced:   # the boxes first, on the headers' sizes: each box picks its record's DCT scale
+        images = None
+        sizes = [image_size(r, where=f"{where} sample {i}") for r, i in zip(records, idx)]
+    else:         # the batch in one decode call, the boxes drawn on the decoded sizes
+        images = [torch.from_numpy(sample) for sample in reader.decode_records(records, idx)]
+        sizes = [image.shape[1:] for image in images]
+    hw = torch.tensor(sizes, dtype=torch.long)
+    boxes = crop.sample_sizes(hw[:, 0], hw[:, 1], generator=generator)
     flips = flip.sample((len(idx), 1, *out_size), generator=generator)["flip"].tolist() if flip is not None \
         else [False] * len(idx)
+    resized_crop, antialias = F.resized_crop_image, crop.antialias   # the kernel, past the dispatch
     out = None
-    for j, (record, i, t, l, h, w) in enumerate(zip(records, idx, *(boxes[k].tolist() for k in
-                                                                    ("top", "left", "height", "width")))):
-        scale = reduced_scale(h, w, crop.size) if reduced else 1   # type: ignore[arg-type]
-        sample, s = reader.decode_record(record, i, reduce=scale)
-        image = torch.from_numpy(sample)
-        if s > 1:    # the box at the scale decoded, rounded to its pixels
-            height, width = image.shape[1:]
-            t, b = min(round(t / s), height - 1), min(round((t + h) / s), height)
-            l, r = min(round(l / s), width - 1), min(round((l + w) / s), width)
-            h, w = max(1, b - t), max(1, r - l)
-        elif tuple(image.shape[1:]) != tuple(sizes[j].tolist()):
-            raise StoreCorruptError(f"{where} sample {i}: decodes to {tuple(image.shape[1:])}, its "
-                                    f"header says {tuple(sizes[j].tolist())}")
+    for j, (i, t, l, h, w) in enumerate(zip(idx, *(boxes[k].tolist() for k in ("top", "left", "height", "width")))):
+        if images is None:
+            image, (t, l, h, w) = _decode_reduced(reader, records[j], i, (t, l, h, w), crop.size, sizes[j], where)
+        else:
+            image = images[j]
         if out is None:
             out = new_batch((len(idx), image.shape[0], *out_size))
-        elif image.shape[0] != out.shape[1]:
-            raise TransformSpecError(f"{where}: cannot batch samples of {out.shape[1]} and "
+            channels = image.shape[0]
+        elif image.shape[0] != channels:
+            raise TransformSpecError(f"{where}: cannot batch samples of {channels} and "
                                      f"{image.shape[0]} channels (sample {i}); convert with one colour mode")
-        resized = F.resized_crop(image, t, l, h, w, out_size, antialias=crop.antialias)
+        resized = resized_crop(image, t, l, h, w, out_size, antialias=antialias)
         out[j] = resized.flip(-1) if flips[j] else resized     # the flip in the copy into the batch
-    if out is None:
-        return torch.empty((0, 3, *out_size), dtype=torch.uint8)
     return out
+
+
+def _decode_reduced(reader: DecodingReader, record: Any, i: int, box: tuple[int, int, int, int],
+                    size: tuple[int, int], header: tuple[int, int], where: str
+                    ) -> tuple[torch.Tensor, tuple[int, int, int, int]]:
+    """Record ``record`` (sample ``i``) decoded at the smallest DCT scale that keeps ``box`` holding
+    ``size``, and the box at that scale, rounded to its pixels."""
+    t, l, h, w = box
+    sample, s = reader.decode_record(record, i, reduce=reduced_scale(h, w, size))
+    image = torch.from_numpy(sample)
+    if s > 1:
+        height, width = image.shape[1:]
+        t, b = min(round(t / s), height - 1), min(round((t + h) / s), height)
+        l, r = min(round(l / s), width - 1), min(round((l + w) / s), width)
+        h, w = max(1, b - t), max(1, r - l)
+    elif tuple(image.shape[1:]) != tuple(header):
+        raise StoreCorruptError(f"{where} sample {i}: decodes to {tuple(image.shape[1:])}, its "
+                                f"header says {tuple(header)}")
+    return image, (t, l, h, w)

@@ -38,11 +38,12 @@ decodes, that torchvision's pixels equal PIL's, and keeps to PIL if they do not.
 A batch in which a record does not decode falls back to PIL record by record,
 whose error names the store and the sample.
 
-Decode-time crops (``dlstore.data.decode_crop``): :func:`image_size` reads a record's
-(height, width) from its header (JPEG SOF, PNG IHDR) without decoding it, so a crop box
-can be drawn first; :meth:`DecodingReader.decode_record` then decodes one record (exact:
-as ``get_many``), or, given ``reduce``, at libjpeg's DCT scale 1/2, 1/4 or 1/8 (PIL's
-``Image.draft``; not PIL's or torchvision's full-size pixels: see docs/reading.md).
+Decode-time crops (``dlstore.data.decode_crop``): :meth:`DecodingReader.decode_records` decodes
+the records of a batch as ``get_many_views`` does (one ``decode_jpeg`` call for the batch);
+for the opt-in reduced decode, :func:`image_size` reads a record's (height, width) from its
+header (JPEG SOF, PNG IHDR) without decoding it, so a crop box can be drawn first, and
+:meth:`DecodingReader.decode_record` decodes one record at libjpeg's DCT scale 1/2, 1/4 or
+1/8 (PIL's ``Image.draft``; not PIL's or torchvision's full-size pixels: see docs/reading.md).
 """
 
 from __future__ import annotations
@@ -219,7 +220,12 @@ class DecodingReader:
 
     def _samples(self, indices: list[int]) -> list[np.ndarray]:
         """Samples ``indices`` decoded; torchvision's are (C, H, W) views of (H, W, C) memory."""
-        records = self.raw.get_many(indices)  # one transaction / one sorted read per batch
+        return self.decode_records(self.raw.get_many(indices), indices)  # one transaction / sorted read
+
+    def decode_records(self, records: list[np.ndarray], indices: list[int]) -> list[np.ndarray]:
+        """``records`` (samples ``indices``, as :meth:`records` read them) decoded as ``get_many_views``
+        decodes them: the JPEGs of the batch in one ``decode_jpeg`` call where torchvision's pixels
+        are PIL's, else (and for a record that does not decode, whose error names it) by PIL."""
         if records and self._batch_jpeg is not False:
             decoded = self._decode_batch(records)
             if decoded is not None:

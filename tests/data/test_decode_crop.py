@@ -127,3 +127,23 @@ def test_reduced_decode_is_libjpegs_dct_scaling_and_close_to_exact(tmp_path):
     d, _ = dlstore.open_dataset(tmp_path / "s.lmdb", transform=v2.RandomResizedCrop(400, scale=(0.9, 1.0))
                                 ).get_batch([0, 1], generator=torch.Generator().manual_seed(2))
     assert torch.equal(c, d)      # no box holds 2x the output: decoded exactly
+
+
+def test_a_batch_decodes_in_one_call_and_a_damaged_record_is_named(jpeg_store, monkeypatch):
+    import torchvision.io
+
+    from dlstore.errors import StoreCorruptError
+
+    ds = dlstore.open_dataset(jpeg_store, transform=v2.Compose([v2.RandomResizedCrop(24), v2.RandomHorizontalFlip()]))
+    ds.get_batch([0, 1, 2, 3], generator=torch.Generator().manual_seed(0))   # the reader's check against PIL
+    real, calls = torchvision.io.decode_jpeg, []
+    monkeypatch.setattr(torchvision.io, "decode_jpeg",
+                        lambda data, *a, **k: (calls.append(len(data)), real(data, *a, **k))[1])
+    ds.get_batch([5, 1, 8, 0, 11], generator=torch.Generator().manual_seed(1))
+    assert calls == [5]                  # the whole batch in one call, not one call per record
+    raw = ds.reader.raw
+    good = raw.get_many
+    monkeypatch.setattr(raw, "get_many", lambda idx: [r.reshape(-1)[: r.size // 3].reshape(1, 1, -1) if i == 8 else r
+                                                      for r, i in zip(good(idx), idx)])
+    with pytest.raises(StoreCorruptError, match=r"s\.shards sample 8: stored image bytes do not decode"):
+        ds.get_batch([5, 1, 8, 0], generator=torch.Generator().manual_seed(1))
