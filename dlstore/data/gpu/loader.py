@@ -10,7 +10,7 @@ as a store's batch is (``dlstore.data.intraop``): its torch ops run on the calle
 alone, and a group stays under glibc's 32 MiB mmap limit, so that its buffers are memory
 freed by the last group, not fresh pages for the kernel to fault in and zero. On 2 cores,
 64 batches of 3x224x224 uint8: the fault-in of a 64 MiB group's fresh mmap was about 4/5 of
-its time, and torch's two-thread team kept 0.2-0.3x of its rate beside two busy processes
+its time, and torch's two-thread team kept 0.1-0.3x of its rate beside two busy processes
 (``benchmarks/contention.py``; docs/shared-machines.md).
 """
 
