@@ -12,8 +12,9 @@ this script measures what that buys, path by path:
     plain nw0     torch's DataLoader(ds, batch_size=64, shuffle=True) over open_dataset
                   (StoreDataset.__getitems__ + default_collate, in the main process)
     plain nw2     ... num_workers=2 (persistent)
-    gpu-cpu       dlstore.loader(GPUDataset(path, device="cpu", dtype=uint8), 64, shuffle=True), as it
-                  is and with each batch made inside intraop.one_thread() (not dlstore's yet)
+    gpu-cpu       dlstore.loader(GPUDataset(path, device="cpu", dtype=uint8), 64, shuffle=True), no transform:
+                  groups of batches gathered on the CPU; ``before`` as main built them (a GPU's 64 MiB, on
+                  torch's intra-op pool), ``after`` as this branch does (8 MiB groups on one thread)
 
 The store is raw 3x224x224 uint8 shards (page cache warm), read with
 ``RandomCrop(224, padding=4)`` + ``RandomHorizontalFlip()`` (fused into the gather)
@@ -21,10 +22,10 @@ and ``BatchCutout(32)`` after it (a torch op per batch): every path does the sam
 except ``plain``, which reads the samples as stored (no transform: its cost is the
 collate). ``before`` runs each path as main does: the intra-op guard off
 (``intraop.runtime`` patched to find no OpenMP runtime) and the batch transforms on their
-torch kernels (``batch.numpy_view`` patched to refuse every batch), and for ``plain nw0`` torch's
-default thread count; ``after`` is this branch, and for ``plain nw0`` the one line
-docs/reading.md gives the user (``torch.set_num_threads(1)``), which dlstore cannot set
-for a DataLoader it does not build.
+torch kernels (``batch.numpy_view`` patched to refuse every batch), for ``plain nw0`` torch's
+default thread count and for ``gpu-cpu`` main's group size; ``after`` is this branch, and
+for ``plain nw0`` the one line docs/reading.md gives the user (``torch.set_num_threads(1)``),
+which dlstore cannot set for a DataLoader it does not build.
 
 Rounds interleave quiet and loaded (hogs started, measured, stopped), and every
 configuration runs in each, in a shuffled order; the median of the rounds is printed, and
@@ -62,6 +63,7 @@ from _common import machine_info, uptime, write_json
 
 import dlstore
 from dlstore.data import intraop
+from dlstore.data.gpu import loader as gpu_loader
 from dlstore.transforms import batch, compiled
 from dlstore.transforms.batch import BatchCutout
 
@@ -145,25 +147,18 @@ def configs(store: Path) -> dict[str, tuple[Callable[[], Iterable], dict]]:
         "plain nw2 after": (plain_nw2, {"before": False}),
     }
     gpu = dlstore.GPUDataset(store, device="cpu", dtype=torch.uint8)
-    out["gpu-cpu as is"] = (lambda: dlstore.loader(gpu, BATCH, shuffle=True), {"before": False})
-    out["gpu-cpu one_thread"] = (lambda: OneThread(dlstore.loader(gpu, BATCH, shuffle=True)), {"before": False})
+
+    def gpu_cpu():
+        return dlstore.loader(gpu, BATCH, shuffle=True)
+
+    def gpu_cpu_main():   # main's groups on the CPU: a GPU's 64 MiB (mmap'd, faulted in afresh each time)
+        loader = gpu_cpu()
+        loader.group_batches = max(1, gpu_loader.GROUP_BYTES // (int(np.prod(gpu.shape)) * BATCH))
+        return loader
+
+    out["gpu-cpu before"] = (gpu_cpu_main, {"before": True})
+    out["gpu-cpu after"] = (gpu_cpu, {"before": False})
     return out
-
-
-class OneThread:
-    """Each batch of ``loader`` made inside ``intraop.one_thread()``: what the GPU loader would get from it."""
-
-    def __init__(self, loader: Iterable):
-        self.loader = loader
-
-    def __iter__(self):
-        batches = iter(self.loader)
-        while True:
-            with intraop.one_thread():
-                batch = next(batches, None)
-            if batch is None:
-                return
-            yield batch
 
 
 def main() -> None:

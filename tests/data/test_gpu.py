@@ -598,3 +598,29 @@ def test_the_loader_batch_pipeline_is_batch_transform(store):
         dlstore.loader(ds, 4, transform=flip)
     with pytest.raises(dlstore.ArgumentError, match="batch_transform= applies to a GPUDataset only"):
         dlstore.loader(dlstore.open_dataset(store), 4, batch_transform=flip)
+
+
+
+def test_groups_on_the_cpu_are_cpu_sized_and_give_every_sample_once(u8, stored, monkeypatch):
+    from dlstore.data.gpu import loader as gpu_loader
+    from dlstore.transforms import BatchCompose, BatchTransform
+
+    class Record(BatchTransform):
+        def __init__(self):
+            self.sizes = []
+
+        def apply(self, images, params):
+            self.sizes.append(len(images))
+            return images
+
+    assert gpu_loader.CPU_GROUP_BYTES < 32 << 20 <= gpu_loader.GROUP_BYTES   # glibc's largest mmap threshold
+    batch = 4 * 3 * 12 * 10                                      # bytes of a batch of 4 (uint8)
+    monkeypatch.setattr(gpu_loader, "CPU_GROUP_BYTES", 2 * batch + 1)
+    monkeypatch.setattr(gpu_loader, "GROUP_BYTES", 1)            # what a GPU would get: not this
+    grouped = Record()
+    loader = GPULoader(u8, 4, shuffle=True, seed=1, transform=BatchCompose([grouped]))
+    assert loader.group_batches == 2
+    batches = list(loader)
+    assert grouped.sizes == [8, 8, 7] and [len(x) for x, _ in batches] == [4, 4, 4, 4, 4, 3]
+    ids = _sample_ids(torch.cat([x for x, _ in batches]), stored[0])
+    assert sorted(ids) == list(range(N)) and torch.equal(torch.cat([y for _, y in batches]), stored[1][ids])

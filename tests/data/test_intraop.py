@@ -102,3 +102,34 @@ def test_batches_equal_those_built_on_torchs_pool(store, two_threads, monkeypatc
     assert len(guarded) == len(pooled) > 1
     for (a, la), (b, lb) in zip(guarded, pooled):
         assert a.dtype == torch.float32 and torch.equal(a, b) and torch.equal(la, lb)
+
+
+def test_gpu_dataset_on_cpu_builds_its_groups_on_one_thread_and_restores(store, two_threads):
+    record = Record()
+    gpu = dlstore.GPUDataset(store, device="cpu", dtype=torch.uint8)
+    seen_between = []
+    for _ in dlstore.loader(gpu, 8, shuffle=True, seed=0, batch_transform=record):
+        seen_between.append(torch.get_num_threads())
+    assert len(record.seen) > 1 and set(record.seen) == {1}
+    assert set(seen_between) == {2} and torch.get_num_threads() == 2
+    assert _in_new_thread() == 2
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_gpu_dataset_on_cpu_batches_equal_those_built_on_torchs_pool(store, two_threads, monkeypatch, fused):
+    # crop with padding + flip, then the conversion to float16 with normalisation (float math)
+    from dlstore.transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip
+
+    gpu = dlstore.GPUDataset(store, device="cpu", dtype=torch.float16, hold="uint8",
+                             normalize=([0.5, 0.4, 0.3], [0.2, 0.25, 0.3]))
+    aug = BatchCompose([BatchRandomCrop(28, padding=3), BatchRandomHorizontalFlip()])
+
+    def epoch():
+        return list(dlstore.loader(gpu, 8, shuffle=True, seed=3, batch_transform=aug, fused=fused))
+
+    guarded = epoch()
+    monkeypatch.setattr(intraop, "runtime", lambda: None)       # torch's own count
+    pooled = epoch()
+    assert len(guarded) == len(pooled) > 1
+    for (a, la), (b, lb) in zip(guarded, pooled):
+        assert a.dtype == torch.float16 and torch.equal(a, b) and torch.equal(la, lb)

@@ -4,6 +4,14 @@ One pass (an epoch, or the rest of one after ``load_state_dict``): this rank's o
 (``indices``), then, a group of batches at a time, a gather from the resident tensor
 (one fused gather, or ``index_select`` and the transform's steps: ``steps.py``), handed
 out as slices; in stream mode each batch is read from the store ahead, on a thread.
+
+On ``device="cpu"`` (no GPU: the data and the gathers are in host memory) a group is built
+as a store's batch is (``dlstore.data.intraop``): its torch ops run on the caller's thread
+alone, and a group stays under glibc's 32 MiB mmap limit, so that its buffers are memory
+freed by the last group, not fresh pages for the kernel to fault in and zero. On 2 cores,
+64 batches of 3x224x224 uint8: the fault-in of a 64 MiB group's fresh mmap was about 4/5 of
+its time, and torch's two-thread team kept 0.1-0.3x of its rate beside two busy processes
+(``benchmarks/contention.py``; docs/shared-machines.md).
 """
 
 from __future__ import annotations
@@ -21,14 +29,19 @@ import torch
 from ...errors import ArgumentError
 from ...transforms.batch import BatchRandomCrop
 from ...transforms.planner import draws_per_sample
+from ..intraop import one_thread
 from ..passes import STATE_VERSION, LoaderIterator
 from .padding import NO_PADDING, unpadded_crop
 from .partition import epoch_order, per_rank, resolve_distributed
 from .resident import Resident
 from .steps import against_store, choose_gather, plan_steps
 
-# Served bytes per group of batches that the loader gathers and augments in one go.
+# Served bytes per group of batches that the loader gathers and augments in one go: on a GPU
+# enough to amortise its kernel launches; on the CPU (where a launch costs microseconds) well
+# under glibc's 32 MiB mmap limit, room left for a conversion's float32 copy, so that the
+# allocator reuses the memory of the groups before (see the module's docstring).
 GROUP_BYTES = 64 << 20
+CPU_GROUP_BYTES = 8 << 20
 
 
 class _Prefetcher:
@@ -108,7 +121,7 @@ class GPULoader:
     as given; any other callable gets the converted batch, with
     ``generator=`` only if it declares a parameter of that name. When every step
     draws per sample (or there is no transform), the steps run on groups of
-    ``group_batches`` batches (about 64 MiB of output) and the batches are
+    ``group_batches`` batches (about 64 MiB of output; 8 MiB on the CPU) and the batches are
     slices of the result: the same distribution of outputs with far fewer
     kernel launches. Any other callable sees one batch at a time.
 
@@ -203,7 +216,8 @@ class GPULoader:
             return 1
         itemsize = torch.empty((), dtype=ds.dtype).element_size()
         sample = int(np.prod(ds.shape)) * itemsize
-        return max(1, GROUP_BYTES // (sample * self.batch_size))
+        limit = CPU_GROUP_BYTES if ds.device.type == "cpu" else GROUP_BYTES
+        return max(1, limit // (sample * self.batch_size))
 
     def set_epoch(self, epoch: int) -> None:
         """Use epoch ``epoch``'s permutation for the next iteration (and count on from there)."""
@@ -285,13 +299,19 @@ class GPULoader:
         step = self.group_batches * self.batch_size
         for g0 in range(0, count, step):
             idx = order[g0:min(count, g0 + step)]
-            if self._fused is not None:
-                images = self._fused(idx, self._aug_gen)
-            else:
-                images = self._augment(self._held.index_select(0, idx))
+            with self._build():
+                if self._fused is not None:
+                    images = self._fused(idx, self._aug_gen)
+                else:
+                    images = self._augment(self._held.index_select(0, idx))
             labels = ds.labels.index_select(0, idx)
             for s in range(0, len(idx), self.batch_size):
                 yield images[s:s + self.batch_size], labels[s:s + self.batch_size]
+
+    def _build(self) -> contextlib.AbstractContextManager:
+        """Where a group is built: on the CPU, on the caller's thread alone (its count restored
+        for the code between batches); on a GPU as it is (the host thread only launches kernels)."""
+        return one_thread() if self.dataset.device.type == "cpu" else contextlib.nullcontext()
 
     def _aug_seed(self, epoch: int) -> int:
         """Seed of the augmentation generator in ``epoch``: differs per epoch and per rank, yet is reproducible."""
@@ -319,6 +339,8 @@ class GPULoader:
             for (start, stop), host in zip(batches, prefetcher):
                 images = host.to(ds.device, non_blocking=ds.pin)
                 labels = ds.labels.index_select(0, order[start:stop])
-                yield self._augment(images), labels
+                with self._build():
+                    images = self._augment(images)
+                yield images, labels
         finally:
             prefetcher.close()
