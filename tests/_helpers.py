@@ -214,6 +214,21 @@ def resident_pages(path: Path) -> np.ndarray:
     return (np.frombuffer(vec, dtype=np.uint8) & 1).astype(bool)
 
 
+def seen_resident(path: Path, pages: set[int] | None = None, seconds: float = 30) -> set[int]:
+    """Which of ``pages`` (default: all of the file's) were in the page cache at some moment
+    within ``seconds``, polled until all were: advised pages arrive over time, and this VM's
+    proactive reclaim (DAMON, by physical region) may page some out again before the others
+    arrive, so they need not all be resident at one instant."""
+    wanted = set(range(len(resident_pages(path)))) if pages is None else set(pages)
+    seen: set[int] = set()
+    deadline = time.monotonic() + seconds   # a throttled VM disk (CI) can take seconds
+    while True:
+        seen |= set(np.flatnonzero(resident_pages(path)).tolist()) & wanted
+        if seen == wanted or time.monotonic() > deadline:
+            return seen
+        time.sleep(0.005)
+
+
 def pages_holding(path: Path, sample: np.ndarray) -> set[int]:
     """The pages of ``path`` holding ``sample``'s bytes, found by searching the file for them."""
     content = path.read_bytes()

@@ -20,7 +20,7 @@ the rest of a longer range without saying so (a 64 MiB call read 8 MiB on this m
 disk; on the common 128 KiB setting a 4 MiB block would be read 3 % through).
 
 The calls cost more than they save on a warm cache, so a batch is first looked up in the
-page cache (``probe``: eight one-byte reads that fail rather than wait) and not advised when
+page cache (``probe``: whether eight of its pages are cached, by ``mincore``) and not advised when
 all are there; even so a warm store pays 0.8-0.9x for the lookups, so the default is on only
 where reads cannot stay warm: a store larger than half the memory (physical, or the
 process's cgroup limit), whatever its sample size (3 KB samples of a 1.45 GB LMDB store in a
@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .._pagecache import resident
 from .._system import memory_limit_bytes
 from ..errors import ArgumentError
 
@@ -134,13 +135,10 @@ def ranges(offset: np.ndarray, end: np.ndarray, gap: int = MERGE_GAP) -> tuple[n
 
 
 def _cached(fd: int, offsets: np.ndarray) -> bool:
-    """Whether the page at each of ``offsets`` is in the page cache: a one-byte ``preadv`` with
-    ``RWF_NOWAIT`` fails rather than wait for the disk (the fd reads without readahead, so a
-    miss reads that page, not the disk's readahead unit around it)."""
-    byte = bytearray(1)
+    """Whether the page at each of ``offsets`` is in the page cache (``mincore``, which reads nothing)."""
     try:
-        return all(os.preadv(fd, [byte], offset, os.RWF_NOWAIT) == 1 for offset in offsets.tolist())
-    except (OSError, AttributeError):   # not cached, or no RWF_NOWAIT on this system / filesystem
+        return bool(resident(fd, offsets).all())
+    except OSError:   # cannot map the file: advise
         return False
 
 
@@ -162,7 +160,6 @@ def advise(extents: Extents, *, probe: int = 0) -> None:
             continue
         try:
             if probe:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
                 # the last byte of samples spread over the file's extents: a block merges into one
                 # range, whose first page says little about the rest, and a sample's first page is
                 # the one a lookup touches (LMDB reads a big value's header page to find it)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import collections
 import os
-import time
 
 import numpy as np
 import pytest
@@ -227,7 +226,7 @@ def test_readahead_reads_each_next_windows_samples(tmp_path, suffix):
     """Entering a window advises the next one: its samples' own bytes (found by searching the
     data file for them) are resident before the sampler yields any of them, in every format;
     the first window is advised before the first sample."""
-    from _helpers import evict, pages_holding, resident_pages
+    from _helpers import evict, pages_holding, resident_pages, seen_resident
 
     n, block, window = 24, 3, 2
     images = np.random.default_rng(3).integers(0, 256, (n, 64, 96, 3), dtype=np.uint8)   # 18 KiB each
@@ -252,17 +251,11 @@ def test_readahead_reads_each_next_windows_samples(tmp_path, suffix):
         pytest.skip(f"this filesystem keeps {data} cached after POSIX_FADV_DONTNEED (tmpfs?): "
                     "cannot observe the advice")
 
-    def wait_for(wanted):
-        deadline = time.monotonic() + 30   # a throttled VM disk (CI) can take seconds
-        while not resident_pages(data)[sorted(wanted)].all() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return resident_pages(data)[sorted(wanted)].mean()
-
     it = iter(sampler)
     got = [next(it)]
-    assert wait_for(pages[0]) == 1.0
+    assert seen_resident(data, pages[0]) == pages[0]
     for w in range(1, len(groups)):
         while len(got) < starts[w - 1] + 1:      # the first sample of window w - 1 advises window w
             got.append(next(it))
-        assert wait_for(pages[w]) == 1.0, f"window {w}"
+        assert seen_resident(data, pages[w]) == pages[w], f"window {w}"
     assert sorted(got + list(it)) == list(range(n))

@@ -597,7 +597,7 @@ def test_with_willneed_the_loader_advises_batches_ahead_of_their_build(tmp_path,
     """Reader willneed on: when the first batch is handed out, the samples of batches not yet
     submitted to a thread or worker (here the last) are already read or on their way; batches
     unchanged."""
-    from _helpers import evict, pages_holding, resident_pages
+    from _helpers import evict, pages_holding, resident_pages, seen_resident
 
     n = 24
     images = np.random.default_rng(8).integers(0, 256, (n, 64, 96, 3), dtype=np.uint8)   # 18 KiB each
@@ -615,10 +615,7 @@ def test_with_willneed_the_loader_advises_batches_ahead_of_their_build(tmp_path,
     loader = dlstore.loader(ds, 4, prefetch_factor=1, **backend)
     it = iter(loader)
     first = next(it)[0].clone()   # (a ring slot is reused once handed back)
-    deadline = time.monotonic() + 30   # a throttled VM disk (CI) can take seconds
-    while not resident_pages(data)[sorted(last)].all() and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert resident_pages(data)[sorted(last)].all()
+    assert seen_resident(data, last) == last
     got = torch.cat([first] + [x.clone() for x, _ in it])
     assert torch.equal(got, torch.from_numpy(chw))
 

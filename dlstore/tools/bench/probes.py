@@ -5,9 +5,6 @@ cgroup quotas, memory) is in ``dlstore._system``."""
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import mmap
 import os
 import platform
 import statistics
@@ -19,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..._pagecache import resident
 from ..._system import cpu_info
 from ...errors import StoreNotFoundError, SystemProbeError
 
@@ -150,40 +148,14 @@ def _load_average() -> float | None:
 # --------------------------------------------------------------------------- page cache
 
 
-def _libc() -> ctypes.CDLL:
-    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
-    libc.mmap.restype = ctypes.c_void_p
-    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                          ctypes.c_long]
-    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-    return libc
-
-
-def _resident_pages(libc: ctypes.CDLL, path: Path) -> tuple[int, int]:
-    """(resident pages, pages) of one file, by ``mincore`` over a fresh read-only shared mapping."""
-    size = path.stat().st_size
-    if size == 0:
-        return 0, 0
-    pages = -(-size // mmap.PAGESIZE)
+def _resident_pages(path: Path) -> tuple[int, int]:
+    """(resident pages, pages) of one file."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        # libc's mmap, not Python's: a read-only mmap.mmap cannot give ctypes an address.
-        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        if addr is None or addr == ctypes.c_void_p(-1).value:
-            err = ctypes.get_errno()
-            raise SystemProbeError(err, f"mmap of {path} for mincore failed: {os.strerror(err)}")
-        try:
-            vec = (ctypes.c_ubyte * pages)()
-            if libc.mincore(addr, size, vec) != 0:
-                err = ctypes.get_errno()
-                raise SystemProbeError(err, f"mincore on {path} failed: {os.strerror(err)}")
-            resident = int(np.count_nonzero(np.frombuffer(vec, dtype=np.uint8) & 1))
-        finally:
-            libc.munmap(addr, size)
+        cached = resident(fd, name=path)
     finally:
         os.close(fd)
-    return resident, pages
+    return int(np.count_nonzero(cached)), len(cached)
 
 
 def store_files(path: str | os.PathLike) -> list[Path]:
@@ -204,13 +176,12 @@ def resident_fraction(paths: str | os.PathLike | Iterable[str | os.PathLike]) ->
     Empty files count for nothing; no pages at all gives 0.0.
     """
     files = _expand(paths)
-    libc = _libc()
-    resident = total = 0
+    cached = total = 0
     for f in files:
-        r, n = _resident_pages(libc, f)
-        resident += r
+        r, n = _resident_pages(f)
+        cached += r
         total += n
-    return resident / total if total else 0.0
+    return cached / total if total else 0.0
 
 
 def _expand(paths: str | os.PathLike | Iterable[str | os.PathLike]) -> list[Path]:
