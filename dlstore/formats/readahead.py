@@ -38,8 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._pagecache import resident
-from .._system import memory_limit_bytes
+from .._system import memory_limit_bytes, resident
 from ..errors import ArgumentError
 
 # A gap up to this is read with its neighbours: its pages cost less than another call, and

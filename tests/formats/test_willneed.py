@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dlstore
-from dlstore._pagecache import resident
+from dlstore._system import resident
 from dlstore.errors import ArgumentError
 from dlstore.formats.readahead import Extents, _cached, advice_limit, advise, ranges
 
@@ -204,7 +204,7 @@ def test_the_cache_probe_reads_nothing_and_sees_the_cached_pages(tmp_path, monke
     """The probe only looks: probing evicted pages leaves them evicted and says not cached (a
     probe that read its page on a miss saw it cached on a fast disk, and the batch went
     unadvised), and it agrees page by page with mincore on a half-read file."""
-    import dlstore._pagecache as pagecache
+    import dlstore._system as pagecache
 
     if cachestat and not pagecache.HAS_CACHESTAT:
         pytest.skip("this kernel has no cachestat(2) (Linux < 6.5): the mincore case covers it")

@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..._pagecache import resident
-from ..._system import cpu_info
+from ..._system import cpu_info, resident
 from ...errors import StoreNotFoundError, SystemProbeError
 
 DEFAULT_DISK_TEST_BYTES = 256 << 20
