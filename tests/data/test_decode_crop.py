@@ -20,14 +20,6 @@ from dlstore.transforms import BatchRandomResizedCrop
 BOX = ("top", "left", "height", "width")
 
 
-@pytest.fixture(scope="module")
-def jpeg_store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dc")
-    src = make_image_folder(root / "src", classes=2, per_class=6, size=(60, 80), vary_size=True)
-    dlstore.convert(src, root / "s.shards", encoding="jpeg", quality=90, workers=0, progress=False)
-    return root / "s.shards"
-
-
 def _pil(ds, i):
     return F.pil_to_tensor(Image.open(io.BytesIO(ds.reader.raw.get_many([i])[0].tobytes())))
 
