@@ -24,7 +24,9 @@ DCT scale (1/2, 1/4, 1/8: ``Image.draft``) at which the drawn box still holds th
 output size, and crops the box mapped to that scale (rounded to its pixels): a large
 record cropped to a small output decodes 2-4x faster; the pixels are not the exact
 path's (docs/reading.md has the measured PSNR). There the boxes come first, drawn on the
-sizes in the records' headers, as each box picks its record's scale.
+sizes in the records' headers, as each box picks its record's scale; the records whose
+box picks scale 1 decode as the exact path's do (in one call, each then checked against
+its header's size), the others one at a time.
 """
 
 from __future__ import annotations
@@ -125,18 +127,24 @@ def _decode_reduced(reader: DecodingReader, records: list[Any], idx: list[int], 
                     size: tuple[int, int], headers: list[tuple[int, int]]
                     ) -> tuple[list[torch.Tensor], list[list[int]]]:
     """Each record decoded at the smallest DCT scale that keeps its box holding ``size``, and the box at
-    that scale, rounded to its pixels."""
-    images = []
-    for j, (record, i) in enumerate(zip(records, idx)):
+    that scale, rounded to its pixels. The records of scale 1 decode as the exact path's do, in one
+    ``decode_records`` call; those of a larger scale one at a time (``Image.draft``)."""
+    scales = [reduced_scale(h, w, size) for _, _, h, w in boxes]
+    whole = [j for j, s in enumerate(scales) if s == 1]
+    images: list[Any] = [None] * len(records)
+    for j, sample in zip(whole, reader.decode_records([records[j] for j in whole], [idx[j] for j in whole])):
+        images[j] = check_header(torch.from_numpy(sample), headers[j], reader.where, idx[j])
+    for j, s in enumerate(scales):
+        if s == 1:
+            continue
+        sample, s = reader.decode_record(records[j], idx[j], reduce=s)
+        images[j] = torch.from_numpy(sample)
+        if s == 1:   # the file allows no reduction (progressive, CMYK): decoded whole
+            check_header(images[j], headers[j], reader.where, idx[j])
+            continue
         t, l, h, w = boxes[j]
-        sample, s = reader.decode_record(record, i, reduce=reduced_scale(h, w, size))
-        image = torch.from_numpy(sample)
-        if s > 1:
-            height, width = image.shape[1:]
-            t, b = min(round(t / s), height - 1), min(round((t + h) / s), height)
-            l, r = min(round(l / s), width - 1), min(round((l + w) / s), width)
-            boxes[j] = [t, l, max(1, b - t), max(1, r - l)]
-        else:
-            check_header(image, headers[j], reader.where, i)
-        images.append(image)
+        height, width = images[j].shape[1:]
+        t, b = min(round(t / s), height - 1), min(round((t + h) / s), height)
+        l, r = min(round(l / s), width - 1), min(round((l + w) / s), width)
+        boxes[j] = [t, l, max(1, b - t), max(1, r - l)]
     return images, boxes

@@ -197,3 +197,23 @@ def test_reduced_decode_is_the_per_record_decode_of_each_box(mixed_store, seed):
     want, scales = _reduced_reference(ds, MIXED_IDX, seed)
     assert 1 in scales and max(scales) > 1          # both kinds of record in the batch
     assert torch.equal(got, want)
+
+
+def test_reduced_decode_decodes_its_scale_1_records_in_one_call_and_checks_their_headers(mixed_store, monkeypatch):
+    from dlstore.data import decode_crop
+    from dlstore.errors import StoreCorruptError
+
+    ds = dlstore.open_dataset(mixed_store, transform=REDUCED, reduced_decode=True)
+    reader, batched, alone = ds.reader, [], []
+    decode_records, decode_record = reader.decode_records, reader.decode_record
+    monkeypatch.setattr(reader, "decode_records", lambda r, i: (batched.append(list(i)), decode_records(r, i))[1])
+    monkeypatch.setattr(reader, "decode_record", lambda r, i, **k: (alone.append(i), decode_record(r, i, **k))[1])
+    ds.get_batch(MIXED_IDX, generator=torch.Generator().manual_seed(4))
+    _, scales = _reduced_reference(ds, MIXED_IDX, 4)
+    assert batched == [[i for i, s in zip(MIXED_IDX, scales) if s == 1]]
+    assert alone == [i for i, s in zip(MIXED_IDX, scales) if s > 1] and alone
+    # a record that decodes to another size than its header's is named (a 20x20 header: its box is scale 1)
+    header = decode_crop.image_size
+    monkeypatch.setattr(decode_crop, "image_size", lambda r, where: (20, 20) if where.endswith(" 9") else header(r))
+    with pytest.raises(StoreCorruptError, match=r"s\.shards sample 9: decodes to \(\d+, \d+\), its header says"):
+        ds.get_batch(MIXED_IDX, generator=torch.Generator().manual_seed(4))
