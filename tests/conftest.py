@@ -1,7 +1,7 @@
-"""Fixtures shared by test modules: small synthetic image folders.
+"""Fixtures shared by test modules: small synthetic image folders, and a store of them.
 
 Pixels are a function of (class, index) (``dlstore.demo.synthetic_image``), so a
-mix-up of samples or labels shows as wrong pixels. The folders are
+mix-up of samples or labels shows as wrong pixels. The folders and stores are
 session-scoped and shared: tests must not modify them (copy one first).
 """
 
@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+import dlstore
 from dlstore.sources.demo import make_image_folder, synthetic_image
 
 
@@ -37,3 +38,12 @@ def mixed_folder(tmp_path_factory) -> Path:
     Image.fromarray(synthetic_image(1, 92, (24, 24))).convert("L").save(root / "class_01" / "gray.png")
     Image.fromarray(synthetic_image(1, 93, (25, 27))).save(root / "class_01" / "plain.bmp")
     return root
+
+
+@pytest.fixture(scope="session")
+def jpeg_store(tmp_path_factory) -> Path:
+    """A shards store of 2 classes x 7 JPEG records (quality 90), each of its own size (45..75 x 60..100)."""
+    root = tmp_path_factory.mktemp("jpeg")
+    src = make_image_folder(root / "src", classes=2, per_class=7, size=(60, 80), vary_size=True)
+    dlstore.convert(src, root / "s.shards", encoding="jpeg", quality=90, workers=0, progress=False)
+    return root / "s.shards"

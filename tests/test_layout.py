@@ -28,9 +28,9 @@ Private names: a module's subpackage is the top-level one it lies in (``formats`
 (``cli``, ``errors``, ``_system``). ``from X import _name`` and imports of a private module
 (``X._mod``) are refused where X lies in another subpackage than the importer; the
 ground-floor module ``_system`` is private as a module only (its public names are for
-everyone). Within the GPU subpackage (``PUBLIC_MEMBERS_ONLY``), its modules also touch
-no private member (``obj._x``, ``getattr(obj, "_x")``) of anything but ``self``/``cls``:
-the dataset, its loader and the fused gather talk through public methods.
+everyone). Within the GPU subpackage and the decode-time crops (``PUBLIC_MEMBERS_ONLY``), the
+modules also touch no private member (``obj._x``, ``getattr(obj, "_x")``) of anything but
+``self``/``cls``: the dataset, its loader, the fused gather and the reader talk through public methods.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ LEAF_MAY_IMPORT = ("errors",)
 # The ground floor: a private module whose public names every subpackage may import.
 GROUND = ("_system",)
 # Subpackages whose modules use no private member of another object.
-PUBLIC_MEMBERS_ONLY = ("data.gpu",)
+PUBLIC_MEMBERS_ONLY = ("data.gpu", "data.decode_crop", "data.device_decode")
 
 
 # --- building the graph ---------------------------------------------------------------------

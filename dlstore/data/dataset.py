@@ -35,10 +35,10 @@ from ..transforms.functional import VECTORISED_MAX_PIXELS, crop_flip_loop, crop_
 from ..transforms.hybrid import HybridTransform
 from ..transforms.planner import plan
 from ..transforms.static import describe
-from .profiling_ranges import profiling_range
 from .decode_crop import decode_crop_batch, split_decode_crop
 from .device_decode import draw_encoded
 from .indices import sample_index, sample_indices
+from .profiling_ranges import profiling_range
 from .store_reader import check_mode, open_reader
 
 # Batch buffers of at least this size are recycled in the main process (see _new_batch).
@@ -67,6 +67,8 @@ class StoreDataset(Dataset):
             store's static spec stands for, so they do not run (empty when none).
         decode_crop: on a JPEG/PNG store, the leading RandomResizedCrop that ``get_batch`` runs as
             each record decodes (``decode_crop``; ``reduced_decode=True``: at a DCT scale), or None.
+        batch_rest: the batch ops ``get_batch`` runs after the read, past those it runs inside it
+            (a leading crop and flip, or the flip after ``decode_crop``); ``batch_transform`` last.
 
     Samples of fixed-shape shards stores are zero-copy views of a private
     copy-on-write memory map: nothing is read until the tensor is used, and an
@@ -165,7 +167,7 @@ class StoreDataset(Dataset):
                 self._fused_flip = rest.pop(0)
         if self.decode_crop is not None and rest and isinstance(rest[0], BatchRandomHorizontalFlip):
             self._fused_flip = rest.pop(0)                  # flipped in the copy of each crop
-        self._batch_rest = rest
+        self.batch_rest = rest
         # Loader threads (dlstore.loader(threads=...)) call get_batch at once: each thread has
         # its own padded buffer of the vectorised gather, and the pool's check-and-take is locked.
         self._local = threading.local()                           # .scratch: see crop_flip_windows
@@ -312,7 +314,7 @@ class StoreDataset(Dataset):
                     samples = [op(x) for x in samples]
                 images = _stack(samples, self.path)
         with profiling_range("dlstore.host_transforms"):
-            for op in self._batch_rest:
+            for op in self.batch_rest:
                 images = op(images, generator)
         labels: Any = torch.from_numpy(self._labels[idx])
         if self.target_transform is not None and labels.ndim == 2:   # target vectors: one (K,) tensor each

@@ -185,7 +185,7 @@ class DecodingReader:
         self.count = reader.count if hasattr(reader, "count") else len(reader)
         shape = self.manifest["sample"].get("decoded_shape")
         self.shape = tuple(shape) if shape is not None else None
-        self._where = str(getattr(reader, "path", "store"))
+        self.where = str(getattr(reader, "path", "store"))   # the store, as errors name it
         self._encoding = self.manifest["sample"]["encoding"]
         # records through torchvision.io: None until its first _CHECKED records matched PIL's
         self._batch_jpeg: bool | None = None if self._encoding in _PIL_FORMATS else False
@@ -195,13 +195,13 @@ class DecodingReader:
         return self.count
 
     def _decoded(self, record: np.ndarray, i: int) -> np.ndarray:
-        sample = decode(record, where=f"{self._where} sample {i}")
+        sample = decode(record, where=f"{self.where} sample {i}")
         self._check_shape(sample.shape, i)
         return sample
 
     def _check_shape(self, shape: tuple[int, ...], i: int) -> None:
         if self.shape is not None and tuple(shape) != self.shape:
-            raise StoreCorruptError(f"{self._where} sample {i}: decodes to {tuple(shape)}, manifest says {self.shape}")
+            raise StoreCorruptError(f"{self.where} sample {i}: decodes to {tuple(shape)}, manifest says {self.shape}")
 
     def get(self, i: int) -> np.ndarray:
         # one record as a batch of one: torchvision once checked against PIL (1.3-1.5x faster),
@@ -272,7 +272,7 @@ class DecodingReader:
         1: the pixels of ``get_many`` (a view of (H, W, C) memory) and divisor 1; 2, 4 or 8: a JPEG
         decoded at most that much smaller by :func:`decode_reduced`, with the divisor applied."""
         if reduce > 1 and self._encoding == "jpeg":
-            sample, applied = decode_reduced(record, reduce, where=f"{self._where} sample {i}")
+            sample, applied = decode_reduced(record, reduce, where=f"{self.where} sample {i}")
             if applied > 1 and sample.shape[0] in (1, 3):
                 return sample, applied
         if self._batch_jpeg is not False:
@@ -313,7 +313,7 @@ class DecodingReader:
 
     def get_batch(self, indices: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
         if self.shape is None:
-            raise VariableShapeError(f"{self._where}: get_batch needs a store whose samples decode to one shape")
+            raise VariableShapeError(f"{self.where}: get_batch needs a store whose samples decode to one shape")
         out = batch_out(out, len(indices), self.shape)
         for j, sample in enumerate(self._samples([int(i) for i in indices])):
             out[j] = sample   # the (H, W, C) -> (C, H, W) copy, straight into the batch

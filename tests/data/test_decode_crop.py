@@ -7,6 +7,8 @@ import io
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from PIL import Image
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
@@ -18,14 +20,6 @@ from dlstore.sources.demo import make_image_folder, synthetic_image
 from dlstore.transforms import BatchRandomResizedCrop
 
 BOX = ("top", "left", "height", "width")
-
-
-@pytest.fixture(scope="module")
-def jpeg_store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dc")
-    src = make_image_folder(root / "src", classes=2, per_class=6, size=(60, 80), vary_size=True)
-    dlstore.convert(src, root / "s.shards", encoding="jpeg", quality=90, workers=0, progress=False)
-    return root / "s.shards"
 
 
 def _pil(ds, i):
@@ -147,3 +141,79 @@ def test_a_batch_decodes_in_one_call_and_a_damaged_record_is_named(jpeg_store, m
                                                       for r, i in zip(good(idx), idx)])
     with pytest.raises(StoreCorruptError, match=r"s\.shards sample 8: stored image bytes do not decode"):
         ds.get_batch([5, 1, 8, 0], generator=torch.Generator().manual_seed(1))
+
+
+@pytest.fixture(scope="module")
+def mixed_store(tmp_path_factory):
+    """A JPEG store of small records (16..31 px: scale 1 for a 16-px crop) and large ones (96..191 px:
+    most boxes hold 2x or 4x the crop), interleaved."""
+    root = tmp_path_factory.mktemp("mixed_jpeg")
+    rng = np.random.default_rng(0)
+    for c, (low, high) in enumerate([(16, 32), (96, 192)]):
+        (root / "src" / f"class_{c:02d}").mkdir(parents=True)
+        for i in range(8):
+            hw = tuple(int(x) for x in rng.integers(low, high, 2))
+            Image.fromarray(synthetic_image(c, i, hw)).save(root / "src" / f"class_{c:02d}" / f"img_{i:04d}.jpg",
+                                                            quality=90)
+    dlstore.convert(root / "src", root / "s.shards", encoding="jpeg", quality=90, workers=0, progress=False)
+    return root / "s.shards"
+
+
+MIXED_IDX = [0, 8, 1, 9, 15, 2, 10, 3, 3, 11, 7, 12]
+REDUCED = v2.Compose([v2.RandomResizedCrop(16, scale=(0.05, 1.0)), v2.RandomHorizontalFlip()])
+
+
+def _reduced_reference(ds, idx, seed):
+    """``reduced_decode`` spelled out record by record: boxes on the headers' sizes, then flips; each record
+    decoded by PIL at its box's DCT scale (whole at scale 1), its box mapped to that scale, cropped and flipped.
+    Also the scales applied."""
+    records = ds.reader.raw.get_many(idx)
+    sizes = torch.tensor([image_size(r) for r in records])
+    g = torch.Generator().manual_seed(seed)
+    boxes = ds.decode_crop.sample_sizes(sizes[:, 0], sizes[:, 1], generator=g)
+    flips = ds.batch_ops[0].sample((len(idx), 3, 16, 16), generator=g)["flip"]
+    out, scales = [], []
+    for j, record in enumerate(records):
+        t, left, h, w = (int(boxes[k][j]) for k in BOX)
+        image, s = decode_reduced(record, reduced_scale(h, w, (16, 16)))
+        if s > 1:
+            height, width = image.shape[1:]
+            t, b = min(round(t / s), height - 1), min(round((t + h) / s), height)
+            left, r = min(round(left / s), width - 1), min(round((left + w) / s), width)
+            h, w = max(1, b - t), max(1, r - left)
+        else:
+            image = F.pil_to_tensor(Image.open(io.BytesIO(record.tobytes())))
+        crop = F.resized_crop(torch.from_numpy(np.ascontiguousarray(image)), t, left, h, w, [16, 16], antialias=True)
+        out.append(crop.flip(-1) if flips[j] else crop)
+        scales.append(s)
+    return torch.stack(out), scales
+
+
+@settings(max_examples=20, deadline=None)
+@given(seed=st.integers(0, 2**31 - 1))
+def test_reduced_decode_is_the_per_record_decode_of_each_box(mixed_store, seed):
+    ds = dlstore.open_dataset(mixed_store, transform=REDUCED, reduced_decode=True)
+    got, _ = ds.get_batch(MIXED_IDX, generator=torch.Generator().manual_seed(seed))
+    want, scales = _reduced_reference(ds, MIXED_IDX, seed)
+    assert 1 in scales and max(scales) > 1          # both kinds of record in the batch
+    assert torch.equal(got, want)
+
+
+def test_reduced_decode_decodes_its_scale_1_records_in_one_call_and_checks_their_headers(mixed_store, monkeypatch):
+    from dlstore.data import decode_crop
+    from dlstore.errors import StoreCorruptError
+
+    ds = dlstore.open_dataset(mixed_store, transform=REDUCED, reduced_decode=True)
+    reader, batched, alone = ds.reader, [], []
+    decode_records, decode_record = reader.decode_records, reader.decode_record
+    monkeypatch.setattr(reader, "decode_records", lambda r, i: (batched.append(list(i)), decode_records(r, i))[1])
+    monkeypatch.setattr(reader, "decode_record", lambda r, i, **k: (alone.append(i), decode_record(r, i, **k))[1])
+    ds.get_batch(MIXED_IDX, generator=torch.Generator().manual_seed(4))
+    _, scales = _reduced_reference(ds, MIXED_IDX, 4)
+    assert batched == [[i for i, s in zip(MIXED_IDX, scales) if s == 1]]
+    assert alone == [i for i, s in zip(MIXED_IDX, scales) if s > 1] and alone
+    # a record that decodes to another size than its header's is named (a 20x20 header: its box is scale 1)
+    header = decode_crop.image_size
+    monkeypatch.setattr(decode_crop, "image_size", lambda r, where: (20, 20) if where.endswith(" 9") else header(r))
+    with pytest.raises(StoreCorruptError, match=r"s\.shards sample 9: decodes to \(\d+, \d+\), its header says"):
+        ds.get_batch(MIXED_IDX, generator=torch.Generator().manual_seed(4))

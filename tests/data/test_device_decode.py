@@ -16,7 +16,6 @@ from torchvision.transforms.v2 import functional as F
 import dlstore
 from dlstore.data.device_decode import DeviceDecode, EncodedBatch
 from dlstore.data.loaders.device import DeviceLoader, host_stage
-from dlstore.sources.demo import make_image_folder
 
 CPU = torch.device("cpu")
 
@@ -26,14 +25,6 @@ def _pipeline(normalise: bool):
     if normalise:
         ops += [v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5, 0.4, 0.3], [0.2, 0.25, 0.3])]
     return v2.Compose(ops)
-
-
-@pytest.fixture(scope="module")
-def jpeg_store(tmp_path_factory):
-    root = tmp_path_factory.mktemp("dd")
-    src = make_image_folder(root / "src", classes=2, per_class=7, size=(60, 80), vary_size=True)
-    dlstore.convert(src, root / "s.shards", encoding="jpeg", quality=90, workers=0, progress=False)
-    return root / "s.shards"
 
 
 def _pil(ds, i):

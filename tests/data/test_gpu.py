@@ -13,6 +13,7 @@ import dlstore
 from dlstore import DeviceMemoryError, GPUDataset, VariableShapeError
 from dlstore.data import GPULoader
 from dlstore.sources.demo import make_image_folder
+from dlstore.transforms import BatchCompose, BatchTransform
 
 CPU = "cpu"
 MEAN = (0.485, 0.456, 0.406)
@@ -371,30 +372,39 @@ def test_transform_gets_the_batch_and_a_generator(u8):
     assert all(torch.equal(x, p.flip(-1)) for x, p, f in zip(a, plain, flipped) if f)
 
 
-def test_per_sample_batch_transforms_run_on_groups_of_batches(u8, stored):
-    from dlstore.transforms import BatchCompose, BatchTransform
+class RecordSizes(BatchTransform):
+    """A batch transform that records the size of each batch (or group of batches) it is given."""
 
-    class Record(BatchTransform):
-        def __init__(self):
-            self.sizes = []
+    def __init__(self):
+        self.sizes = []
 
-        def apply(self, images, params):
-            self.sizes.append(len(images))
-            return images
+    def apply(self, images, params):
+        self.sizes.append(len(images))
+        return images
 
-    grouped = Record()
+
+def _grouped_epoch(u8, stored):
+    """One epoch of ``u8`` in batches of 4 through a RecordSizes, every sample once with its label:
+    (the RecordSizes, the loader's ``group_batches``)."""
+    grouped = RecordSizes()
     loader = GPULoader(u8, 4, shuffle=True, seed=1, transform=BatchCompose([grouped]))
-    assert loader.group_batches > 1
     batches = list(loader)
-    assert grouped.sizes == [N] and [len(x) for x, _ in batches] == [4, 4, 4, 4, 4, 3]
+    assert [len(x) for x, _ in batches] == [4, 4, 4, 4, 4, 3]
     ids = _sample_ids(torch.cat([x for x, _ in batches]), stored[0])
     assert sorted(ids) == list(range(N)) and torch.equal(torch.cat([y for _, y in batches]), stored[1][ids])
+    return grouped, loader.group_batches
+
+
+def test_per_sample_batch_transforms_run_on_groups_of_batches(u8, stored):
+    grouped, groups = _grouped_epoch(u8, stored)
+    assert groups > 1 and grouped.sizes == [N]
     grouped.sizes.clear()
     assert [len(x) for x, _ in GPULoader(u8, 4, shuffle=True, seed=1, drop_last=True, transform=grouped)] == [4] * 5
     assert grouped.sizes == [20]
     # a callable that is not a dlstore batch transform may depend on the batch: one at a time
     sizes = []
-    list(GPULoader(u8, 4, shuffle=True, seed=1, transform=BatchCompose([grouped, lambda x, g=None: sizes.append(len(x)) or x])))
+    list(GPULoader(u8, 4, shuffle=True, seed=1,
+                   transform=BatchCompose([grouped, lambda x, g=None: sizes.append(len(x)) or x])))
     assert sizes == [4, 4, 4, 4, 4, 3]
 
 
@@ -600,27 +610,12 @@ def test_the_loader_batch_pipeline_is_batch_transform(store):
         dlstore.loader(dlstore.open_dataset(store), 4, batch_transform=flip)
 
 
-
 def test_groups_on_the_cpu_are_cpu_sized_and_give_every_sample_once(u8, stored, monkeypatch):
     from dlstore.data.gpu import loader as gpu_loader
-    from dlstore.transforms import BatchCompose, BatchTransform
-
-    class Record(BatchTransform):
-        def __init__(self):
-            self.sizes = []
-
-        def apply(self, images, params):
-            self.sizes.append(len(images))
-            return images
 
     assert gpu_loader.CPU_GROUP_BYTES < 32 << 20 <= gpu_loader.GROUP_BYTES   # glibc's largest mmap threshold
     batch = 4 * 3 * 12 * 10                                      # bytes of a batch of 4 (uint8)
     monkeypatch.setattr(gpu_loader, "CPU_GROUP_BYTES", 2 * batch + 1)
     monkeypatch.setattr(gpu_loader, "GROUP_BYTES", 1)            # what a GPU would get: not this
-    grouped = Record()
-    loader = GPULoader(u8, 4, shuffle=True, seed=1, transform=BatchCompose([grouped]))
-    assert loader.group_batches == 2
-    batches = list(loader)
-    assert grouped.sizes == [8, 8, 7] and [len(x) for x, _ in batches] == [4, 4, 4, 4, 4, 3]
-    ids = _sample_ids(torch.cat([x for x, _ in batches]), stored[0])
-    assert sorted(ids) == list(range(N)) and torch.equal(torch.cat([y for _, y in batches]), stored[1][ids])
+    grouped, groups = _grouped_epoch(u8, stored)
+    assert groups == 2 and grouped.sizes == [8, 8, 7]

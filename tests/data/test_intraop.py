@@ -59,6 +59,17 @@ def _in_new_thread() -> int:
     return out[0]
 
 
+def _same_batches_on_torchs_pool(loader, monkeypatch, dtype):
+    """An epoch of ``loader()`` with the guard (one intra-op thread) and one without it (main's
+    behaviour: torch's own count) give more than one batch, of ``dtype``, equal bit for bit."""
+    guarded = list(loader())
+    monkeypatch.setattr(intraop, "runtime", lambda: None)
+    pooled = list(loader())
+    assert len(guarded) == len(pooled) > 1
+    for (a, la), (b, lb) in zip(guarded, pooled):
+        assert a.dtype == dtype and torch.equal(a, b) and torch.equal(la, lb)
+
+
 def test_loader_threads_build_on_one_intra_op_thread_and_leave_the_callers_count(store, two_threads):
     record = Record()
     ds = dlstore.open_dataset(store, batch_transform=record)
@@ -92,16 +103,9 @@ def test_batches_equal_those_built_on_torchs_pool(store, two_threads, monkeypatc
     # float ops and a resize: kernels torch splits over its pool; one thread must not change a bit
     pipeline = BatchCompose([BatchRandomResizedCrop(24), BatchNormalize([0.5, 0.4, 0.3], [0.2, 0.25, 0.3])])
     ds = dlstore.open_dataset(store, batch_transform=pipeline)
-
-    def epoch():
-        return list(dlstore.loader(ds, 8, shuffle=True, threads=threads, generator=torch.Generator().manual_seed(3)))
-
-    guarded = epoch()
-    monkeypatch.setattr(intraop, "runtime", lambda: None)       # main's behaviour: torch's own count
-    pooled = epoch()
-    assert len(guarded) == len(pooled) > 1
-    for (a, la), (b, lb) in zip(guarded, pooled):
-        assert a.dtype == torch.float32 and torch.equal(a, b) and torch.equal(la, lb)
+    _same_batches_on_torchs_pool(
+        lambda: dlstore.loader(ds, 8, shuffle=True, threads=threads, generator=torch.Generator().manual_seed(3)),
+        monkeypatch, torch.float32)
 
 
 def test_gpu_dataset_on_cpu_builds_its_groups_on_one_thread_and_restores(store, two_threads):
@@ -123,13 +127,5 @@ def test_gpu_dataset_on_cpu_batches_equal_those_built_on_torchs_pool(store, two_
     gpu = dlstore.GPUDataset(store, device="cpu", dtype=torch.float16, hold="uint8",
                              normalize=([0.5, 0.4, 0.3], [0.2, 0.25, 0.3]))
     aug = BatchCompose([BatchRandomCrop(28, padding=3), BatchRandomHorizontalFlip()])
-
-    def epoch():
-        return list(dlstore.loader(gpu, 8, shuffle=True, seed=3, batch_transform=aug, fused=fused))
-
-    guarded = epoch()
-    monkeypatch.setattr(intraop, "runtime", lambda: None)       # torch's own count
-    pooled = epoch()
-    assert len(guarded) == len(pooled) > 1
-    for (a, la), (b, lb) in zip(guarded, pooled):
-        assert a.dtype == torch.float16 and torch.equal(a, b) and torch.equal(la, lb)
+    _same_batches_on_torchs_pool(lambda: dlstore.loader(gpu, 8, shuffle=True, seed=3, batch_transform=aug, fused=fused),
+                                 monkeypatch, torch.float16)

@@ -227,7 +227,7 @@ def test_fused_gather_equals_unfused_batch_ops(cifar_store, monkeypatch, crop, p
     ds = dlstore.open_dataset(dst, batch_transform=BatchCompose([c, f]))
     fused = dlstore.open_dataset(dst, transform=HybridTransform(
         h.static_spec, [v2.RandomCrop(crop, padding=padding, fill=fill), v2.RandomHorizontalFlip()]))
-    assert fused._fused_crop is not None and fused._fused_flip is not None and fused._batch_rest == []
+    assert fused._fused_crop is not None and fused._fused_flip is not None and fused.batch_rest == []
     idx = [5, 0, 23, 7, 7, 12, 3, 19, 2, 11]
     raw, _ = ds.read_batch(idx)
     for seed in range(3):
