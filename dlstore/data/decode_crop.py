@@ -46,11 +46,11 @@ from ..transforms.batch import (
 from ..transforms.equivalents import batch_equivalent
 
 
-def split_decode_crop(reader: Any, per_sample_ops: list[Any], batch_ops: list[BatchTransform]
+def split_decode_crop(decodes: bool, per_sample_ops: list[Any], batch_ops: list[BatchTransform]
                       ) -> tuple[BatchRandomResizedCrop | None, list[Any], list[BatchTransform]]:
-    """(the crop run at decode time or None, per-sample ops, batch ops) of an encoded store whose
-    dynamic part begins with a bilinear RandomResizedCrop; the other ops unchanged."""
-    if not isinstance(reader, DecodingReader):
+    """(the crop run at decode time or None, per-sample ops, batch ops) of an encoded store (``decodes``)
+    whose dynamic part begins with a bilinear RandomResizedCrop; the other ops unchanged."""
+    if not decodes:
         return None, per_sample_ops, batch_ops
     if len(per_sample_ops) == 1:           # a variable-shape store: the crop is what fixes the size
         crop = batch_equivalent(per_sample_ops[0])

@@ -51,7 +51,7 @@ with the weights of ``resize_weights``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import torch
@@ -147,7 +147,7 @@ def crop_flip_loop(views: Iterable[np.ndarray], out: np.ndarray, tops: np.ndarra
     return out
 
 
-def crop_flip_windows(read: Callable[[np.ndarray], np.ndarray], idx: np.ndarray, shape: tuple[int, int, int],
+def crop_flip_windows(plain: np.ndarray | None, flipped: np.ndarray | None, shape: tuple[int, int, int],
                       size: tuple[int, int], tops: np.ndarray, lefts: np.ndarray, flips: np.ndarray,
                       padding: Padding, fill: int, scratch: Scratch | None = None
                       ) -> tuple[torch.Tensor, Scratch]:
@@ -158,8 +158,8 @@ def crop_flip_windows(read: Callable[[np.ndarray], np.ndarray], idx: np.ndarray,
     copies each sample's window into the batch.
 
     Args:
-        read: ``read(indices)`` returns those samples as one (k, C, H, W) uint8 array.
-        idx: (B,) sample indices.
+        plain: the samples not flipped, in batch order, as one (k, C, H, W) uint8 array (None: none).
+        flipped: the samples to flip, likewise (None: none).
         shape: (C, H, W) of every sample.
         size: (th, tw) of the output.
         tops, lefts, flips, padding, fill: as in ``crop_flip_loop``.
@@ -168,7 +168,7 @@ def crop_flip_windows(read: Callable[[np.ndarray], np.ndarray], idx: np.ndarray,
     Returns:
         (the (B, C, th, tw) batch, the scratch buffer to pass next time).
     """
-    b = len(idx)
+    b = len(flips)
     c, h, w = shape
     th, tw = size
     left, top, right, bottom = padding
@@ -190,9 +190,9 @@ def crop_flip_windows(read: Callable[[np.ndarray], np.ndarray], idx: np.ndarray,
     # torch's copy_ into the strided interior is ~2x numpy's for short rows (measured)
     interior = torch.from_numpy(buf)[:, :, top:top + h, side:side + w]
     if n_plain:
-        interior[:n_plain].copy_(torch.from_numpy(read(idx[order[:n_plain]])))
+        interior[:n_plain].copy_(torch.from_numpy(plain))
     if n_plain < b:
-        interior[n_plain:b].copy_(torch.from_numpy(read(idx[order[n_plain:]])).flip(-1))
+        interior[n_plain:b].copy_(torch.from_numpy(flipped).flip(-1))
     # flip(crop(pad(x), left=l)) = crop(flip(pad(x)), left=pw - tw - l), and flip(pad(x)) is the
     # flipped image with `right` columns of padding on its left
     x = np.where(flips, pw - tw - lefts + side - right, lefts + side - left)

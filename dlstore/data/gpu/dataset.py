@@ -35,7 +35,6 @@ from ...errors import (
     ArgumentTypeError,
     DeviceMemoryError,
     SampleIndexError,
-    UsageError,
     VariableShapeError,
 )
 from ...transforms.batch import as_fill, as_padding
@@ -48,6 +47,7 @@ from .convert import Conversion
 from .padding import fill_vector, interior
 from .partition import SubsetSource, rank_share, resolve_distributed
 from .preload import preload
+from .steps import against_store, plan_steps
 
 ON_OVERFLOW = ("error", "uint8", "stream")
 HOLD = ("dtype", "uint8")
@@ -122,13 +122,14 @@ class GPUDataset(Dataset):
         padding_fill: float | Sequence[float] = 0,
         shard: bool = False,
         partition_seed: int = 0,
+        transform: Any = None,
     ):
         """Preload ``source`` onto ``device``.
 
         Args:
             source: a store path (anything ``open_dataset`` opens) or a dlstore
-                dataset with a fixed sample shape. Its ``transform`` is not applied:
-                pass transforms to :meth:`loader` (they run per batch on the device).
+                dataset with a fixed sample shape (its ``transform`` is this dataset's
+                when ``transform`` is not given).
             device: where the data lives (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
             dtype: dtype of the served images: a float dtype (scaled to ``[0, 1]``,
                 then normalised if asked) or ``torch.uint8`` (as stored).
@@ -160,6 +161,9 @@ class GPUDataset(Dataset):
                 random ``1/W`` of the store (see ``dlstore.data.gpu.partition`` for the
                 shuffle this gives); its loader permutes that share every epoch.
             partition_seed: seed of the partition; the same on every rank.
+            transform: the read-time pipeline, run per batch on the device by the loader: what
+                ``open_dataset`` takes (a torchvision pipeline, a HybridTransform, dlstore batch
+                transforms) or any callable on the converted batch (``gpu/steps.py``).
 
         Raises:
             VariableShapeError: the store's samples have different shapes.
@@ -194,6 +198,11 @@ class GPUDataset(Dataset):
         if normalize is not None and dtype == torch.uint8:
             raise ArgumentError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
         self.source = open_dataset(source) if isinstance(source, (str, os.PathLike)) else source
+        if transform is None:
+            transform = getattr(self.source, "transform", None)
+        elif getattr(self.source, "transform", None) is not None:
+            raise ArgumentError("GPUDataset: transform= given, and the source dataset has a transform of its own; "
+                                "pass one of them")
         name = getattr(self.source, "path", type(self.source).__name__)
         if not hasattr(self.source, "shape") or not hasattr(self.source, "read_batch"):
             raise ArgumentTypeError(f"GPUDataset takes a store path or a dlstore dataset (open_dataset(path)), "
@@ -298,6 +307,25 @@ class GPUDataset(Dataset):
             self._release(exc)
             raise
         self.load_seconds = time.perf_counter() - start
+        self.transform = transform
+
+    @property
+    def transform(self) -> Any:
+        return self._transform
+
+    @transform.setter
+    def transform(self, transform: Any) -> None:
+        """Plan ``transform`` on the resident data (``gpu/steps.py``) for every loader made after."""
+        planned = against_store(transform, self)
+        self.steps = plan_steps(planned.steps(), self)
+        self.already_applied = planned.already_applied
+        self._transform = transform
+
+    @property
+    def fingerprint(self) -> str:
+        """What identifies the samples held: the store's fingerprint and, for a share, which one."""
+        base = getattr(self.source, "fingerprint", None) or str(getattr(self.source, "path", "source"))
+        return f"{base}:rank{self.rank}of{self.world_size}" if self.sharded else base
 
     # --- construction helpers -------------------------------------------------------------
 
@@ -378,12 +406,6 @@ class GPUDataset(Dataset):
             return self.conversion(self.held_samples()[i:i + 1])[0], label
         host = self.read(np.array([i], dtype=np.int64))
         return self.conversion(host.to(self.device, non_blocking=self.pin))[0], label
-
-    def loader(self, *args: Any, **kwargs: Any) -> None:
-        """Gone: ``dlstore.loader(dataset, ...)`` builds a GPUDataset's loader, every option included."""
-        raise UsageError("GPUDataset.loader(...) is now dlstore.loader(dataset, ...): the one loader entry, with "
-                         "the same arguments (prefetch= is prefetch_factor=; rank=/world_size= come from the "
-                         "process group with distributed=True, or pass them to dlstore.data.GPULoader)")
 
     def __repr__(self) -> str:
         c, h, w = self.shape

@@ -30,10 +30,12 @@ share, ``ceil(N / W)``, so every rank runs the same number of batches, as
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Sampler
 
 from ...errors import ArgumentError
 
@@ -130,6 +132,7 @@ class SubsetSource:
         self.shape = source.shape
         self.classes = list(getattr(source, "classes", []))
         self.path = getattr(source, "path", None)
+        self.fingerprint = getattr(source, "fingerprint", None)
         self.manifest = getattr(source, "manifest", None)   # the loader checks transforms against its static spec
         labels = np.asarray(source.targets)   # (N,) int labels, or (N, K) target vectors kept in their dtype
         self._labels = (labels if labels.ndim == 2 else labels.astype(np.int64, copy=False))[self.indices]
@@ -142,3 +145,38 @@ class SubsetSource:
 
     def read_batch(self, positions: Any) -> Any:
         return self._source.read_batch(self.indices[np.asarray(positions, dtype=np.int64)].tolist())
+
+
+class ShareSampler(Sampler[int]):
+    """The order of a sharded GPUDataset's own samples (its share: positions ``0..local-1``), shuffled
+    from ``generator`` each pass when ``shuffle``, wrapped to ``count`` (the longest share) so that every
+    rank runs as many batches.
+
+    Args:
+        local: samples in this rank's share.
+        count: samples per epoch on every rank (``per_rank(total, world_size)``).
+        shuffle: a new permutation each pass.
+        generator: where the permutation is drawn from (None: a seed from torch's default generator,
+            as ``RandomSampler`` draws).
+    """
+
+    def __init__(self, local: int, count: int, *, shuffle: bool, generator: torch.Generator | None = None):
+        if local < 1 or count < local:
+            raise ArgumentError(f"ShareSampler needs 1 <= local <= count, got local={local}, count={count}")
+        self.local, self.count, self.shuffle, self.generator = local, count, shuffle, generator
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            generator = self.generator
+            if generator is None:
+                generator = torch.Generator()
+                generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+            order = torch.randperm(self.local, generator=generator)
+        else:
+            order = torch.arange(self.local)
+        if self.count > self.local:
+            order = order.repeat(math.ceil(self.count / self.local))[:self.count]
+        return iter(order.tolist())
+
+    def __len__(self) -> int:
+        return self.count
