@@ -23,6 +23,8 @@ composition of a host back-end with the device stage. A pass::
 
 from __future__ import annotations
 
+import functools
+import inspect
 import warnings
 from collections.abc import Callable, Generator, Iterable, Iterator
 from typing import Any
@@ -245,9 +247,10 @@ class Loader:
                                         dataloader_only=dataloader_only, ring_fits=ring_fits)
         if self.num_workers and host_ds.fuses_crop_flip:
             compiled.available()   # numba's kernel built (or loaded) here, once, before workers fork
-        return self._make_host(name, host_ds, spec, stage), stage
+        return self._make_host(name, host_ds, spec, stage, chosen=wanted == "auto"), stage
 
-    def _make_host(self, name: str, host_ds: Any, spec: list[Any], stage: DeviceStage | None) -> Any:
+    def _make_host(self, name: str, host_ds: Any, spec: list[Any], stage: DeviceStage | None, *,
+                   chosen: bool) -> Any:
         prefetch = self.prefetch_factor or 2
         if name == "threads":
             self.num_threads = self.num_threads or opt.auto_threads()
@@ -273,7 +276,7 @@ class Loader:
                            batch_size=self.batch_size, pin_memory=self.pin_memory,
                            persistent_workers=self.persistent_workers,
                            multiprocessing_context=self.multiprocessing_context, worker_init_fn=self.worker_init_fn,
-                           fallback=dataloader)
+                           fallback=dataloader if chosen else None)   # asked for: its error stands
 
     # --- DataLoader's interface -----------------------------------------------------------
 
@@ -341,13 +344,18 @@ class Loader:
         return run, collates_here
 
     def __iter__(self) -> Iterator[Any]:
+        # worker processes start here, as a DataLoader's do at iter(); the pass itself (its epoch,
+        # its draws) begins with the first batch asked for, so an iterator dropped unstarted
+        # takes no epoch and draws nothing
+        prepare = getattr(self._backend, "prepare", None)
+        token = prepare() if prepare is not None else None
+        batches = self._pass()
+        return LoaderIterator(batches, functools.partial(_release_unstarted, self._backend, batches, token))
+
+    def _pass(self) -> Generator[Any, None, None]:
         run, collates_here = self._begin()
         host = self._backend.begin(run)
         batches = host if self._device is None else self._device.batches(iter(host), run)
-        closer = getattr(host, "close", None)
-        return LoaderIterator(self._hand_out(batches, run, collates_here), closer)
-
-    def _hand_out(self, batches: Iterator[Any], run: PassPlan, collates_here: bool) -> Generator[Any, None, None]:
         k = run.first
         try:
             for batch in batches:
@@ -359,9 +367,10 @@ class Loader:
                 del batch      # this frame keeps no reference to a batch handed out (its buffer is reused)
             self._state.end()
         finally:
-            close = getattr(batches, "close", None)
-            if close is not None:
-                close()
+            for it in (batches, host):
+                close = getattr(it, "close", None)
+                if close is not None:
+                    close()
 
     def __repr__(self) -> str:
         where = f", device={self.device}" if self.device is not None else ""
@@ -375,3 +384,11 @@ def loader(dataset: StoreDataset | GPUDataset, batch_size: int | None = 1, shuff
     """A :class:`Loader` over ``dataset``: ``dlstore.loader(ds, 64, shuffle=True)`` is
     ``DataLoader(ds, 64, shuffle=True)`` for a store (the same arguments; see :class:`Loader`)."""
     return Loader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, **options)
+
+
+def _release_unstarted(backend: Any, batches: Generator, token: Any) -> None:
+    """As a pass's iterator is closed or dropped: one never advanced gives back what ``iter()`` started
+    (its generator never ran, so no ``finally`` did either)."""
+    release = getattr(backend, "release", None)
+    if release is not None and inspect.getgeneratorstate(batches) == inspect.GEN_CREATED:
+        release(token)

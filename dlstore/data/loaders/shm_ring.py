@@ -55,8 +55,6 @@ slots over, and the old iterator raises ``UsageError`` when next resumed.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import warnings
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
@@ -66,7 +64,7 @@ import torch
 
 from ...errors import SharedMemoryError, UsageError
 from ..intraop import one_thread
-from .passes import LoaderIterator, PassPlan
+from .passes import PassPlan
 from .ring_slots import Ring, ring_size
 from .ring_workers import WorkerPool
 from .threads import advised
@@ -136,10 +134,10 @@ class RingBackend:
             return f"ring, fell back to {self.fallen_back.describe()}"
         return f"workers={self.workers}, prefetch={self.prefetch}, slots={self.ring_size}"
 
-    def begin(self, run: PassPlan) -> Iterator[tuple[Any, Any]]:
-        """The pass's batches; the workers start here, as a DataLoader's do at ``iter()``."""
+    def prepare(self) -> int | None:
+        """Start the workers (``iter()`` of the loader, as a DataLoader's start there); a token for ``release``."""
         if self.fallen_back is not None:
-            return self.fallen_back.begin(run)
+            return None
         try:
             self._start()
         except SharedMemoryError as exc:
@@ -148,10 +146,22 @@ class RingBackend:
             # other loaders took the shared memory since this one was made: the DataLoader path
             warnings.warn(f"dlstore.loader: {exc}; this loader takes the DataLoader path", stacklevel=3)
             self.fallen_back = self.fallback()
+            return None
+        self._pass += 1
+        return self._pass
+
+    def release(self, token: int | None) -> None:
+        """An iterator dropped before its first batch: stop the workers its ``prepare`` started, unless
+        they are persistent or a later pass has begun (or been prepared) since."""
+        if token is not None and token == self._pass and not self.persistent_workers:
+            self._stop_workers()
+
+    def begin(self, run: PassPlan) -> Iterator[tuple[Any, Any]]:
+        """The pass's batches, from the workers ``prepare`` started (started again if stopped since)."""
+        if self.fallen_back is not None:
             return self.fallen_back.begin(run)
-        self._pass += 1          # before the generator: an unstarted iterator's finalizer leaves
-        batches = self._batches(run, self._pass)     # a later pass's workers alone
-        return LoaderIterator(batches, functools.partial(_stop_unstarted, self, batches, self._pass))
+        self._pass += 1
+        return self._batches(run, self._pass)
 
     def _free(self, ring: Ring, pool: WorkerPool, exclude: int = -1) -> int | None:
         for j in range(self.ring_size):
@@ -260,11 +270,3 @@ class RingBackend:
         else:
             pool.busy.discard(j)                  # a task of a pass that ended, skipped: the slot is free
 
-
-def _stop_unstarted(backend: RingBackend, batches: Generator, pass_id: int) -> None:
-    """Run as a pass's iterator is closed or dropped: one never advanced stops the workers ``begin``
-    started (unless persistent, or a later pass has begun), since a generator never advanced does not
-    run its ``finally`` and they would run until the loader went away."""
-    if (inspect.getgeneratorstate(batches) == inspect.GEN_CREATED and not backend.persistent_workers
-            and backend._pass == pass_id):
-        backend._stop_workers()
