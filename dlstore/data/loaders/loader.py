@@ -287,6 +287,11 @@ class Loader:
         return getattr(self._backend, "fallen_back", None) or self._backend
 
     @property
+    def device_stage(self) -> DeviceStage | None:
+        """What runs on the device with ``device=`` (its ``steps``), or None."""
+        return self._device
+
+    @property
     def backend(self) -> str:
         """The back-end building the batches: threads, ring, dataloader or resident."""
         return self.strategy.name
