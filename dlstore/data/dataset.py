@@ -65,7 +65,7 @@ class StoreDataset(Dataset):
         decode_crop: on a JPEG/PNG store, the leading RandomResizedCrop that ``get_batch`` runs as
             each record decodes (``reduced_decode=True``: at a DCT scale), or None.
         per_sample_ops, batch_ops: the dynamic part as ``get_batch`` runs it: ops per sample, then
-            batch transforms (``batch_transform`` last).
+            batch transforms (``batch_transform`` last), past ``decode_crop``.
         batch_rest: the batch ops ``get_batch`` runs after the read, past those it runs inside it
             (a leading crop and flip, or the flip after ``decode_crop``).
 
@@ -164,7 +164,7 @@ class StoreDataset(Dataset):
     @property
     def batch_ops(self) -> list[Any]:
         path = self.batch_path
-        fused = [op for op in (path.decode_crop, path.crop, path.flip) if op is not None]
+        fused = [op for op in (path.crop, path.flip) if op is not None]
         return fused + list(path.rest)
 
     @property

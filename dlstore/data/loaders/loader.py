@@ -129,11 +129,12 @@ class Loader:
         self.device = None if device is None else opt.check_device(device)
         self.dtype = dtype
         wanted = opt.check_backend(backend)
-        group = distributed_group() if opt.flag("distributed", distributed) else None
+        self.distributed = opt.flag("distributed", distributed)
+        _check_samplers(sampler, batch_sampler, shuffle=self.shuffle, distributed=self.distributed)
+        group = distributed_group() if distributed else None
         if distributed and group is None:
             raise ArgumentError("dlstore.loader(distributed=True) needs an initialised torch.distributed process group "
                                 "(launch with torchrun and call torch.distributed.init_process_group first)")
-        self.distributed = distributed
         self._seeding = Seeding(self.seed, generator, rank=group[0] if group else 0)
         self.batch_size, self.sampler, self.batch_sampler = self._samplers(batch_size, sampler, batch_sampler, group)
         if isinstance(dataset, GPUDataset):
@@ -154,12 +155,6 @@ class Loader:
     def _samplers(self, batch_size: Any, sampler: Any, batch_sampler: Any, group: tuple[int, int] | None
                   ) -> tuple[int | None, Any, Any]:
         """(batch_size, sampler, batch_sampler) as DataLoader sets them, from what was given."""
-        for name, given in (("sampler", sampler), ("batch_sampler", batch_sampler)):
-            if given is not None and not (hasattr(given, "__iter__") and hasattr(given, "__len__")):
-                hint = " (num_workers is a keyword argument: DataLoader's order puts sampler 4th)" \
-                    if name == "sampler" and isinstance(given, int) else ""
-                raise ArgumentTypeError(f"dlstore.loader: {name}= takes a Sampler (iterable, with len), got "
-                                        f"{type(given).__name__}{hint}")
         sharded = isinstance(self.dataset, GPUDataset) and self.dataset.sharded
         for given in (sampler, getattr(batch_sampler, "sampler", None)):
             # a sampler with no randomness of its own draws from the pass generator (seeds.py)
@@ -172,10 +167,9 @@ class Loader:
             return None, getattr(batch_sampler, "sampler", None), batch_sampler
         batch_size = opt.positive_int("batch_size", batch_size)
         if sampler is not None:
-            for name, value in (("shuffle", self.shuffle), ("distributed", self.distributed), ("shard", sharded)):
-                if value:
-                    raise ArgumentError(f"dlstore.loader: sampler= and {name}=True: the sampler sets the order "
-                                        f"(give it distributed=True or num_replicas/rank); drop {name}")
+            if sharded:
+                raise ArgumentError("dlstore.loader: sampler= with a GPUDataset that holds one rank's share "
+                                    "(shard=True): its loader serves that share in its own order; drop sampler")
         elif sharded:
             if self.distributed:
                 raise ArgumentError("dlstore.loader: distributed=True with a GPUDataset that holds one rank's share "
@@ -305,6 +299,9 @@ class Loader:
             raise ArgumentError(f"set_epoch takes an int >= 0, got {epoch!r}")
         self.epoch = epoch
         self._sampler_epoch = None
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+            self._sampler_epoch = epoch
 
     def _fit(self) -> Fit:
         return Fit(dataset_length=len(self.dataset), dataset=self.dataset.fingerprint, batch_size=self.batch_size,
@@ -389,6 +386,20 @@ def loader(dataset: StoreDataset | GPUDataset, batch_size: int | None = 1, shuff
     """A :class:`Loader` over ``dataset``: ``dlstore.loader(ds, 64, shuffle=True)`` is
     ``DataLoader(ds, 64, shuffle=True)`` for a store (the same arguments; see :class:`Loader`)."""
     return Loader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, **options)
+
+
+def _check_samplers(sampler: Any, batch_sampler: Any, *, shuffle: bool, distributed: bool) -> None:
+    for name, given in (("sampler", sampler), ("batch_sampler", batch_sampler)):
+        if given is not None and not (hasattr(given, "__iter__") and hasattr(given, "__len__")):
+            hint = " (num_workers is a keyword argument: DataLoader's order puts sampler 4th)" \
+                if name == "sampler" and isinstance(given, int) else ""
+            raise ArgumentTypeError(f"dlstore.loader: {name}= takes a Sampler (iterable, with len), got "
+                                    f"{type(given).__name__}{hint}")
+    if sampler is not None:
+        for name, value in (("shuffle", shuffle), ("distributed", distributed)):
+            if value:
+                raise ArgumentError(f"dlstore.loader: sampler= and {name}=True: the sampler sets the order "
+                                    f"(give it distributed=True or num_replicas/rank); drop {name}")
 
 
 def _release_unstarted(backend: Any, batches: Generator, token: Any) -> None:
