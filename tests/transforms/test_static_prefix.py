@@ -18,7 +18,6 @@ from torchvision import datasets
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data import GPULoader
 from dlstore.errors import StaticMismatchError
 from dlstore.sources.demo import make_image_folder
 from dlstore.transforms.hybrid import strip_static_prefix
@@ -58,7 +57,8 @@ def _seeded(ds, i: int):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_full_deterministic_pipeline_equals_imagefolder(stores, folder, fmt):
-    ds = dlstore.open_dataset(stores[fmt], transform=det())
+    given = det()
+    ds = dlstore.open_dataset(stores[fmt], transform=given)
     reference = _reference(folder, det())
     assert len(ds) == len(reference)
     for i, (want, label) in enumerate(reference):
@@ -66,7 +66,7 @@ def test_full_deterministic_pipeline_equals_imagefolder(stores, folder, fmt):
         assert image.dtype == torch.uint8 and got_label == label
         assert torch.equal(image, want), f"{fmt} sample {i}"
     assert [type(t).__name__ for t in ds.already_applied] == ["Resize", "CenterCrop", "PILToTensor"]
-    assert ds.transform is None and ds.per_sample_ops == [] and ds.batch_ops == []
+    assert ds.transform is given and ds.per_sample_ops == [] and ds.batch_ops == []   # as given; nothing runs
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -182,18 +182,18 @@ def test_device_loader_equals_imagefolder(stores, folder):
 def test_gpu_loader_equals_imagefolder_and_refuses_a_partial_prefix(stores, folder, shard):
     flip = v2.Compose([v2.Resize(40), v2.CenterCrop(32), v2.PILToTensor(), v2.RandomHorizontalFlip(p=1.0)])
     gpu = dlstore.GPUDataset(stores["shards"], device="cpu", dtype=torch.uint8, shard=shard,
-                             rank=0, world_size=2 if shard else 1)
-    loader = GPULoader(gpu, 64, transform=flip, seed=0)
-    assert [type(t).__name__ for t in loader.already_applied] == ["Resize", "CenterCrop", "PILToTensor"]
+                             rank=0, world_size=2 if shard else 1, transform=flip)
+    loader = dlstore.loader(gpu, 64, seed=0)
+    assert [type(t).__name__ for t in gpu.already_applied] == ["Resize", "CenterCrop", "PILToTensor"]
     reference = _reference(folder, flip)
     images, labels = next(iter(loader))                          # shuffle=False: the held samples in order
     held = gpu.store_indices.tolist()
     assert torch.equal(images, torch.stack([reference[i][0] for i in held]))
     assert labels.tolist() == [reference[i][1] for i in held]
     with pytest.raises(StaticMismatchError):
-        GPULoader(gpu, 4, transform=v2.Compose([v2.Resize(40), v2.RandomCrop(32)]))
+        gpu.transform = v2.Compose([v2.Resize(40), v2.RandomCrop(32)])
     with pytest.raises(StaticMismatchError):   # a hybrid is checked on a rank's share too
-        GPULoader(gpu, 4, transform=dlstore.HybridTransform("resize=64,center_crop=32", v2.RandomHorizontalFlip()))
+        gpu.transform = dlstore.HybridTransform("resize=64,center_crop=32", v2.RandomHorizontalFlip())
 
 
 @settings(max_examples=12, deadline=None)
