@@ -155,7 +155,7 @@ def test_timm_loader_batches_equal_timm(timm_store):
     example, pipeline, hybrid, store = timm_store
     ds = dlstore.open_dataset(store, transform=hybrid)
     adapted = example.timm_for_dlstore(pipeline)
-    batches = iter(dlstore.loader(ds, batch_size=len(ds), threads=0))
+    batches = iter(dlstore.loader(ds, batch_size=len(ds), backend="dataloader"))
     _seeded(7)                  # after the DataLoader drew its base seed
     images, labels = next(batches)
     # The batch path runs each per-sample op over the whole batch, then the next op

@@ -279,7 +279,7 @@ def test_loaders_batch_target_vectors(tmp_path, threads, workers):
     dst = tmp_path / "s.shards"
     dlstore.convert((_images(20), targets), dst, workers=0, progress=False)
     ds = dlstore.open_dataset(dst)
-    batches = list(dlstore.loader(ds, batch_size=8, num_workers=workers, threads=threads))
+    batches = list(dlstore.loader(ds, batch_size=8, num_workers=workers, backend="threads", num_threads=threads))
     labels = torch.cat([labels for _, labels in batches])
     assert labels.dtype == torch.float32 and labels.shape == (20, 3)
     np.testing.assert_array_equal(labels.numpy(), targets)

@@ -159,7 +159,7 @@ def test_profile_on_cuda_reports_utilisation(store):
 def test_trace_names_every_stage_of_a_device_loader(store, tmp_path):
     """dlstore.loader(device=) on the CPU: the device stage's copy and transforms are ranges too."""
     loader = dlstore.loader(dlstore.open_dataset(store / "p.shards"), batch_size=4, shuffle=True, device="cpu",
-                            threads=2)
+                            backend="threads", num_threads=2)
     record_timeline(loader, lambda x, y: None, steps=14, trace_dir=tmp_path / "tr")
     (trace,) = (tmp_path / "tr").glob("*.pt.trace.json")
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}

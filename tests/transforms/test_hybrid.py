@@ -10,7 +10,7 @@ from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import v2
 
 import dlstore
-import dlstore.data.dataset as dataset_module
+import dlstore.data.batch_path as dataset_module
 from dlstore.errors import StaticMismatchError, TransformSpecError
 from dlstore.sources import scan
 from dlstore.sources.demo import make_image_folder
@@ -227,7 +227,7 @@ def test_fused_gather_equals_unfused_batch_ops(cifar_store, monkeypatch, crop, p
     ds = dlstore.open_dataset(dst, batch_transform=BatchCompose([c, f]))
     fused = dlstore.open_dataset(dst, transform=HybridTransform(
         h.static_spec, [v2.RandomCrop(crop, padding=padding, fill=fill), v2.RandomHorizontalFlip()]))
-    assert fused._fused_crop is not None and fused._fused_flip is not None and fused.batch_rest == []
+    assert fused.batch_path.crop is not None and fused.batch_path.flip is not None and fused.batch_rest == []
     idx = [5, 0, 23, 7, 7, 12, 3, 19, 2, 11]
     raw, _ = ds.read_batch(idx)
     for seed in range(3):
@@ -334,26 +334,36 @@ def test_loader_worker_batches_equal_in_process_batches(cifar_store, monkeypatch
 
 @pytest.mark.parametrize("kernel", ["plain", "loop"])
 def test_batch_buffers_are_reused_only_when_nothing_refers_to_them(cifar_store, monkeypatch, kernel):
+    """A loader's buffers (``BatchBuffers``), handed to get_batch as ``out=``."""
+    from dlstore.data.loaders.buffers import BatchBuffers
+
     dst, h = cifar_store
-    monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
     monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
     ds = dlstore.open_dataset(dst) if kernel == "plain" else \
         dlstore.open_dataset(dst, transform=HybridTransform(h.static_spec, [v2.RandomCrop(32, padding=4)]))
     reference = dlstore.open_dataset(dst)
+    buffers = BatchBuffers(2)
+
+    def build(idx, seed):
+        out = buffers.take(ds.batch_shape(len(idx)))
+        batch = ds.get_batch(idx, generator=_gen(seed), out=out)[0]
+        assert batch is out
+        return batch
+
     idx_a, idx_b = [0, 1, 2, 3], [20, 21, 22, 23]
-    a = ds.get_batch(idx_a, generator=_gen(0))[0]
+    a = build(idx_a, 0)
     a_copy, a_ptr = a.clone(), a.data_ptr()
     view = a[1:3]
     del a
-    b = ds.get_batch(idx_b, generator=_gen(1))[0]
-    c = ds.get_batch(idx_b, generator=_gen(2))[0]
+    b = build(idx_b, 1)
+    c = build(idx_b, 2)
     assert torch.equal(view, a_copy[1:3]), "a batch still in use was overwritten"
     assert len({a_ptr, b.data_ptr(), c.data_ptr()}) == 3
     if kernel == "plain":
         assert torch.equal(b, reference.read_batch(idx_b)[0])
     ptr = b.data_ptr()
     del b
-    d = ds.get_batch(idx_b, generator=_gen(3))[0]
+    d = build(idx_b, 3)
     assert d.data_ptr() == ptr, "a free buffer was not reused"
 
 
@@ -362,7 +372,6 @@ def test_batch_buffers_are_reused_only_when_nothing_refers_to_them(cifar_store, 
 def test_hybrid_batch_path_on_every_format(folder, tmp_path, monkeypatch, suffix, kernel):
     if kernel == "loop":
         monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
-        monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
     h = split_transforms(v2.Compose([v2.Resize(20), v2.CenterCrop(16), v2.RandomCrop(16, padding=3),
                                      v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)]))
     dlstore.convert(folder, tmp_path / f"s{suffix}", static=h, workers=0, progress=False)
