@@ -155,12 +155,14 @@ def test_timm_loader_batches_equal_timm(timm_store):
     example, pipeline, hybrid, store = timm_store
     ds = dlstore.open_dataset(store, transform=hybrid)
     adapted = example.timm_for_dlstore(pipeline)
-    batches = iter(dlstore.loader(ds, batch_size=len(ds), backend="dataloader"))
-    _seeded(7)                  # after the DataLoader drew its base seed
-    images, labels = next(batches)
-    # The batch path runs each per-sample op over the whole batch, then the next op
-    # (StoreDataset.get_batch), so the draws come op by op: the reference draws so too.
-    _seeded(7)
+    from dlstore.data.loaders.seeds import batch_seed, epoch_seed
+
+    images, labels = next(iter(dlstore.loader(ds, batch_size=len(ds), backend="dataloader", seed=7)))
+    # The loader seeds the global generators with batch 0's seed (seeds.py: the pass generator of
+    # epoch 0 draws the base). The batch path runs each per-sample op over the whole batch, then
+    # the next op (StoreDataset.get_batch), so the draws come op by op: the reference draws so too.
+    base = int(torch.empty((), dtype=torch.int64).random_(generator=torch.Generator().manual_seed(epoch_seed(7, 0))))
+    _seeded(batch_seed(base, 0, 0))
     samples = [ds.read(i) for i in range(len(ds))]
     for op in adapted.transforms:
         samples = [op(x) for x in samples]

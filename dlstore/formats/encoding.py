@@ -183,7 +183,7 @@ class DecodingReader:
         self.path = reader.path
         self.manifest = reader.manifest
         self.labels = reader.labels
-        self.targets = reader.targets
+        self.targets = getattr(reader, "targets", None)   # (N, K) target vectors, or None
         self.count = reader.count if hasattr(reader, "count") else len(reader)
         shape = self.manifest["sample"].get("decoded_shape")
         self.shape = tuple(shape) if shape is not None else None
