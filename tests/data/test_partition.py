@@ -133,8 +133,6 @@ def test_a_sharded_epoch_is_a_function_of_the_seed_and_the_epoch(store):
         dlstore.loader(ds, 4, sampler=[0, 1])
 
 
-@pytest.mark.xfail(strict=True, reason="ShareSampler draws from the loader's pass generator, seeded from "
-                   "(seed, epoch) alone: ranks whose shares are as long draw the same permutation")
 def test_sharded_ranks_draw_their_own_order(store):
     """Ranks 0-2 of 4 hold 6 samples each: with one seed on every rank (as a job passes it), each must
     still permute its share its own way, or the global batch takes the same positions of every share

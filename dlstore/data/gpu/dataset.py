@@ -144,8 +144,8 @@ class GPUDataset(Dataset):
                 batches read from the store through pinned host memory.
             headroom: device bytes left free besides the dataset; default on CUDA
                 the larger of 1 GiB and 5 % of the card, on CPU 1 GiB of RAM.
-            rank: this process's rank; default torch.distributed's, else 0.
-            world_size: number of ranks; default torch.distributed's, else 1.
+            rank: with ``shard=True``, the share to hold; default torch.distributed's rank, else 0.
+            world_size: with ``shard=True``, the number of shares; default torch.distributed's, else 1.
             hold: what the device holds: ``"dtype"`` (converted once at preload) or
                 ``"uint8"`` (the stored bytes, half of fp16; the loader converts each
                 batch, inside its fused gather where that applies: see docs/gpu.md).
@@ -223,6 +223,10 @@ class GPUDataset(Dataset):
         self.rank, self.world_size = resolve_distributed(rank, world_size)
         if not isinstance(shard, bool):
             raise ArgumentTypeError(f"shard must be True or False, got {shard!r}")
+        if not shard and ((rank or 0) > 0 or (world_size or 1) > 1):
+            raise ArgumentError(f"GPUDataset: rank={rank}, world_size={world_size} choose which share to hold, with "
+                                "shard=True; to read one rank's share of the whole dataset pass "
+                                "sampler=DistributedSampler(ds, num_replicas, rank) to dlstore.loader")
         self.sharded = shard
         total = len(self.source)
         if shard:

@@ -8,8 +8,8 @@ order): contiguous blocks would give each rank a handful of classes and batches
 that are anything but a sample of the dataset. The shares are sorted so each
 rank reads its samples from the store in file order.
 
-Each epoch, every rank draws its own permutation of its share (seeded from the
-loader's seed, the epoch and the rank) and pads it by wrapping to the longest
+Each epoch, every rank draws its own permutation of its share (``ShareSampler``: from
+the loader's pass generator and the rank) and pads it by wrapping to the longest
 share, ``ceil(N / W)``, so every rank runs the same number of batches, as
 ``DistributedSampler`` does. What this shuffle is, and is not:
 
@@ -82,27 +82,6 @@ def per_rank(n: int, world_size: int) -> int:
     return math.ceil(n / world_size)
 
 
-def epoch_order(local: int, count: int, *, shuffle: bool, seed: int, epoch: int, rank: int,
-                device: torch.device | str = "cpu") -> torch.Tensor:
-    """Positions into a rank's share for one epoch: a permutation of ``range(local)``, wrapped to ``count``.
-
-    ``shuffle=False`` gives ``0, 1, ..., local - 1`` (then wraps). The draw depends on
-    ``(seed, epoch, rank)`` only, so it is reproducible and differs per rank and epoch.
-    """
-    if local < 1 or count < local:
-        raise ArgumentError(f"epoch_order needs 1 <= local <= count, got local={local}, count={count}")
-    device = torch.device(device)
-    if shuffle:
-        gen = torch.Generator(device=device)
-        gen.manual_seed((int(seed) * 1_000_003 + int(epoch) * 7_919 + int(rank) * 104_729) % (2**63))
-        order = torch.randperm(local, generator=gen, device=device)
-    else:
-        order = torch.arange(local, device=device)
-    if count > local:
-        order = order.repeat(math.ceil(count / local))[:count]
-    return order
-
-
 class _SubsetReader:
     """A store reader restricted to ``indices``: position ``k`` reads store sample ``indices[k]``."""
 
@@ -156,21 +135,25 @@ class ShareSampler(Sampler[int]):
         local: samples in this rank's share.
         count: samples per epoch on every rank (``per_rank(total, world_size)``).
         shuffle: a new permutation each pass.
+        rank: this rank (mixed into the draw).
         generator: where the permutation is drawn from (None: a seed from torch's default generator,
             as ``RandomSampler`` draws).
     """
 
-    def __init__(self, local: int, count: int, *, shuffle: bool, generator: torch.Generator | None = None):
+    def __init__(self, local: int, count: int, *, shuffle: bool, rank: int = 0,
+                 generator: torch.Generator | None = None):
         if local < 1 or count < local:
             raise ArgumentError(f"ShareSampler needs 1 <= local <= count, got local={local}, count={count}")
-        self.local, self.count, self.shuffle, self.generator = local, count, shuffle, generator
+        self.local, self.count, self.shuffle, self.rank, self.generator = local, count, shuffle, rank, generator
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
-            generator = self.generator
-            if generator is None:
-                generator = torch.Generator()
-                generator.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))
+            # one draw from the (shared) generator, mixed with the rank: each rank its own permutation,
+            # else ranks with shares of one length would take the same positions of their sorted shares
+            drawn = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+            generator = torch.Generator()
+            generator.manual_seed(int(np.random.SeedSequence([drawn & (2**64 - 1), self.rank])
+                                      .generate_state(1, dtype=np.uint64)[0] >> 1))
             order = torch.randperm(self.local, generator=generator)
         else:
             order = torch.arange(self.local)

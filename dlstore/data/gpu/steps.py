@@ -123,7 +123,7 @@ def plan_steps(steps: list[Any], ds: Resident) -> Steps:
 
 def choose_gather(ds: Resident, steps: Steps, *, fused: bool | None, compile: bool,
                   channels_last: bool) -> tuple[FusedGather | None, str]:
-    """(the fused gather, or None; why not, or "") for ``fused=`` (see ``GPULoader``)."""
+    """(the fused gather, or None; why not, or "") for the loader's ``fused=`` (``loaders/resident.py``)."""
     if fused is None and not (compile and ds.device.type == "cuda"):
         # The eager fused gather (one element-wise index kernel) is slower than the
         # step-by-step path, whose crop copies whole windows; compiled, on CUDA, it

@@ -135,8 +135,9 @@ class Loader:
         if distributed and group is None:
             raise ArgumentError("dlstore.loader(distributed=True) needs an initialised torch.distributed process group "
                                 "(launch with torchrun and call torch.distributed.init_process_group first)")
-        self._seeding = Seeding(self.seed, generator, rank=group[0] if group else 0)
+        self._seeding = Seeding(self.seed, generator)
         self.batch_size, self.sampler, self.batch_sampler = self._samplers(batch_size, sampler, batch_sampler, group)
+        self._seeding.rank = _rank_of(self.sampler, dataset, group)
         if isinstance(dataset, GPUDataset):
             self._backend: Any = self._resident(wanted, fused=fused, compile=compile)
             self._device: DeviceStage | None = None
@@ -176,7 +177,7 @@ class Loader:
                                     "(shard=True): its loader serves that share already; drop distributed")
             ds = self.dataset
             sampler = ShareSampler(len(ds), per_rank(ds.total_samples, ds.world_size), shuffle=self.shuffle,
-                                   generator=self._seeding.generator)
+                                   rank=ds.rank, generator=self._seeding.generator)
         elif group is not None:
             sampler = DistributedSampler(self.dataset, num_replicas=group[1], rank=group[0], shuffle=self.shuffle,
                                          seed=agreed_seed(self.seed), drop_last=self.drop_last)
@@ -386,6 +387,17 @@ def loader(dataset: StoreDataset | GPUDataset, batch_size: int | None = 1, shuff
     """A :class:`Loader` over ``dataset``: ``dlstore.loader(ds, 64, shuffle=True)`` is
     ``DataLoader(ds, 64, shuffle=True)`` for a store (the same arguments; see :class:`Loader`)."""
     return Loader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, **options)
+
+
+def _rank_of(sampler: Any, dataset: Any, group: tuple[int, int] | None) -> int:
+    """This process's rank, mixed into the batch seeds so that ranks draw apart: the process group's,
+    a rank given by hand to the sampler (``DistributedSampler(num_replicas=, rank=)``), or a sharded
+    GPUDataset's."""
+    if group is not None:
+        return group[0]
+    if isinstance(getattr(sampler, "rank", None), int) and getattr(sampler, "num_replicas", 1) > 1:
+        return sampler.rank
+    return int(getattr(dataset, "rank", 0)) if getattr(dataset, "sharded", False) else 0
 
 
 def _check_samplers(sampler: Any, batch_sampler: Any, *, shuffle: bool, distributed: bool) -> None:

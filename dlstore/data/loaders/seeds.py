@@ -84,6 +84,7 @@ class Seeding:
     """
 
     def __init__(self, seed: int | None, generator: torch.Generator | None, rank: int = 0):
+        self._epoch_generator = torch.Generator() if seed is not None else None
         if seed is not None and generator is not None:
             raise ArgumentError("seed= and generator= both set the loader's randomness: pass one (seed=int makes "
                                 "each epoch a function of (seed, epoch); generator= is DataLoader's, advanced "
@@ -97,16 +98,13 @@ class Seeding:
         self.user_generator = generator
         self.rank = rank
         # what a sampler built by the loader draws its order from
-        self.generator: torch.Generator | None = generator
-        if seed is not None:
-            self.generator = torch.Generator()
+        self.generator: torch.Generator | None = self._epoch_generator or generator
 
     def begin(self, epoch: int) -> torch.Generator:
         """The pass generator of a pass of ``epoch``, ready to draw (reseeded for an int seed)."""
-        if self.seed is not None:
-            assert self.generator is not None
-            self.generator.manual_seed(epoch_seed(self.seed, epoch))
-            return self.generator
+        if self.seed is not None and self._epoch_generator is not None:
+            self._epoch_generator.manual_seed(epoch_seed(self.seed, epoch))
+            return self._epoch_generator
         return self.generator if self.generator is not None else torch.default_generator
 
     def current(self) -> torch.Generator:
