@@ -7,9 +7,10 @@ The search, within a time budget:
 0. Warm-up: one untimed trial of ``num_workers=0``, so the baseline is not measured cold
    (the first pass over a store pays its page faults, lazy imports and kernel set-up).
 1. Sweep: ``num_workers=0`` (the baseline), the loader this dataset gets by default (threads for a
-   store they apply to, else as many workers as usable CPUs), then the rest: ``dlstore.loader(threads=t)``
-   for t = 1, 2, the usable CPUs (at most 8); ``num_workers`` 1, 2, 4, ... up to the usable CPUs
-   and a little over; the shared-memory ring (``num_workers=w, shm_ring=True``) for the same
+   store they apply to, else as many workers as usable CPUs), then the rest:
+   ``dlstore.loader(backend="threads", num_threads=t)`` for t = 1, 2, the usable CPUs (at most 8);
+   ``num_workers`` 1, 2, 4, ... up to the usable CPUs and a little over; the shared-memory ring
+   (``dlstore.loader(backend="ring", num_workers=w)``) for the same
    counts. Every setting is measured ``repeats`` times, round-robin; the baseline and the default
    always, the rest while the budget lasts. A setting is judged on its median, and only once
    measured ``repeats`` times: one lucky (or stalled) trial neither wins nor loses.
@@ -25,7 +26,7 @@ The search, within a time budget:
 
 Among settings within the noise margin of the fastest, the cheapest wins (fewer workers, fewer
 threads, smaller prefetch). Each trial starts a fresh loader, discards its start-up and the first
-``num_workers + threads + 1`` batches, then counts batches over a time window
+``num_workers + num_threads + 1`` batches, then counts batches over a time window
 (``throughput.measure_throughput``), moving each batch to the device when one is given.
 """
 
@@ -110,7 +111,8 @@ def tune(
             ``drop_last`` ...); not part of the returned kwargs.
         cpus: override the CPU information (default: ``cpu_info()``).
         log: called with one line per finished trial (progress), e.g. ``print``.
-        threads: measure ``dlstore.loader(threads=t)`` and the ring too (None: for a StoreDataset they apply to).
+        threads: measure ``dlstore.loader(backend="threads")`` and the ring too (None: for a StoreDataset they
+            apply to).
         measure: ``measure(kwargs, seconds) -> Trial`` times one setting (default:
             ``measure_throughput`` on ``dataset``); tests give seeded fake timings.
         clock: the clock the budget is kept with (tests give a fake one with ``measure``).
@@ -189,7 +191,8 @@ def tune(
 
     def like(kwargs: dict[str, Any], workers: int) -> dict[str, Any]:
         """``config(workers)`` through the same kind of loader as ``kwargs`` (the ring or the DataLoader)."""
-        return dict(config(workers), shm_ring=True) if kwargs.get("shm_ring") and workers > 0 else config(workers)
+        return dict(config(workers), backend="ring") if kwargs.get("backend") == "ring" and workers > 0 \
+            else config(workers)
 
     def counted(kwargs: dict[str, Any]) -> list[float]:
         return [t.batches_per_s for t in trials if t.kwargs == kwargs and t.stage not in UNCOUNTED + ("confirm",)]
@@ -212,12 +215,12 @@ def tune(
         pool = list(pool)
         top = max(rate(k) for k in pool)
         return min((k for k in pool if rate(k) >= top / (1 + noise)),
-                   key=lambda k: (int(k.get("num_workers", 0)), int(k.get("threads") or 0),
+                   key=lambda k: (int(k.get("num_workers", 0)), int(k.get("num_threads") or 0),
                                   int(k.get("prefetch_factor") or 0),
                                   bool(k.get("pin_memory")), not k.get("persistent_workers", True)))
 
     baseline_kwargs = config(0)
-    default = (dict(config(0), threads=max(thread_counts)) if thread_counts
+    default = (dict(config(0), backend="threads", num_threads=max(thread_counts)) if thread_counts
                else config(max(c for c in candidates if c <= max(cpus.usable, 1))))
     batch, batch_bytes = _one_batch(dataset, batch_size, loader_extra)
     thread_check = _thread_check(batch, 0)
@@ -229,9 +232,9 @@ def tune(
         run(baseline_kwargs, "warm-up")
         # 1. the sweep: the baseline and the default first (always measured), then the rest
         sweep = [(baseline_kwargs, "baseline"), (default, "default")]
-        sweep += [(dict(config(0), threads=t), "threads") for t in thread_counts]
+        sweep += [(dict(config(0), backend="threads", num_threads=t), "threads") for t in thread_counts]
         sweep += [(config(w), "workers") for w in candidates]
-        sweep += [(dict(config(w), shm_ring=True), "ring") for w in ring_counts]
+        sweep += [(dict(config(w), backend="ring"), "ring") for w in ring_counts]
         seen: list[dict[str, Any]] = []
         sweep = [(k, s) for k, s in sweep if not (k in seen or seen.append(k))]
         measure_all(sweep, required=[baseline_kwargs, default])
@@ -245,7 +248,7 @@ def tune(
             top_count = min(2 * top_count, 4 * cpus.usable)
             measure_all([(like(best, top_count), "extend")])
             best = pick(complete())
-        counts = sorted({int(k["num_workers"]) for k in complete() if bool(k.get("shm_ring")) == bool(best.get("shm_ring"))})
+        counts = sorted({int(k["num_workers"]) for k in complete() if k.get("backend") == best.get("backend")})
         best_workers = int(best["num_workers"])
         if best_workers > 0 and best_workers in counts:
             i = counts.index(best_workers)
@@ -348,10 +351,10 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
 def _thread_candidates(dataset: Any, usable: int) -> list[int]:
     """1, 2 and the usable CPUs (at most 8), for a StoreDataset that threads apply to; else none."""
     from ..data.dataset import StoreDataset
-    from ..data.loaders.factory import MAX_AUTO_THREADS, threads_apply
+    from ..data.loaders.options import MAX_AUTO_THREADS
 
     top = max(1, min(usable, MAX_AUTO_THREADS))
-    return sorted({1, min(2, top), top}) if isinstance(dataset, StoreDataset) and threads_apply(dataset) else []
+    return sorted({1, min(2, top), top}) if isinstance(dataset, StoreDataset) and dataset.threads_apply else []
 
 
 def _one_batch(dataset: Any, batch_size: int, extra: dict[str, Any] | None) -> tuple[Any, int]:

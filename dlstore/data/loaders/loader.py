@@ -78,7 +78,8 @@ class Loader:
             batch (``collate.py``); ``default_collate`` and None return the batch as built.
         pin_memory: page-locked batches (CUDA only).
         drop_last: drop a last, smaller batch.
-        worker_init_fn, multiprocessing_context, persistent_workers: DataLoader's, for worker processes.
+        worker_init_fn, multiprocessing_context, persistent_workers: DataLoader's, for worker processes
+            (``worker_init_fn`` with ``num_workers=0`` is never called, as with DataLoader).
         generator: DataLoader's: the order and the draws come from it, advanced by each pass.
         prefetch_factor: batches built ahead per worker (thread or process); default 2.
         backend: ``"auto"``, ``"threads"``, ``"ring"``, ``"dataloader"`` or ``"resident"`` (options.py).
@@ -217,9 +218,9 @@ class Loader:
             host_ds, steps = self.dataset.host_stage(records_to=self.device if records else None)
             stage = DeviceStage(self.device, steps, dtype=self.dtype, channels_last=self.channels_last)
         self.pin_memory = opt.check_pin_memory(self.pin_memory)
-        dataloader_only = [name for name, value in (("worker_init_fn", self.worker_init_fn), ("persistent_workers",
-                           self.persistent_workers), ("multiprocessing_context", self.multiprocessing_context))
-                           if value]
+        # (worker_init_fn without workers is accepted and never called, as DataLoader accepts it)
+        dataloader_only = [name for name, value in (("persistent_workers", self.persistent_workers),
+                                                    ("multiprocessing_context", self.multiprocessing_context)) if value]
         if dataloader_only and not self.num_workers:
             raise ArgumentError(f"dlstore.loader: {dataloader_only[0]}= applies to worker processes: pass num_workers "
                                 ">= 1")

@@ -58,7 +58,7 @@ def _make_loader(dataset: Any, *, store: bool, shuffle: bool, workers: int, batc
     import torch
     from torch.utils.data import DataLoader
 
-    from ...data.loaders.factory import loader
+    from ...data.loaders.loader import loader
 
     generator = torch.Generator().manual_seed(seed)
     if store:
