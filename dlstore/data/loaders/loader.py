@@ -163,7 +163,7 @@ class Loader:
             if getattr(given, "generator", 0) is None and getattr(given, "seed", None) is None:
                 given.generator = self._seeding.generator
         if batch_sampler is not None:
-            if batch_size != 1 or self.shuffle or sampler is not None or self.drop_last or self.distributed:
+            if batch_size not in (1, None) or self.shuffle or sampler is not None or self.drop_last or self.distributed:
                 raise ArgumentError("dlstore.loader: batch_sampler= sets the batches: it excludes batch_size, shuffle, "
                                     "sampler, drop_last and distributed (as DataLoader)")
             return None, getattr(batch_sampler, "sampler", None), batch_sampler
