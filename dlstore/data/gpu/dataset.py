@@ -126,6 +126,9 @@ class GPUDataset(Dataset):
     ):
         """Preload ``source`` onto ``device``.
 
+        Many options, each a placement choice users set by name (memory, padding, sharding); the body
+        runs them as named steps: open the source, take the share, choose the mode, preload.
+
         Args:
             source: a store path (anything ``open_dataset`` opens) or a dlstore
                 dataset with a fixed sample shape (its ``transform`` is this dataset's
@@ -172,61 +175,63 @@ class GPUDataset(Dataset):
             ValueError: an invalid option.
             TypeError: ``source`` is neither a path nor a dlstore dataset.
         """
-        if hold not in HOLD:
-            raise ArgumentError(f"hold must be one of {', '.join(map(repr, HOLD))}, got {hold!r}")
-        if padding_mode not in PADDING_MODES:
-            raise ArgumentError(f"padding_mode must be one of {', '.join(map(repr, PADDING_MODES))}, "
-                                f"got {padding_mode!r}")
+        _check_options(dtype=dtype, hold=hold, padding_mode=padding_mode, on_overflow=on_overflow,
+                       normalize=normalize, chunk_size=chunk_size, max_memory=max_memory, headroom=headroom,
+                       shard=shard, rank=rank, world_size=world_size)
         self.padding: tuple[int, int, int, int] = as_padding(padding)
         self.padding_mode = padding_mode
         self.padding_fill = as_fill(padding_fill, "GPUDataset padding_fill")
-        if on_overflow not in ON_OVERFLOW:
-            raise ArgumentError(f"on_overflow must be one of {', '.join(map(repr, ON_OVERFLOW))}, "
-                                f"got {on_overflow!r}")
-        device = _check_device(device)
-        if not isinstance(dtype, torch.dtype):
-            raise ArgumentTypeError(f"dtype must be a torch.dtype (torch.float16, torch.uint8, ...), got {dtype!r}")
-        for name, value, low in (("chunk_size", chunk_size, 1), ("max_memory", max_memory, 0),
-                                 ("headroom", headroom, 0)):
-            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-                                      or value < low):
-                raise ArgumentError(f"{name} must be None or an int >= {low}, got {value!r}")
-        if normalize is not None and (not isinstance(normalize, (tuple, list)) or len(normalize) != 2):
-            raise ArgumentError(f"normalize must be a (mean, std) pair of per-channel sequences, got {normalize!r}")
-        if not (dtype.is_floating_point or dtype == torch.uint8):
-            raise ArgumentError(f"dtype must be a floating dtype or torch.uint8, got {dtype}")
-        if normalize is not None and dtype == torch.uint8:
-            raise ArgumentError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
+        self.device = _check_device(device)
+        if self.device.type == "cuda" and self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.dtype = dtype
+        self.normalize = normalize
+        transform = self._open_source(source, transform)
+        self._take_share(rank, world_size, shard, partition_seed)
+        self.pin = self.device.type == "cuda"
+        self._sample_bytes = int(np.prod(self.shape))
+        left, top, right, bottom = self.padding
+        c, h, w = self.shape
+        self._resident_shape = (c, h + top + bottom, w + left + right)
+        n = len(self.source)
+        self.chunk_size = min(int(chunk_size or max(1, DEFAULT_CHUNK_BYTES // self._sample_bytes)), max(1, n))
+        self.conversion = Conversion(dtype, normalize, c, self.device)
+        labels = np.asarray(self.source.targets)   # (N,) int labels, or (N, K) target vectors in their dtype
+        self._host_labels = labels if labels.ndim == 2 else labels.astype(np.int64, copy=False)
+        self.mode = self._choose_mode(hold=hold, max_memory=max_memory, headroom=headroom, on_overflow=on_overflow)
+        self._preload()
+        self.transform = transform
+
+    # --- construction steps ---------------------------------------------------------------
+
+    def _open_source(self, source: Any, transform: Any) -> Any:
+        """Open ``source`` (a path or a dataset), check it holds one shape; the transform to plan."""
         self.source = open_dataset(source) if isinstance(source, (str, os.PathLike)) else source
         if transform is None:
             transform = getattr(self.source, "transform", None)
         elif getattr(self.source, "transform", None) is not None:
             raise ArgumentError("GPUDataset: transform= given, and the source dataset has a transform of its own; "
                                 "pass one of them")
-        name = getattr(self.source, "path", type(self.source).__name__)
         if not hasattr(self.source, "shape") or not hasattr(self.source, "read_batch"):
             raise ArgumentTypeError(f"GPUDataset takes a store path or a dlstore dataset (open_dataset(path)), "
-                            f"got {type(source).__name__}")
-        shape = self.source.shape
-        if shape is None:
+                                    f"got {type(source).__name__}")
+        if self.source.shape is None:
             raise VariableShapeError(
-                f"{name}: samples have different shapes (a variable-shape store); GPUDataset "
+                f"{self._name}: samples have different shapes (a variable-shape store); GPUDataset "
                 f"stacks every sample into one tensor, so it needs one shape. Convert again with "
                 f"a size-fixing static op, e.g. dlstore convert SRC DST --static "
                 f"'resize=256,center_crop=224'.")
-        self.shape: tuple[int, int, int] = tuple(int(d) for d in shape)
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
-        self.dtype = dtype
+        self.shape: tuple[int, int, int] = tuple(int(d) for d in self.source.shape)
         self.classes: list[str] = list(getattr(self.source, "classes", []))
+        return transform
+
+    @property
+    def _name(self) -> Any:
+        return getattr(self.source, "path", type(self.source).__name__)
+
+    def _take_share(self, rank: int | None, world_size: int | None, shard: bool, partition_seed: int) -> None:
+        """With ``shard``, keep only this rank's share of the source (``partition.py``)."""
         self.rank, self.world_size = resolve_distributed(rank, world_size)
-        if not isinstance(shard, bool):
-            raise ArgumentTypeError(f"shard must be True or False, got {shard!r}")
-        if not shard and ((rank or 0) > 0 or (world_size or 1) > 1):
-            raise ArgumentError(f"GPUDataset: rank={rank}, world_size={world_size} choose which share to hold, with "
-                                "shard=True; to read one rank's share of the whole dataset pass "
-                                "sampler=DistributedSampler(ds, num_replicas, rank) to dlstore.loader")
         self.sharded = shard
         total = len(self.source)
         if shard:
@@ -235,33 +240,20 @@ class GPUDataset(Dataset):
         else:
             self.store_indices = np.arange(total, dtype=np.int64)
         self.total_samples = total
-        self.pin = self.device.type == "cuda"
-        self._sample_bytes = int(np.prod(self.shape))
-        left, top, right, bottom = self.padding
-        c, h, w = self.shape
-        self._resident_shape = (c, h + top + bottom, w + left + right)
-        resident = int(np.prod(self._resident_shape))
-        n = len(self.source)
-        if chunk_size is None:
-            chunk_size = max(1, DEFAULT_CHUNK_BYTES // self._sample_bytes)
-        if int(chunk_size) < 1:
-            raise ArgumentError(f"chunk_size must be >= 1, got {chunk_size}")
-        self.chunk_size = min(int(chunk_size), max(1, n))
-        self.conversion = Conversion(dtype, normalize, self.shape[0], self.device)
-        self.normalize = normalize
 
-        labels = np.asarray(self.source.targets)   # (N,) int labels, or (N, K) target vectors in their dtype
-        self._host_labels = labels if labels.ndim == 2 else labels.astype(np.int64, copy=False)
-
-        held_uint8 = hold == "uint8" or dtype == torch.uint8
-        itemsize = 1 if held_uint8 else torch.empty((), dtype=dtype).element_size()
+    def _choose_mode(self, *, hold: str, max_memory: int | None, headroom: int | None, on_overflow: str) -> str:
+        """What the device holds (``mode``), from the bytes needed against what is free; sets the budget's
+        numbers (``needed_bytes``, ``available_bytes``). DeviceMemoryError when nothing allowed fits."""
+        n, resident = len(self.source), int(np.prod(self._resident_shape))
+        held_uint8 = hold == "uint8" or self.dtype == torch.uint8
+        itemsize = 1 if held_uint8 else torch.empty((), dtype=self.dtype).element_size()
         label_bytes = n * 8
         self.needed_bytes = n * resident * itemsize + label_bytes
         uint8_bytes = n * resident + label_bytes
         padded = self.padding != (0, 0, 0, 0)
 
         def pad_work(size: int) -> int:  # the chunk re-gathered with its border (two index_selects)
-            return 2 * self.chunk_size * resident * size if padded and padding_mode != "constant" else 0
+            return 2 * self.chunk_size * resident * size if padded and self.padding_mode != "constant" else 0
 
         # Preload buffers for float storage: on CUDA the uploaded uint8 chunk and the float32
         # block it is converted through; on CPU the two host chunks and that block. uint8
@@ -278,16 +270,19 @@ class GPUDataset(Dataset):
             return limit is None or nbytes + buffers <= limit
 
         if fits(self.needed_bytes, work):
-            self.mode = "uint8" if held_uint8 and dtype != torch.uint8 else "preload"
-        elif on_overflow == "uint8" and fits(uint8_bytes, pad_work(1)):
-            self.mode = "uint8"
-        elif on_overflow == "stream":
-            self.mode = "stream"
-        else:
-            raise DeviceMemoryError(overflow_message(
-                name, n, self.shape, self.dtype, self.device, self.needed_bytes, uint8_bytes, work, limit,
-                max_memory, keep, on_overflow))
+            return "uint8" if held_uint8 and self.dtype != torch.uint8 else "preload"
+        if on_overflow == "uint8" and fits(uint8_bytes, pad_work(1)):
+            return "uint8"
+        if on_overflow == "stream":
+            return "stream"
+        raise DeviceMemoryError(overflow_message(
+            self._name, n, self.shape, self.dtype, self.device, self.needed_bytes, uint8_bytes, work, limit,
+            max_memory, keep, on_overflow))
 
+    def _preload(self) -> None:
+        """The labels, and the samples unless streamed, onto the device (``preload.py``); on any failure
+        every device tensor is let go before the error propagates."""
+        n, c = len(self.source), self.shape[0]
         self.data: torch.Tensor | None = None
         self.held_fill: torch.Tensor | None = None
         self.labels: torch.Tensor = torch.empty(0, dtype=torch.int64)
@@ -296,7 +291,7 @@ class GPUDataset(Dataset):
         try:
             self.labels = torch.from_numpy(self._host_labels).to(self.device)
             if self.mode != "stream":
-                storage = dtype if self.mode == "preload" else torch.uint8
+                storage = self.dtype if self.mode == "preload" else torch.uint8
                 pixel = fill_vector(self.padding_fill, c, torch.uint8, self.device)
                 # the fill as held: converted like every pixel where the data are held converted
                 self.held_fill = self.conversion(pixel.view(1, c, 1, 1)).view(c) if storage != torch.uint8 else pixel
@@ -305,13 +300,12 @@ class GPUDataset(Dataset):
         except torch.cuda.OutOfMemoryError as exc:
             self._release(exc)
             raise DeviceMemoryError(
-                f"{name}: out of device memory while preloading {n:,} samples onto {self.device} "
+                f"{self._name}: out of device memory while preloading {n:,} samples onto {self.device} "
                 f"({exc}); pass max_memory=..., on_overflow='uint8' or on_overflow='stream'") from exc
         except BaseException as exc:
             self._release(exc)
             raise
         self.load_seconds = time.perf_counter() - start
-        self.transform = transform
 
     @property
     def transform(self) -> Any:
@@ -330,8 +324,6 @@ class GPUDataset(Dataset):
         """What identifies the samples held: the store's fingerprint and, for a share, which one."""
         base = getattr(self.source, "fingerprint", None) or str(getattr(self.source, "path", "source"))
         return f"{base}:rank{self.rank}of{self.world_size}" if self.sharded else base
-
-    # --- construction helpers -------------------------------------------------------------
 
     def _release(self, exc: BaseException) -> None:
         """Drop every device tensor this dataset holds, before ``exc`` propagates.
@@ -418,3 +410,29 @@ class GPUDataset(Dataset):
         return (f"GPUDataset({len(self)} samples{share} of {c}x{h}x{w}{pad}, mode={self.mode}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
                 f"nbytes={human_bytes(self.nbytes)})")
+
+
+def _check_options(*, dtype: Any, hold: str, padding_mode: str, on_overflow: str, normalize: Any,
+                   chunk_size: Any, max_memory: Any, headroom: Any, shard: Any, rank: Any, world_size: Any) -> None:
+    """ArgumentError (or ArgumentTypeError) naming the first option of ``GPUDataset`` that cannot work."""
+    for name, value, valid in (("hold", hold, HOLD), ("padding_mode", padding_mode, PADDING_MODES),
+                               ("on_overflow", on_overflow, ON_OVERFLOW)):
+        if value not in valid:
+            raise ArgumentError(f"{name} must be one of {', '.join(map(repr, valid))}, got {value!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise ArgumentTypeError(f"dtype must be a torch.dtype (torch.float16, torch.uint8, ...), got {dtype!r}")
+    for name, value, low in (("chunk_size", chunk_size, 1), ("max_memory", max_memory, 0), ("headroom", headroom, 0)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low):
+            raise ArgumentError(f"{name} must be None or an int >= {low}, got {value!r}")
+    if normalize is not None and (not isinstance(normalize, (tuple, list)) or len(normalize) != 2):
+        raise ArgumentError(f"normalize must be a (mean, std) pair of per-channel sequences, got {normalize!r}")
+    if not (dtype.is_floating_point or dtype == torch.uint8):
+        raise ArgumentError(f"dtype must be a floating dtype or torch.uint8, got {dtype}")
+    if normalize is not None and dtype == torch.uint8:
+        raise ArgumentError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
+    if not isinstance(shard, bool):
+        raise ArgumentTypeError(f"shard must be True or False, got {shard!r}")
+    if not shard and ((rank or 0) > 0 or (world_size or 1) > 1):
+        raise ArgumentError(f"GPUDataset: rank={rank}, world_size={world_size} choose which share to hold, with "
+                            "shard=True; to read one rank's share of the whole dataset pass "
+                            "sampler=DistributedSampler(ds, num_replicas, rank) to dlstore.loader")
