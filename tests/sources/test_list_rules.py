@@ -42,14 +42,16 @@ def test_a_path_leading_outside_the_root_is_refused_naming_its_line(tree, tmp_pa
     assert not (tmp_path / "o.shards").exists()
 
 
-def test_paths_inside_the_root_relative_or_absolute_give_the_files_pixels(tree, tmp_path):
+def test_paths_inside_the_root_relative_or_absolute_give_the_files_pixels(tree, tmp_path, monkeypatch):
     """An absolute path under the root, and a relative one through `..` that stays inside, are the files
-    the filesystem names: the store holds their pixels (PIL's) in list order."""
+    the filesystem names: the store holds their pixels (PIL's) in list order. The root is given relative
+    to the working directory, as on a command line."""
+    monkeypatch.chdir(tmp_path)
     listed = [str(tree / "class_01" / "img_0001.png"), "class_01/../class_00/img_0000.png", "class_00/img_0001.png"]
     files = [tree / "class_01" / "img_0001.png", tree / "class_00" / "img_0000.png", tree / "class_00" / "img_0001.png"]
     listing = tmp_path / "l.csv"
     listing.write_text("".join(f"{p},{k % 2}\n" for k, p in enumerate(listed)))
-    store = dlstore.convert(listing, tmp_path / "l.shards", root=tree, workers=0, progress=False).path
+    store = dlstore.convert(listing, tmp_path / "l.shards", root="root", workers=0, progress=False).path
     ds = dlstore.open_dataset(store)
     for i, file in enumerate(files):
         assert torch.equal(ds[i][0], v2.PILToTensor()(Image.open(file).convert("RGB")))
