@@ -157,3 +157,17 @@ def test_bench_given_a_plain_file_says_it_is_not_a_folder(stores, tmp_path):
     plain.write_text("x")
     result = CliRunner().invoke(main, ["bench", str(plain), "--quiet"])
     _one_error_line(result, f"{plain}: a file, not a folder", "bench takes an image folder")
+
+
+@pytest.mark.slow
+def test_profile_trace_prints_no_profiler_error_on_a_machine_without_cuda(stores, tmp_path):
+    """torch's profiler (kineto) logs ``ERROR: ... gpuGetDeviceCount failed`` when a CPU-only trace stops
+    on a machine without CUDA; the command keeps it quiet (on a CUDA machine there is nothing to hide)."""
+    env = {k: v for k, v in os.environ.items() if k != "KINETO_LOG_LEVEL"}
+    out = subprocess.run([sys.executable, "-m", "dlstore.cli", "profile", str(stores / "s.shards"), "-b", "2",
+                          "--steps", "3", "--trace", str(tmp_path / "trace")],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "gpuGetDeviceCount" not in out.stderr and not any(
+        line.startswith("ERROR") for line in out.stderr.splitlines()), out.stderr
+    assert list((tmp_path / "trace").glob("*.pt.trace.json"))
