@@ -29,8 +29,8 @@ ROUNDS = 5
 
 @click.command()
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
-              help="Where to write the demo folder and store, kept afterwards (default: a temporary "
-                   "folder, removed at the end).")
+              help="Where to write the demo folder and store, kept afterwards: a new or empty folder, or "
+                   "one an earlier demo wrote (default: a temporary folder, removed at the end).")
 @click.option("--images", type=click.IntRange(min=5), default=300, show_default=True, help="Number of demo images.")
 @click.option("--workers", type=int, default=None, help="Decode processes (default: usable CPUs).")
 def demo(workdir, images, workers):
