@@ -143,8 +143,9 @@ def _read_list(list_file: str | os.PathLike, root: str | os.PathLike | None) -> 
         raise SourceError(f"{root_str}: the root of {list_file} is not a folder (give --root DIR)")
     rows = []
     try:
+        base = os.path.abspath(root_str)
         for n, listed, label in _rows(list_path):
-            rows.append((_inside(list_path, n, listed, root_str), label, n))
+            rows.append((_inside(list_path, n, listed, root_str, base), label, n))
     except (UnicodeDecodeError, csv.Error) as exc:
         raise SourceError(f"{list_path}: not a UTF-8 CSV/TSV or JSON-lines list of path,label rows ({exc})") from None
     if not rows:
@@ -174,17 +175,25 @@ def _read_list(list_file: str | os.PathLike, root: str | os.PathLike | None) -> 
                   list_file=os.path.abspath(list_path))
 
 
-def _inside(list_path: Path, n: int, listed: str, root: str) -> str:
-    """``listed`` as a path relative to ``root``, or SourceError naming line ``n`` if it leads outside it."""
+def _inside(list_path: Path, n: int, listed: str, root: str, base: str) -> str:
+    """``listed`` as a path relative to ``root`` (whose absolute path is ``base``), or SourceError naming
+    line ``n`` if it leads outside it. Text only (no system call): lists hold millions of rows."""
     if not listed:
         raise SourceError(f"{list_path}:{n}: empty path")
-    base = os.path.abspath(root)
-    rel = os.path.relpath(os.path.normpath(os.path.join(base, listed)), base)
-    if rel == os.pardir or rel.startswith(os.pardir + os.sep):
+    if ".." not in listed and not os.path.isabs(listed):   # the common row: inside, as it stands
+        return listed
+    norm = os.path.normpath(listed)
+    if os.path.isabs(norm):
+        inside = norm.startswith(os.path.join(base, ""))
+        rel = os.path.relpath(norm, base) if inside else norm
+    else:
+        inside = norm != os.pardir and not norm.startswith(os.pardir + os.sep)
+        rel = listed
+    if not inside:
         raise SourceError(f"{list_path}:{n}: path {listed!r} leads outside the root {root}; list paths inside "
                           "it (relative to it, or absolute under it), or give the folder that holds them all "
                           "as the root (--root, root=)")
-    return listed if not os.path.isabs(listed) else rel
+    return rel
 
 
 def _check_label_kinds(list_path: Path, rows: list[tuple[str, str | tuple[str, ...] | None, int]]) -> None:
