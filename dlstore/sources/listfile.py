@@ -198,10 +198,13 @@ def _inside(list_path: Path, n: int, listed: str, root: str, base: str) -> str:
 
 def _check_label_kinds(list_path: Path, rows: list[tuple[str, str | tuple[str, ...] | None, int]]) -> None:
     """SourceError if some labels are class indices and others class names, naming the first line of each."""
-    first: dict[bool, tuple[int, str]] = {}
+    seen: dict[str, int] = {}   # each label's first line (one int() try per distinct label, not per row)
     for _, label, n in rows:
-        if isinstance(label, str):
-            first.setdefault(_is_int(label), (n, label))
+        if isinstance(label, str) and label not in seen:
+            seen[label] = n
+    first: dict[bool, tuple[int, str]] = {}
+    for label, n in seen.items():   # in line order
+        first.setdefault(_is_int(label), (n, label))
     if len(first) == 2:
         (n_int, index), (n_name, name) = first[True], first[False]
         raise SourceError(f"{list_path}: labels mix class indices (line {n_int}: {index!r}) and class names "
