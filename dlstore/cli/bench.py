@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 import click
 
-from ..errors import DlstoreError
+from ..errors import ArgumentError, DlstoreError
 from .common import fail, parse_bytes, renamed, say, sigterm_as_interrupt
 
 
 @click.command()
-@click.argument("src", required=False, type=click.Path(exists=True, file_okay=False))
+@click.argument("src", required=False, type=click.Path(exists=True))
 @click.option("--dir", "workdir", type=click.Path(file_okay=False), default=None,
               help="A folder on the disk to test: images and stores are written (and removed) in a new "
                    "dlstore-bench-* folder inside it. Default: the system temp folder.")
@@ -58,6 +59,8 @@ def bench(src, workdir, formats, static, workers, batch_size, cache, orders, sam
 
     sigterm_as_interrupt()
     try:
+        if src is not None:
+            _check_image_folder(src, batch_size)
         report = run_bench(src, workdir=workdir, formats=formats, static=static, workers=workers,
                            batch_size=batch_size, cache=cache, orders=orders, samples=samples, repeats=repeats,
                            quality=quality, convert_workers=convert_workers,
@@ -73,3 +76,28 @@ def bench(src, workdir, formats, static, workers, batch_size, cache, orders, sam
     if keep:
         click.echo(f"kept the images and stores in {report.settings['workdir']}")
     click.echo("wrote " + ", ".join(str(p) for p in written.values()))
+
+
+def _check_image_folder(src: str, batch_size: int) -> None:
+    """ArgumentError unless SRC is a folder and not a store: bench converts images, it does not read a store."""
+    from pathlib import Path
+
+    from .. import formats
+
+    takes = "bench takes an image folder (it converts it to each format and times reading each) or none " \
+        "(built-in demo images)"
+    try:
+        fmt = formats.detect_format(src)
+    except DlstoreError:
+        fmt = None
+    if fmt is None:
+        if not os.path.isdir(src):
+            raise ArgumentError(f"{src}: a file, not a folder; {takes}")
+        return
+    try:
+        root = formats.get_format(fmt).read_manifest(Path(src))["source"].get("root")
+    except (DlstoreError, OSError, ValueError, KeyError, TypeError):
+        root = None
+    origin = f" ({root})" if root else ""
+    raise ArgumentError(f"{src} is a dlstore {fmt} store; {takes}: pass the folder it was converted from{origin}, "
+                        f"or time reading this store with dlstore profile {src} -b {batch_size}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import click
 
 from ..errors import DlstoreError
@@ -127,7 +129,6 @@ def profile(path, batch_size, from_tune, which, workers, threads, shm_ring, pref
     """Profile a training loop on STORE_OR_FOLDER: time waiting for data vs time in a synthetic step,
     step by step (and GPU utilisation on CUDA)."""
     import json
-    import os
 
     from ..tools.profile_run import run_profile
     from ..tools.profiling import synthetic_step
@@ -148,6 +149,8 @@ def profile(path, batch_size, from_tune, which, workers, threads, shm_ring, pref
         kwargs.update({k: v for k, v in given.items() if v is not None})
         if "batch_size" not in kwargs:
             raise click.UsageError("give --batch-size (or --from-tune with tune's kwargs)")
+        if trace_dir:
+            _quiet_kineto_without_cuda()
         step = synthetic_step(step_spec, device=device)
         dataset = open_for_tuning(path, static=static or None, transform=parse_transform(transform))
         store_loader = _which(which, kwargs, dataset, from_tune is not None)
@@ -188,9 +191,21 @@ def profile(path, batch_size, from_tune, which, workers, threads, shm_ring, pref
                    "https://ui.perfetto.dev)")
 
 
-def _compare_folder(spec: str) -> str:
-    import os
+def _quiet_kineto_without_cuda() -> None:
+    """Keep torch's profiler from printing ``ERROR: ... gpuGetDeviceCount failed`` on a machine without CUDA.
 
+    The trace asks for CPU activities only there, yet kineto (the profiler's back-end) queries the
+    CUDA runtime for device properties when a trace stops, and logs the failure as an error. Its
+    log level comes from KINETO_LOG_LEVEL, read once when the first trace of the process starts;
+    5 (kineto's USDT level) drops its errors (4) and below. One the user set is kept.
+    """
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ.setdefault("KINETO_LOG_LEVEL", "5")
+
+
+def _compare_folder(spec: str) -> str:
     kind, sep, folder = spec.partition(":")
     if kind != "imagefolder" or not sep or not folder:
         raise ValueError(f"--compare {spec!r}: expected imagefolder:PATH (the raw image folder the store "

@@ -113,8 +113,7 @@ class SampleSums:
             what = f"samples {listed} ({len(bad)} of the {total} read) fail their CRC32 check"
         file = self.where() if self.where is not None else None
         raise StoreCorruptError(f"{file(i) if file is not None else 'store'}: {what}: the stored data changed since conversion; "
-                                "dlstore verify --deep on the store lists every damaged sample (an LMDB or HDF5 data "
-                                "file that differs from its seal is reported whole, not read); convert again or "
+                                "dlstore verify --deep on the store lists every damaged sample; convert again or "
                                 "restore a copy")
 
 

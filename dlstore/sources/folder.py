@@ -11,6 +11,12 @@ ImageFolder would happily train on:
 * an empty class folder keeps its index (as ``ImageFolder(allow_empty=True)``)
   and is reported, instead of crashing.
 
+Symlinked folders are followed, as torchvision follows them. A symlink loop (a
+link to a folder above it: the class folder, the root, or higher) is refused
+with a SourceError naming the link: ImageFolder walks such a loop until the
+system's symlink limit (40 levels on Linux), filing the same images again under
+that class dozens of times, an order no store should copy.
+
 A folder with images at its top level and no class folders is *unlabelled*:
 every sample gets label ``-1`` and there are no classes.
 
@@ -58,21 +64,27 @@ def find_classes(root: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
 def _walk_images(folder: str) -> list[str]:
     """Image files under ``folder``, in torchvision's order, skipping hidden names.
 
-    Follows symlinked folders like torchvision (``followlinks=True``) but never
-    enters a folder that is its own ancestor, so a symlink loop cannot recurse forever.
+    Follows symlinked folders like torchvision (``followlinks=True``); a folder that
+    leads back to one the walk is in (a symlink loop) is a SourceError naming it.
     """
     found: list[tuple[str, list[str]]] = []
     ancestors = {folder: {os.path.realpath(folder)}}
     for dirpath, dirnames, filenames in os.walk(folder, followlinks=True):
         above = ancestors.pop(dirpath)
+        here = os.path.realpath(dirpath)
         keep = []
         for name in dirnames:
             if name.startswith("."):
                 continue
             path = os.path.join(dirpath, name)
             real = os.path.realpath(path)
-            if real in above:  # a symlink back up the tree: a loop
-                continue
+            # back to a folder this walk is in, or to one holding it (the root, or higher)
+            if real in above or here.startswith(os.path.join(real, "")):
+                raise SourceError(
+                    f"{path}: a symlink loop (it leads to {real}, which holds it); torchvision's ImageFolder "
+                    "follows it until the system's symlink limit, filing the same images again under this "
+                    "class dozens of times, so dlstore refuses it: remove the link, or point it outside the "
+                    "folder it sits in")
             ancestors[path] = above | {real}
             keep.append(name)
         dirnames[:] = keep

@@ -14,9 +14,18 @@ loader); a list of grayscale files only (``L``, ``LA``, 16-bit...) stays one cha
 * JSON lines (``.jsonl``, ``.ndjson``, ``.json``): one object per line with
   ``"path"`` and ``"label"`` keys.
 
+Paths: every listed path must lie inside the root. A relative path is taken from
+the root; an absolute one is accepted when it lies under the root. Either is
+refused, naming its line, when it leads outside the root (``../`` past the root,
+an absolute path elsewhere). The check is on the path as written (``.`` and
+``..`` resolved as text): a symlink inside the root that points elsewhere is
+followed, as a folder source follows one.
+
 Labels: all integers (class indices; classes named ``"0"``... up to the largest) or
-all names (classes sorted, as ImageFolder sorts its folders); an empty or
-missing label everywhere means unlabelled (-1).
+all names (classes sorted, as ImageFolder sorts its folders); a list that mixes the
+two is refused, naming the first line of each kind (a name that looks like a
+number, such as ``"7"`` among ``"cat"``, cannot be told from an index: prefix it).
+An empty or missing label everywhere means unlabelled (-1).
 
 Target vectors: CSV rows ``path,t0,t1,...`` with K >= 2 numbers (JSON lines: a
 ``"label"`` list of numbers), the same K on every row: stored int64 when every value
@@ -134,16 +143,16 @@ def _read_list(list_file: str | os.PathLike, root: str | os.PathLike | None) -> 
         raise SourceError(f"{root_str}: the root of {list_file} is not a folder (give --root DIR)")
     rows = []
     try:
-        for n, rel, label in _rows(list_path):
-            if not rel or os.path.isabs(rel):
-                raise SourceError(f"{list_path}:{n}: path {rel!r} must be relative to the root {root_str}")
-            rows.append((rel, label, n))
+        base = os.path.abspath(root_str)
+        for n, listed, label in _rows(list_path):
+            rows.append((_inside(list_path, n, listed, root_str, base), label, n))
     except (UnicodeDecodeError, csv.Error) as exc:
         raise SourceError(f"{list_path}: not a UTF-8 CSV/TSV or JSON-lines list of path,label rows ({exc})") from None
     if not rows:
         raise SourceError(f"{list_file}: lists no file")
     if any(isinstance(label, tuple) for _, label, _ in rows):
         return _vector_list(list_path, root_str, rows)
+    _check_label_kinds(list_path, rows)
     rows = [(rel, label) for rel, label, _ in rows]
     texts = {label for _, label in rows}
     if texts == {None}:
@@ -164,6 +173,43 @@ def _read_list(list_file: str | os.PathLike, root: str | os.PathLike | None) -> 
     samples = SampleList.build(root_str, ((os.path.join(root_str, rel), to_int(label)) for rel, label in rows))
     return Source(root_str, classes, {c: i for i, c in enumerate(classes)}, samples, [], kind="list",
                   list_file=os.path.abspath(list_path))
+
+
+def _inside(list_path: Path, n: int, listed: str, root: str, base: str) -> str:
+    """``listed`` as a path relative to ``root`` (whose absolute path is ``base``), or SourceError naming
+    line ``n`` if it leads outside it. Text only (no system call): lists hold millions of rows."""
+    if not listed:
+        raise SourceError(f"{list_path}:{n}: empty path")
+    if ".." not in listed and not os.path.isabs(listed):   # the common row: inside, as it stands
+        return listed
+    norm = os.path.normpath(listed)
+    if os.path.isabs(norm):
+        inside = norm.startswith(os.path.join(base, ""))
+        rel = os.path.relpath(norm, base) if inside else norm
+    else:
+        inside = norm != os.pardir and not norm.startswith(os.pardir + os.sep)
+        rel = listed
+    if not inside:
+        raise SourceError(f"{list_path}:{n}: path {listed!r} leads outside the root {root}; list paths inside "
+                          "it (relative to it, or absolute under it), or give the folder that holds them all "
+                          "as the root (--root, root=)")
+    return rel
+
+
+def _check_label_kinds(list_path: Path, rows: list[tuple[str, str | tuple[str, ...] | None, int]]) -> None:
+    """SourceError if some labels are class indices and others class names, naming the first line of each."""
+    seen: dict[str, int] = {}   # each label's first line (one int() try per distinct label, not per row)
+    for _, label, n in rows:
+        if isinstance(label, str) and label not in seen:
+            seen[label] = n
+    first: dict[bool, tuple[int, str]] = {}
+    for label, n in seen.items():   # in line order
+        first.setdefault(_is_int(label), (n, label))
+    if len(first) == 2:
+        (n_int, index), (n_name, name) = first[True], first[False]
+        raise SourceError(f"{list_path}: labels mix class indices (line {n_int}: {index!r}) and class names "
+                          f"(line {n_name}: {name!r}); use one kind: all integers 0.. or all names (prefix "
+                          "names that look like numbers, e.g. 'c7')")
 
 
 def _vector_list(list_path: Path, root_str: str, rows: list[tuple[str, tuple[str, ...] | str | None, int]]) -> Source:

@@ -18,12 +18,22 @@ What the checksums cover (recorded by each Writer, recomputed here):
   against its seal (``data.mdb.sha256``; the HDF5 user block), which covers
   the bytes no sample reaches (see ``formats.integrity``). The seal is checked
   before the file is handed to LMDB or HDF5.
+
+An LMDB or HDF5 file that differs from its seal is damaged, and damaged metadata
+pages can crash or hang those libraries: ``verify`` reports it without opening it.
+``deep`` then reads it anyway, in a child process (killed with its parent, or when it
+stops making progress), to name every sample that fails its CRC32; a crash or a
+hang there is reported as such.
 """
 
 from __future__ import annotations
 
 import hashlib
+import multiprocessing
 import os
+import signal
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from .. import formats
+from ..data.loaders.lifeline import Parent, parent_spec
 from ..errors import DlstoreError, StoreCorruptError
 from ..formats import encoding
 from ..formats.checks import safe_member
@@ -44,7 +55,7 @@ class VerifyReport:
 
     path: Path
     format: str | None = None
-    count: int = 0
+    count: int | None = None   # None: the store was not opened
     checked: list[str] = field(default_factory=list)
     problems: list[tuple[str, str]] = field(default_factory=list)
 
@@ -56,7 +67,8 @@ class VerifyReport:
         self.problems.append((where, message))
 
     def __str__(self) -> str:
-        lines = [f"{self.path}: {self.format or 'unknown format'}, {self.count} samples"]
+        counted = "not opened" if self.count is None else f"{self.count} samples"
+        lines = [f"{self.path}: {self.format or 'unknown format'}, {counted}"]
         lines += [f"  ok       {c}" for c in self.checked]
         lines += [f"  PROBLEM  {where}: {message}" for where, message in self.problems]
         lines.append("verdict: OK" if self.ok else f"verdict: {len(self.problems)} problem(s)")
@@ -74,29 +86,100 @@ def verify(path: str | os.PathLike, *, deep: bool = False) -> VerifyReport:
         return report
     if not _check_seal(module, Path(path), report):
         # A file that is not what was written may crash or hang LMDB/HDF5 (both seen with
-        # damaged metadata pages): it is reported, not handed to the library.
-        report.problem("open", f"{path}: not opened: the data file differs from its seal, and LMDB/HDF5 may "
-                               "crash or hang on damaged pages; convert again or restore a copy")
+        # damaged metadata pages): it is not handed to the library here; deep reads it apart.
+        if deep:
+            _verify_apart(Path(path), report)
+        else:
+            report.problem("open", f"{path}: damaged, so not opened (the data file differs from its seal, and "
+                                   "LMDB/HDF5 may crash or hang on damaged pages); dlstore verify --deep reads it "
+                                   "in a separate process to name the damaged samples; convert again or restore "
+                                   "a copy")
         return report
     if hasattr(module, "check_manifest_seal"):   # shards: the manifest is the one file without a digest in it
         _check_seal_of(module.check_manifest_seal(path), report)
+    _verify_opened(module, Path(path), report, deep)
+    return report
+
+
+def _verify_opened(module: Any, path: Path, report: VerifyReport, deep: bool,
+                   tick: Callable[[], None] | None = None) -> None:
+    """Everything after the seal: open the store, check labels, targets, files, samples."""
     try:
-        reader = module.Reader(Path(path))
+        reader = module.Reader(path)
     except (DlstoreError, OSError, ValueError) as exc:
         report.problem("open", str(exc))
-        return report
+        return
     manifest = reader.manifest
     report.count = manifest["count"]
     _enable_sums(reader, manifest, report)
     _check_labels(reader, manifest, report)
     _check_targets(reader, manifest, report)
     if report.format == "shards":
-        _check_files(Path(path), manifest, report)
+        _check_files(path, manifest, report)
         if deep:
-            _check_samples(reader, manifest, report, digest=False, decode=True)
+            _check_samples(reader, manifest, report, digest=False, decode=True, tick=tick)
     else:
-        _check_samples(reader, manifest, report, digest=True, decode=deep)
-    return report
+        _check_samples(reader, manifest, report, digest=True, decode=deep, tick=tick)
+
+
+# A child reading a damaged store reports progress at least this often while it reads (every
+# HEARTBEAT_S); one silent for STALL_S is hung (a hang in LMDB/HDF5 never ends), not slow: no
+# single sample takes that long to read.
+HEARTBEAT_S = 1.0
+STALL_S = 20.0
+
+
+def _verify_apart(path: Path, report: VerifyReport) -> None:
+    """Run ``_verify_opened`` on a damaged store in a child process; merge what it finds, or say how it died."""
+    ctx = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    receive, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=_apart_child, args=(report.format, path, send, parent_spec(ctx)), daemon=True)
+    child.start()
+    send.close()
+    found = None
+    try:
+        while found is None and receive.poll(STALL_S):
+            message = receive.recv()
+            if message != "reading":
+                found = message
+    except EOFError:   # it died before it sent its findings
+        pass
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+        receive.close()
+    if found is not None:
+        report.count, checked, problems = found
+        report.checked += checked
+        report.problems += [tuple(p) for p in problems]
+        return
+    if child.exitcode == -signal.SIGKILL:
+        how = f"hung (silent for {STALL_S:.0f} s, killed)"
+    elif child.exitcode is not None and child.exitcode < 0:
+        how = f"crashed ({signal.Signals(-child.exitcode).name})"
+    else:
+        how = f"failed (exit status {child.exitcode})"
+    library = "HDF5" if report.format == "hdf5" else "LMDB"
+    report.problem("open", f"{path}: damaged: {library} {how} reading it in a separate process, so the damaged "
+                           "samples cannot be named; convert again or restore a copy")
+
+
+def _apart_child(fmt: str, path: Path, send: Any, spec: tuple[int | None, bool]) -> None:
+    Parent(spec)   # dies with the verifying process
+    last = [time.monotonic()]
+
+    def reading() -> None:
+        if time.monotonic() - last[0] >= HEARTBEAT_S:
+            send.send("reading")
+            last[0] = time.monotonic()
+
+    report = VerifyReport(path, format=fmt)
+    try:
+        _verify_opened(formats.get_format(fmt), path, report, deep=True, tick=reading)
+    except Exception as exc:   # noqa: BLE001 - anything a damaged file makes the library raise is a finding
+        report.problem("open", f"{path}: damaged: reading it raised {type(exc).__name__}: {exc}")
+    send.send((report.count, report.checked, report.problems))
 
 
 def _check_seal(module: Any, path: Path, report: VerifyReport) -> bool:
@@ -188,10 +271,11 @@ def _check_files(path: Path, manifest: dict[str, Any], report: VerifyReport) -> 
 
 
 def _check_samples(reader: Any, manifest: dict[str, Any], report: VerifyReport, *, digest: bool,
-                   decode: bool) -> None:
+                   decode: bool, tick: Callable[[], None] | None = None) -> None:
     """Read every sample; check its shape; recompute the per-record checksums if asked.
 
-    With ``decode``, encoded (JPEG/PNG) samples are also decoded and their shape checked.
+    With ``decode``, encoded (JPEG/PNG) samples are also decoded and their shape checked. ``tick``
+    is called before each sample is read.
     """
     shape = manifest["sample"]["shape"]
     encoded = manifest["sample"]["encoding"] != "raw"
@@ -200,6 +284,8 @@ def _check_samples(reader: Any, manifest: dict[str, Any], report: VerifyReport, 
     shapes = []
     bad_before = len(report.problems)
     for i in range(manifest["count"]):
+        if tick is not None:
+            tick()
         try:
             sample = np.ascontiguousarray(reader.get(i))
         except (DlstoreError, OSError, ValueError, KeyError, IndexError) as exc:

@@ -161,9 +161,10 @@ def test_the_crc_error_names_the_verify_command_that_lists_the_damaged_samples(p
     if name.endswith(".shards"):   # without --deep only the changed data file is named
         assert listed("--deep") == {2, 7} and listed() == set()
         return
-    # LMDB, HDF5: the data file no longer matches its seal: reported whole, no sample read
-    assert listed("--deep") == set() and listed() == set()
-    assert "differs from its seal" in CliRunner().invoke(main, ["verify", "--deep", str(work)]).output
+    # LMDB, HDF5: the data file no longer matches its seal: not opened without --deep; --deep reads it
+    # in a separate process (the library may crash on damaged pages) and lists every damaged sample
+    assert listed("--deep") == {2, 7} and listed() == set()
+    assert "differs from its seal" in CliRunner().invoke(main, ["verify", str(work)]).output
     if name.endswith(".lmdb"):   # a store without a seal is read: every damaged sample listed
         (work / "data.mdb.sha256").unlink()
         assert listed("--deep") == {2, 7}

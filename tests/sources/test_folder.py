@@ -88,11 +88,53 @@ def test_no_images_is_an_error(tmp_path):
         scan(tmp_path / "missing")
 
 
-def test_symlink_loop_terminates(tmp_path):
-    _img(tmp_path / "a" / "1.png")
-    os.symlink(tmp_path / "a", tmp_path / "a" / "loop")
-    source = scan(tmp_path)
-    assert [os.path.basename(p) for p, _ in source.samples] == ["1.png"]
+def _loop_tree(root):
+    """3 classes of 4, 5 and 4 images (13 files)."""
+    for c, n in enumerate((4, 5, 4)):
+        for i in range(n):
+            _img(root / f"class_{c}" / f"{i}.png", c, i)
+    return root
+
+
+@pytest.mark.parametrize("target", ["root", "class", "nested-back-to-class", "above-root"])
+def test_a_symlink_loop_is_refused_naming_the_link_where_imagefolder_repeats_images(tmp_path, target):
+    """torchvision's ImageFolder (os.walk followlinks=True) walks a loop until the system's symlink
+    limit, repeating images under the looping class; dlstore names the link instead. Without the
+    link both give the same 13 samples."""
+    root = _loop_tree(tmp_path / "data")
+    link = named = root / "class_0" / "back"
+    if target == "root":
+        link.symlink_to(root)
+    elif target == "class":
+        link.symlink_to("..")
+    elif target == "nested-back-to-class":   # a link out of the tree, whose folder links back in
+        _img(tmp_path / "elsewhere" / "e.png")
+        (tmp_path / "elsewhere" / "again").symlink_to(root / "class_0")
+        link.symlink_to(tmp_path / "elsewhere")
+        named = link / "again"
+    else:
+        link.symlink_to(tmp_path)
+    reference = datasets.ImageFolder(str(root))
+    files = sum(1 for _ in root.rglob("*.png"))                  # rglob does not follow links
+    assert len(reference) > files + 13                           # the loop, many times over
+    with pytest.raises(SourceError, match=f"{named}: a symlink loop") as caught:
+        scan(root)
+    assert "remove the link" in str(caught.value)
+    link.unlink()
+    reference = datasets.ImageFolder(str(root))
+    assert len(reference) == 13
+    assert list(scan(root).samples) == reference.samples
+
+
+def test_a_symlink_to_another_folder_is_followed_as_imagefolder_follows_it(tmp_path):
+    root = _loop_tree(tmp_path / "data")
+    (root / "class_0" / "also_2").symlink_to(root / "class_2")   # no loop: class_2's images again, as torchvision
+    _img(tmp_path / "shared" / "deep" / "s.png")
+    (root / "class_1" / "shared").symlink_to(tmp_path / "shared")
+    reference = datasets.ImageFolder(str(root))
+    source = scan(root)
+    assert len(reference) == 13 + 4 + 1
+    assert list(source.samples) == reference.samples and source.class_to_idx == reference.class_to_idx
 
 
 def test_pil_loader_names_the_file(tmp_path):
