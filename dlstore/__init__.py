@@ -61,7 +61,7 @@ if TYPE_CHECKING:
     )
     from .data.profiling_ranges import profiling_range
     from .tools.verification import VerifyReport, verify
-    from .transforms import HybridTransform, split_transforms
+    from .transforms import HybridTransform, ResizeMax, split_transforms
 
 __version__ = "0.1.0"
 
@@ -81,6 +81,7 @@ _LAZY = {
     "VerifyReport": "dlstore.tools.verification",
     "verify": "dlstore.tools.verification",
     "HybridTransform": "dlstore.transforms",
+    "ResizeMax": "dlstore.transforms",
     "split_transforms": "dlstore.transforms",
 }
 
@@ -101,6 +102,7 @@ __all__ = [
     "LMDBDataset",
     "MeasurementError",
     "NotAStoreError",
+    "ResizeMax",
     "SampleIndexError",
     "ShardsDataset",
     "SharedMemoryError",
