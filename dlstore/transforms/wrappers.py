@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from ..errors import TransformSpecError
+from .batch import BatchTransform
 from .recognise import combined_size_rule, mutates_input, short_repr
 
 
@@ -88,8 +89,6 @@ class Pipeline:
         self.ops = list(ops)
 
     def __call__(self, x: Any) -> Any:
-        from .batch import BatchTransform
-
         if self.ops and mutates_input(self.ops[0]) and isinstance(x, torch.Tensor):
             x = x.clone()
         for op in self.ops:
