@@ -54,10 +54,7 @@ def timm_for_dlstore(pipeline: Any) -> v2.Compose:
 def split_timm(size: int = 224, *, resize_max: int | None = None, **timm_options: Any) -> tuple[Any, HybridTransform]:
     """timm's training transform and its dlstore split (optionally downscaled at conversion)."""
     pipeline = timm.data.create_transform(size, is_training=True, **timm_options)
-    hybrid = dlstore.split_transforms(pipeline)
-    if resize_max is not None:
-        hybrid = HybridTransform(f"resize_max={resize_max}", hybrid.dynamic_ops, notes=hybrid.notes)
-    return pipeline, hybrid
+    return pipeline, dlstore.split_transforms(pipeline, resize_max=resize_max)
 
 
 def main() -> None:

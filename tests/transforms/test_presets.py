@@ -184,6 +184,9 @@ def test_a_train_preset_on_a_resize_max_store(stores):
         hybrid = split_transforms(preset, resize_max=70)
         assert hybrid.static_spec == parse_static("resize_max=70")
         assert dlstore.open_dataset(stores["max"], transform=hybrid).batch_ops
+        by_hand = dlstore.HybridTransform("resize_max=70", preset.transforms)   # its PILToTensor is dropped too
+        assert "PILToTensor" not in [type(op).__name__ for op in by_hand.dynamic_ops]
+        assert dlstore.open_dataset(stores["max"], transform=by_hand)[0][0].shape == (3, 24, 24)
         with pytest.raises(TransformSpecError, match="resize_max is for a pipeline"):
             split_transforms(ClassificationPresetEval(crop_size=56), resize_max=70)
 
