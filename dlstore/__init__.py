@@ -63,7 +63,7 @@ if TYPE_CHECKING:
     )
     from .data.profiling_ranges import profiling_range
     from .tools.verification import VerifyReport, verify
-    from .transforms import HybridTransform, split_transforms
+    from .transforms import HybridTransform, ResizeMax, split_transforms
 
 __version__ = "0.1.0"
 
@@ -84,6 +84,7 @@ _LAZY = {
     "VerifyReport": "dlstore.tools.verification",
     "verify": "dlstore.tools.verification",
     "HybridTransform": "dlstore.transforms",
+    "ResizeMax": "dlstore.transforms",
     "split_transforms": "dlstore.transforms",
 }
 
@@ -105,6 +106,7 @@ __all__ = [
     "Loader",
     "MeasurementError",
     "NotAStoreError",
+    "ResizeMax",
     "SampleIndexError",
     "ShardsDataset",
     "SharedMemoryError",

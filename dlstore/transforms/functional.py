@@ -51,7 +51,7 @@ with the weights of ``resize_weights``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -252,7 +252,7 @@ def resize_weights(out_size: int, in_size: int, start: torch.Tensor, length: tor
 
 
 def resized_crop(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
-                 width: torch.Tensor, size: tuple[int, int], *, antialias: bool) -> torch.Tensor:
+                 width: torch.Tensor, size: tuple[int, int], *, antialias: bool, kernel: str = "v2") -> torch.Tensor:
     """Crop every sample at its own box and resize it to ``size``, bilinear, as ``F.resized_crop``.
 
     On the CPU this runs torchvision's own kernel sample by sample (bit-identical
@@ -266,16 +266,30 @@ def resized_crop(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, he
         top, left, height, width: (B,) int tensors, each sample's crop box.
         size: (out_h, out_w).
         antialias: as ``F.resized_crop(..., antialias=antialias)``.
+        kernel: ``"v2"`` (torchvision.transforms.v2's kernel) or ``"v1"`` (torchvision.transforms'),
+            on the CPU (see ``resized_crop_one``).
     """
     if images.device.type != "cpu":
         return resized_crop_matmul(images, top, left, height, width, size, antialias=antialias)
-    from torchvision.transforms.v2 import functional as F
-
     boxes = zip(top.tolist(), left.tolist(), height.tolist(), width.tolist())
     out = torch.empty((len(images), images.shape[1], *size), dtype=images.dtype)
     for j, (t, l, h, w) in enumerate(boxes):
-        out[j] = F.resized_crop(images[j], t, l, h, w, list(size), antialias=antialias)
+        out[j] = resized_crop_one(images[j], t, l, h, w, size, antialias=antialias, kernel=kernel)
     return out
+
+
+def resized_crop_one(image: torch.Tensor, top: int, left: int, height: int, width: int, size: Sequence[int], *,
+                     antialias: bool, kernel: str = "v2") -> torch.Tensor:
+    """One (C, H, W) image's box resized to ``size``, bilinear, by torchvision's v2 kernel
+    (``F.resized_crop_image``: uint8 resampled with fixed-point weights) or its v1 kernel
+    (``torchvision.transforms.functional.resized_crop``: float32, rounded back), bit for bit."""
+    if kernel == "v1":
+        import torchvision.transforms.functional as F1
+
+        return F1.resized_crop(image, top, left, height, width, list(size), antialias=antialias)
+    from torchvision.transforms.v2 import functional as F
+
+    return F.resized_crop_image(image, top, left, height, width, list(size), antialias=antialias)
 
 
 def resized_crop_matmul(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,

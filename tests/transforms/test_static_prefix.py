@@ -16,11 +16,13 @@ from hypothesis import strategies as st
 from PIL import Image
 from torchvision import datasets
 from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
 
 import dlstore
 from dlstore.errors import StaticMismatchError
 from dlstore.sources.demo import make_image_folder
 from dlstore.transforms.hybrid import strip_static_prefix
+from dlstore.transforms.planner import plan
 from dlstore.transforms.static import apply_static, parse_static
 
 FORMATS = {"shards": ".shards", "lmdb": ".lmdb", "hdf5": ".h5"}
@@ -102,16 +104,21 @@ def test_store_spec_a_leading_part_of_the_pipeline_runs_the_remaining_static_ops
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_different_static_prefix_runs_as_given(stores, fmt):
-    """A validation pipeline on a training store: its first op differs from the store's, so all of it runs."""
+def test_different_static_prefix_is_refused_unless_asked_for(stores, fmt):
+    """A validation pipeline of other sizes: run on the stored 32x32 crops it would resize them again."""
     pipeline = v2.Compose([v2.Resize(24), v2.CenterCrop(20), v2.PILToTensor()])
-    ds = dlstore.open_dataset(stores[fmt], transform=pipeline)
-    assert ds.already_applied == [] and ds.hybrid is None
-    for i in range(len(ds)):
-        image = ds[i][0]
+    with pytest.raises(StaticMismatchError) as err:
+        dlstore.open_dataset(stores[fmt], transform=pipeline)
+    text = str(err.value)
+    assert "'resize=40,center_crop=32x32'" in text and "Resize(size=[24]" in text and "static_mismatch='allow'" in text
+    assert "static='resize=24,center_crop=20x20'" in text
+    ds = dlstore.open_dataset(stores[fmt])
+    planned = plan(pipeline, ds.manifest["static"], where=ds.path, static_mismatch="allow")
+    assert planned.already_applied == [] and planned.mismatch and "STATIC MISMATCH ALLOWED" in planned.describe()
+    for i in range(len(ds)):   # as given: on the stored sample, as a PIL image (the pipeline's input)
+        image = planned.sample_transform(ds.read(i))
         assert image.shape == (3, 20, 20)
-        assert torch.equal(image, pipeline(ds.read(i)))
-    assert "static (in store)" not in repr(ds)
+        assert torch.equal(image, pipeline(F.to_pil_image(ds.read(i))))
 
 
 def test_pipeline_with_only_part_of_the_static_ops_is_refused_and_can_opt_in(stores):
