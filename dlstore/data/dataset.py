@@ -30,9 +30,7 @@ from torch.utils.data import Dataset
 from .. import formats
 from ..errors import ArgumentTypeError, StoreCorruptError, UsageError, WrongFormatError
 from ..sources.origins import OriginPairs
-from ..transforms.equivalents import batch_steps
-from ..transforms.hybrid import is_torchvision
-from ..transforms.planner import PerSample, plan, stages
+from ..transforms.planner import Plan, plan
 from ..transforms.static import describe
 from .batch_path import BatchPath
 from .device_decode import DeviceDecode, decodes_on_device
@@ -99,8 +97,10 @@ class StoreDataset(Dataset):
         reader_options: dict[str, Any] | None = None,
         check: str = "none",
         reduced_decode: bool = False,
+        static_mismatch: str = "error",
     ):
         self.check = check_mode(check)
+        self.static_mismatch = static_mismatch
         self.reduced_decode = bool(reduced_decode)
         if not isinstance(path, (str, os.PathLike)):
             raise ArgumentTypeError(f"{type(self).__name__} takes the path of a store (str or os.PathLike), "
@@ -144,16 +144,21 @@ class StoreDataset(Dataset):
 
     @transform.setter
     def transform(self, transform: Any) -> None:
-        """Plan ``transform`` against the store for every read path (``ds[i]``, ``get_batch``, the device)."""
+        """Plan ``transform`` against the store for every read path (``ds[i]``, ``get_batch``, the device),
+        as ``open_dataset(path, transform=...)`` plans it (timm's ``create_loader`` assigns it so)."""
         _check_callable("transform", transform)
-        planned = plan(transform, self.manifest.get("static") or [], where=self.path)
+        self._transform = transform
+        self._use_plan(plan(transform, self.manifest.get("static") or [], where=self.path,
+                            static_mismatch=self.static_mismatch))
+
+    def _use_plan(self, planned: Plan) -> None:
+        self.plan = planned
+        self.hybrid = planned.hybrid
+        self.already_applied: list[Any] = planned.already_applied
+        self._sample_transform = planned.sample_transform      # what ds[i] runs: the whole plan, per sample
         per_sample, batch_ops = planned.split(fixed_shape=self.shape is not None)
         if self.batch_transform is not None:
             batch_ops.append(self.batch_transform)
-        self._transform = transform
-        self.hybrid = planned.hybrid
-        self.already_applied: list[Any] = planned.already_applied
-        self._sample_transform = planned.transform       # what ds[i] runs: the dynamic part
         self.batch_path = BatchPath(self.reader, self.shape, per_sample, batch_ops,
                                     reduced_decode=self.reduced_decode, where=self.path)
 
@@ -186,7 +191,7 @@ class StoreDataset(Dataset):
         with no per-sample op (reads, GIL-free kernels, batch ops drawing from the given generator).
         Per-sample torchvision ops hold the GIL and draw from torch's global generator."""
         fixed = self.shape is not None or self.decode_crop is not None
-        return fixed and not self.per_sample_ops
+        return fixed and not self.plan.python_ops(fixed_shape=self.shape is not None)
 
     # --- store-level facts a loader asks --------------------------------------------------
 
@@ -332,8 +337,7 @@ class StoreDataset(Dataset):
             (host dataset: this one when nothing moves, device steps: each ``step(images, generator)``,
             torchvision ops as their batch equivalents or run per sample; a DeviceDecode first).
         """
-        host_ops, device_ops = stages(self.hybrid if self.hybrid is not None else self._sample_transform)
-        steps = [PerSample(s) if is_torchvision(s) else s for s in batch_steps(device_ops)]
+        steps = self.plan.device_steps()
         if self.batch_transform is not None:
             steps.append(self.batch_transform)
         records = records_to is not None and self.decode_crop is not None
@@ -341,12 +345,7 @@ class StoreDataset(Dataset):
             return self, []
         view = copy.copy(self)            # the same reader and options; its own plan below
         view.batch_transform = None
-        if self.hybrid is not None:
-            view.transform = self.hybrid.host_only()
-        else:
-            from torchvision.transforms import v2
-
-            view.transform = v2.Compose(host_ops) if host_ops else None
+        view._use_plan(self.plan.host_plan())
         if records and decodes_on_device(view):
             view.records_out = True
             steps.insert(0, DeviceDecode(view.reader, view.decode_crop))
@@ -360,7 +359,12 @@ class StoreDataset(Dataset):
             runs = ", ".join(map(repr, self.hybrid.dynamic_ops)) or "nothing"
             text += (f"; static (in store): {describe(self.hybrid.static_spec)}, so not run again: "
                      f"{', '.join(type(t).__name__ for t in self.already_applied)}; runs: [{runs}]")
-        return text + ")"
+        text += ")"
+        if self._transform is not None or self.batch_transform is not None:
+            text += "\n" + self.plan.describe(fixed_shape=self.shape is not None)
+            if self.batch_transform is not None:
+                text += f"\n  then, per batch (batch_transform): {self.batch_transform!r}"
+        return text
 
 
 def _check_callable(name: str, fn: Any) -> None:

@@ -122,7 +122,7 @@ def test_batch_transforms_and_per_sample_ops_do_not_depend_on_the_worker_count(s
     assert _same(_epoch(_ring(ds, 4, 2, shuffle=True, generator=_gen(1))), threads)
     # a per-sample op (draws from torch's global generator, seeded per batch in the worker)
     ds = dlstore.open_dataset(stores["shards"], transform=v2.Compose([v2.RandomErasing(p=0.5)]))
-    assert ds.per_sample_ops
+    assert ds.plan.python_ops(fixed_shape=True)   # per sample, in Python, inside the batch
     one = _epoch(_ring(ds, 4, 1, shuffle=True, generator=_gen(2)))
     assert _same(one, _epoch(_ring(ds, 4, 2, shuffle=True, generator=_gen(2))))
     assert not _same(one, _epoch(_ring(ds, 4, 2, shuffle=True, generator=_gen(3))))

@@ -418,7 +418,7 @@ def test_default_chooses_threads_where_they_apply(stores):
     assert dlstore.loader(dlstore.open_dataset(stores["jpeg"]), 4).backend == "threads"
     assert dlstore.loader(ds, 4, num_threads=3).num_threads == 3       # a thread count asks for threads
     per_sample = dlstore.open_dataset(stores["shards"], transform=v2.Compose([v2.RandomErasing(p=1.0)]))
-    assert per_sample.per_sample_ops and not per_sample.threads_apply
+    assert per_sample.plan.python_ops(fixed_shape=True) and not per_sample.threads_apply
     assert dlstore.loader(per_sample, 4).backend == "dataloader"
     assert dlstore.loader(per_sample, 4, backend="threads", num_threads=2).backend == "threads"   # asked for
     kinds = {type(dlstore.loader(d, 4, **kw)) for d, kw in ((ds, {}), (ds, {"num_workers": 1}),

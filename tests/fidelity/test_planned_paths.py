@@ -17,7 +17,6 @@ from fidelity_harness import check_path, gen, make_store
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data import GPULoader
 from dlstore.transforms import BatchNormalize, BatchRandomCrop, BatchRandomResizedCrop
 from dlstore.transforms.planner import PerSample, plan
 
@@ -87,8 +86,9 @@ def test_get_batch_equals_the_ops_own_kernels(stores, case, fmt):
 @pytest.mark.parametrize("backend", ["threads", "forked workers", "in process"])
 def test_loaders_equal_the_ops_own_kernels(stores, case, backend):
     ds = _open(stores["lmdb"], case)
-    options = {"threads": {"threads": 2}, "forked workers": {"num_workers": 2, "multiprocessing_context": "fork"},
-               "in process": {"threads": 0}}[backend]
+    options = {"threads": {"backend": "threads", "num_threads": 2},
+               "forked workers": {"num_workers": 2, "multiprocessing_context": "fork"},
+               "in process": {"backend": "dataloader"}}[backend]
     raw, labels = ds.read_batch(range(len(ds)))
     batches = list(dlstore.loader(ds, 5, generator=gen(3), **options))
     start = 0
@@ -97,16 +97,16 @@ def test_loaders_equal_the_ops_own_kernels(stores, case, backend):
         assert torch.equal(y, labels[start:start + len(x)])
         start += len(x)
     assert start == len(ds)
-    if backend != "in process":   # the batches do not depend on how many threads or workers build them
-        one = list(dlstore.loader(ds, 5, generator=gen(3), threads=1))
-        assert all(torch.equal(a, b) for (a, _), (b, _) in zip(batches, one))
+    # the batches do not depend on the back-end nor on how many threads or workers build them
+    one = list(dlstore.loader(ds, 5, generator=gen(3), backend="threads", num_threads=1))
+    assert all(torch.equal(a, b) for (a, _), (b, _) in zip(batches, one))
 
 
 @pytest.mark.parametrize("case", ["v1-pipeline", "v1-resized-crop", "v1-erasing-after-normalize"])
 def test_gpu_loader_equals_the_ops_own_kernels(stores, case):
-    gpu = dlstore.GPUDataset(stores["shards"], device="cpu", dtype=torch.uint8)
+    gpu = dlstore.GPUDataset(stores["shards"], device="cpu", dtype=torch.uint8, transform=v1.Compose(CASES[case]))
     raw = dlstore.open_dataset(stores["shards"]).read_batch(gpu.store_indices.tolist())[0]
-    images, _ = next(iter(GPULoader(gpu, 64, transform=v1.Compose(CASES[case]), seed=0)))
+    images, _ = next(iter(dlstore.loader(gpu, 64, seed=0)))
     check_path(CASES[case], raw, images, what=f"{case} GPU loader")
 
 

@@ -101,7 +101,7 @@ def test_timm_auto_augment_and_augmix_get_a_pil_image(store, folder, name):
 def test_pil_ops_never_crash_in_a_worker(store):
     pipeline = v1.Compose([v1.RandomResizedCrop(16), _rand_augment(), v1.ToTensor(), v1.Normalize(MEAN, STD)])
     ds = dlstore.open_dataset(store, transform=pipeline)
-    for options in ({"num_workers": 2}, {"num_workers": 1, "shm_ring": False}, {"threads": 2}):
+    for options in ({"num_workers": 2}, {"num_workers": 1, "backend": "dataloader"}, {"num_threads": 2}):
         images = torch.cat([x for x, _ in dlstore.loader(ds, 4, **options)])
         assert images.shape == (len(ds), 3, 16, 16) and images.dtype == torch.float32
 

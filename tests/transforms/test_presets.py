@@ -21,7 +21,6 @@ from torchvision.transforms import InterpolationMode, v2
 from torchvision.transforms._presets import ImageClassification
 
 import dlstore
-from dlstore.data import GPULoader
 from dlstore.errors import ArgumentError, StaticMismatchError, TransformSpecError
 from dlstore.sources.demo import make_image_folder
 from dlstore.transforms import ResizeMax, parse_static, split_transforms
@@ -100,7 +99,7 @@ def _every_path(ds) -> dict[str, torch.Tensor]:
     paths = {"ds[i]": torch.stack([ds[i][0] for i in range(n)]),
              "DataLoader": torch.cat([x for x, _ in DataLoader(ds, batch_size=4)]),
              "get_batch": ds.get_batch(list(range(n)))[0],
-             "loader threads": torch.cat([x for x, _ in dlstore.loader(ds, 4, shuffle=False, threads=2)])}
+             "loader threads": torch.cat([x for x, _ in dlstore.loader(ds, 4, shuffle=False, backend="threads", num_threads=2)])}
     return paths
 
 
@@ -118,8 +117,8 @@ def test_every_way_equals_imagefolder_on_every_path(stores, folder, store, way):
         assert got.dtype == torch.float32 and torch.equal(got, want), f"{way} on {store}: {path}"
     if store == "val":
         assert ds.per_sample_ops == [] and [type(b).__name__ for b in ds.batch_ops] == ["BatchNormalize"]
-        gpu = dlstore.GPUDataset(stores[store], device="cpu", dtype=torch.uint8)
-        images, _ = next(iter(GPULoader(gpu, len(ds), transform=t)))
+        gpu = dlstore.GPUDataset(stores[store], device="cpu", dtype=torch.uint8, transform=t)
+        images, _ = next(iter(dlstore.loader(gpu, len(ds))))
         assert torch.equal(images, want), f"{way}: GPU loader"
 
 
@@ -134,19 +133,14 @@ def test_other_static_sizes_are_refused_or_asked_for(stores, folder, store, way)
     assert "resize=72" in text and "static_mismatch='allow'" in text and "static='resize=72,center_crop=56x56'" in text
     if store == "val":
         with pytest.raises(StaticMismatchError):
-            GPULoader(dlstore.GPUDataset(stores[store], device="cpu", dtype=torch.uint8), 4, transform=t)
+            dlstore.GPUDataset(stores[store], device="cpu", dtype=torch.uint8, transform=t)
     stored = dlstore.open_dataset(stores[store]).manifest["static"]
     allowed = plan(t, stored, where=stores[store], static_mismatch="allow")
     assert allowed.mismatch and "STATIC MISMATCH ALLOWED" in allowed.describe()
     assert len(allowed.ops) == 3 and type(allowed.ops[0]).__name__ == "OnPIL"   # the resize and crop run again
 
 
-@pytest.mark.parametrize("way", ["v2 Compose", "preset v2",
-                                 pytest.param("v1 Compose", marks=pytest.mark.xfail(strict=True, reason=(
-                                     "dlstore/data/loaders/device.py's _Normalize multiplies by 1/255 and "
-                                     "with_dtype drops BatchNormalize.divide: v1's division is one ulp away"))),
-                                 pytest.param("weights.transforms()", marks=pytest.mark.xfail(strict=True, reason=(
-                                     "as for v1 Compose")))])
+@pytest.mark.parametrize("way", ["v2 Compose", "preset v2", "v1 Compose", "weights.transforms()"])
 def test_the_device_stage_equals_imagefolder(stores, folder, way):
     t = _ways(64, 56)[way]
     want = torch.stack([x for x, _ in datasets.ImageFolder(str(folder), transform=t)])

@@ -123,6 +123,7 @@ class GPUDataset(Dataset):
         shard: bool = False,
         partition_seed: int = 0,
         transform: Any = None,
+        static_mismatch: str = "error",
     ):
         """Preload ``source`` onto ``device``.
 
@@ -167,6 +168,8 @@ class GPUDataset(Dataset):
             transform: the read-time pipeline, run per batch on the device by the loader: what
                 ``open_dataset`` takes (a torchvision pipeline, a HybridTransform, dlstore batch
                 transforms) or any callable on the converted batch (``gpu/steps.py``).
+            static_mismatch: as ``open_dataset``'s: ``"allow"`` runs a leading deterministic op that
+                differs from the store's static stage instead of refusing it.
 
         Raises:
             VariableShapeError: the store's samples have different shapes.
@@ -186,6 +189,7 @@ class GPUDataset(Dataset):
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype
         self.normalize = normalize
+        self.static_mismatch = static_mismatch
         transform = self._open_source(source, transform)
         self._take_share(rank, world_size, shard, partition_seed)
         self.pin = self.device.type == "cuda"
@@ -314,7 +318,7 @@ class GPUDataset(Dataset):
     @transform.setter
     def transform(self, transform: Any) -> None:
         """Plan ``transform`` on the resident data (``gpu/steps.py``) for every loader made after."""
-        planned = against_store(transform, self)
+        planned = against_store(transform, self, static_mismatch=self.static_mismatch)
         self.steps = plan_steps(planned.steps(), self)
         self.already_applied = planned.already_applied
         self._transform = transform

@@ -50,14 +50,14 @@ _PIXEL_OPS = (BatchRandomCrop, BatchRandomHorizontalFlip, BatchRandomResizedCrop
 Steps = list[tuple[Callable[..., torch.Tensor], bool]]
 
 
-def against_store(transform: Any, ds: Resident) -> Plan:
+def against_store(transform: Any, ds: Resident, *, static_mismatch: str = "error") -> Plan:
     """The planner's plan of ``transform`` on ``ds``'s store, checked as ``open_dataset`` checks it
     (a source that is not a store has no static spec to check against)."""
     manifest = getattr(ds.source, "manifest", None)
     if manifest is None:
         return plan(transform)
     where = getattr(ds.source, "path", None) or "the GPUDataset's store"
-    return plan(transform, manifest.get("static") or [], where=where)
+    return plan(transform, manifest.get("static") or [], where=where, static_mismatch=static_mismatch)
 
 
 def _served_fill(op: BatchTransform, ds: Resident) -> BatchTransform:

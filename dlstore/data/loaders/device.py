@@ -49,7 +49,7 @@ def with_dtype(steps: Sequence[Any], dtype: torch.dtype | None) -> list[Any]:
     steps = list(steps)
     last = steps[-1] if steps else None
     if dtype is not None and isinstance(last, BatchNormalize) and last.dtype != dtype:
-        steps[-1] = BatchNormalize(last.mean, last.std, dtype=dtype, scale=last.scale)
+        steps[-1] = BatchNormalize(last.mean, last.std, dtype=dtype, scale=last.scale, divide=last.divide)
     return steps
 
 
@@ -71,8 +71,7 @@ class _Normalize:
         x = images.to(torch.float32)
         if x is images:
             x = x.clone()
-        if self.op.scale and not images.is_floating_point():
-            x.mul_(1.0 / torch.iinfo(images.dtype).max)
+        self.op.scale_(x, images)          # v2's multiply by the reciprocal, or v1's division
         x.sub_(self.mean).div_(self.std)
         return x.to(self.op.dtype)
 
