@@ -147,9 +147,10 @@ class StoreDataset(Dataset):
         """Plan ``transform`` against the store for every read path (``ds[i]``, ``get_batch``, the device),
         as ``open_dataset(path, transform=...)`` plans it (timm's ``create_loader`` assigns it so)."""
         _check_callable("transform", transform)
+        planned = plan(transform, self.manifest.get("static") or [], where=self.path,
+                       static_mismatch=self.static_mismatch)      # refused here: nothing changes
         self._transform = transform
-        self._use_plan(plan(transform, self.manifest.get("static") or [], where=self.path,
-                            static_mismatch=self.static_mismatch))
+        self._use_plan(planned)
 
     def _use_plan(self, planned: Plan) -> None:
         self.plan = planned
