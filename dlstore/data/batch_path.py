@@ -29,6 +29,7 @@ from ..formats.encoding import DecodingReader
 from ..transforms import compiled
 from ..transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip, BatchTransform
 from ..transforms.functional import VECTORISED_MAX_PIXELS, crop_flip_loop, crop_flip_windows
+from ..transforms.planner import PerSample, WholeBatch
 from .decode_crop import decode_crop_batch, split_decode_crop
 from .device_decode import draw_encoded
 from .profiling_ranges import profiling_range
@@ -71,6 +72,13 @@ class BatchPath:
     def fuses_crop_flip(self) -> bool:
         """True when a leading RandomCrop / HorizontalFlip runs inside the gather's copy."""
         return self.decode_crop is None and (self.crop is not None or self.flip is not None)
+
+    @property
+    def python_ops(self) -> list[Any]:
+        """The ops this path runs sample by sample in Python (per-sample ops, and those the planner
+        wraps to run inside a batch step): they hold the GIL between small kernels."""
+        inside = [step.op for step in self.rest if isinstance(step, (PerSample, WholeBatch))]
+        return list(self.per_sample_ops) + inside
 
     @property
     def gathers(self) -> bool:

@@ -192,7 +192,7 @@ class StoreDataset(Dataset):
         with no per-sample op (reads, GIL-free kernels, batch ops drawing from the given generator).
         Per-sample torchvision ops hold the GIL and draw from torch's global generator."""
         fixed = self.shape is not None or self.decode_crop is not None
-        return fixed and not self.plan.python_ops(fixed_shape=self.shape is not None)
+        return fixed and not self.batch_path.python_ops
 
     # --- store-level facts a loader asks --------------------------------------------------
 
@@ -363,6 +363,8 @@ class StoreDataset(Dataset):
         text += ")"
         if self._transform is not None or self.batch_transform is not None:
             text += "\n" + self.plan.describe(fixed_shape=self.shape is not None)
+            if self.decode_crop is not None:
+                text += f"\n  the first, {self.decode_crop!r}, runs as each record decodes (decode_crop)"
             if self.batch_transform is not None:
                 text += f"\n  then, per batch (batch_transform): {self.batch_transform!r}"
         return text
