@@ -28,6 +28,7 @@ from ..errors import (
     ArgumentError,
     ArgumentTypeError,
     DecodeError,
+    SourceChangedError,
     SourceError,
     WriterKilledError,
 )
@@ -37,9 +38,9 @@ from ..formats.targets import PARTIAL_SUFFIX
 from ..sources import open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS
 from ..transforms.static import output_shape, parse_static
+from ..units import parse_size
 from .assemble import remove_old_parts
 from .destination import (
-    DestinationLock,
     check_apart,
     check_destination,
     publish,
@@ -48,6 +49,9 @@ from .destination import (
 )
 from .distributed import active_group, convert_distributed
 from .job import ON_ERROR, ConvertResult, _feed, _finish, _Job, disk_usage
+from .journal import SUFFIX as JOURNAL_SUFFIX
+from .journal import changed_files, refuse
+from .lock import DestinationLock
 from .pool import apply_static_any, usable_workers
 
 # --- the conversion ----------------------------------------------------------------------
@@ -59,6 +63,12 @@ def progress_path(staged: Path) -> Path:
     """Where a resumable conversion keeps its checkpoint: inside a staging folder (shards,
     LMDB), or beside a staging file (HDF5: ``.NAME.dlstore-tmp.progress.json``)."""
     return staged / PROGRESS_NAME if staged.is_dir() else staged.with_name(f"{staged.name}.{PROGRESS_NAME}")
+
+
+def journal_path(staged: Path) -> Path:
+    """Where a resumable conversion of files keeps the prints of the files converted (see ``journal``)."""
+    path = progress_path(staged)
+    return path.with_name(path.name + JOURNAL_SUFFIX)
 
 
 def targets_path(staged: Path) -> Path:
@@ -108,14 +118,14 @@ def convert(
     store_format: str | None = None,
     static: Any = None,
     workers: int | None = None,
-    overwrite: bool = False,
+    overwrite: bool | str = False,
     on_error: str = "fail",
     resume: bool = False,
     exif_transpose: bool = False,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
     encoding: str = "raw",
     quality: int = 90,
-    shard_size: int | None = None,
+    shard_size: int | str | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     distributed: bool | None = None,
@@ -148,7 +158,12 @@ def convert(
             (``"resize=256,center_crop=224"``), a list of op dicts, torchvision
             transforms, or a hybrid transform (its static part).
         workers: decode processes; default: the CPUs this process may use.
-        overwrite: replace an existing store at ``dst``.
+        overwrite: True: replace an existing store at ``dst``, provided it is a store dlstore wrote
+            and still holds exactly what dlstore wrote there (its seal and checksums match: a dataset,
+            attribute, key or file a user added is never replaced, it is named); ``"damaged"``
+            (``--overwrite-damaged``): also replace a store of ours that differs from its seal
+            with nothing added that dlstore can name. An empty folder at ``dst`` is replaced
+            without ``overwrite``.
         on_error: ``"fail"`` stops at the first undecodable file (naming it) and
             writes nothing; ``"skip"`` leaves it out and records it in the manifest.
         resume: continue an interrupted conversion to ``dst`` from its last
@@ -162,8 +177,9 @@ def convert(
             each statically transformed sample stored encoded (5-15x smaller for
             JPEG) and decoded with PIL at read time.
         quality: JPEG quality (1-100; PIL advises at most 95) for ``encoding="jpeg"``.
-        shard_size: target bytes per data file of a shards store, default 1 GiB (ignored by the
-            other formats, which write one file).
+        shard_size: target bytes per data file of a shards store, an int or a size such as
+            ``"256MiB"`` (as ``--shard-size``), default 1 GiB (ignored by the other formats, which
+            write one file).
         progress: show a tqdm progress bar.
         log: called with warnings (e.g. empty class folders); default: ignored.
         distributed: convert on every rank of the initialised ``torch.distributed``
@@ -195,6 +211,9 @@ def convert(
         ConversionInterrupted: a worker died; KeyboardInterrupt: interrupted. A
             resumable partial conversion is kept next to ``dst`` (``.NAME.dlstore-tmp``).
     """
+    if not (isinstance(overwrite, bool) or overwrite == "damaged"):
+        raise ArgumentError(f'overwrite must be False, True (replace a dlstore store) or "damaged" (also one that '
+                            f"differs from its seal), got {overwrite!r}")
     if on_error not in ON_ERROR:
         raise ArgumentError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
     if encoding not in ENCODINGS:
@@ -208,8 +227,14 @@ def convert(
     if workers is not None and (not _is_int(workers) or workers < 0):
         raise ArgumentError(f"workers must be None (one per usable CPU), 0 (decode in this process) or a "
                             f"positive int, got {workers!r}")
+    if isinstance(shard_size, str):   # "8MiB", as the command line's --shard-size
+        try:
+            shard_size = parse_size(shard_size)
+        except ValueError as exc:
+            raise ArgumentError(f"shard_size={shard_size!r} (--shard-size {shard_size}): {exc}") from None
     if shard_size is not None and (not _is_int(shard_size) or shard_size < 1):
-        raise ArgumentError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
+        raise ArgumentError(f"shard_size must be a positive number of bytes or a size like \"8MiB\", "
+                            f"got {shard_size!r}")
     log = log or (lambda message: None)
     dst = Path(dst)
     if store_format is not None and not isinstance(store_format, str):
@@ -247,7 +272,7 @@ def convert(
 
         return convert_distributed(group, open_src, dst, module=module, job_for=job_for, overwrite=overwrite,
                                    resume=resume, progress=progress, log=log)
-    check_destination(dst, overwrite)
+    seen = check_destination(dst, overwrite, log)
     source = open_src()
     if source.empty_classes:
         log(f"warning: {len(source.empty_classes)} class folder(s) hold no image and keep their "
@@ -257,7 +282,7 @@ def convert(
     job = _Job(source=source, spec=spec, shape=sample_shape(spec, source), module=module, decode=decode,
                workers=workers, on_error=on_error, options=format_options, codec=codec)
 
-    lock = DestinationLock(dst)
+    lock = DestinationLock(dst, log)
     lock.acquire()
     try:
         staged = staging_path(dst)
@@ -268,9 +293,11 @@ def convert(
         try:
             count, skipped, resumed = _run(job, staged, checkpoint, progress, dst.name, log)
             replaced = dst.exists()
-            publish(staged, dst, overwrite)
+            publish(staged, dst, overwrite, seen=seen)
             if replaced and module.FORMAT == "hdf5":   # a distributed store replaced by this one: its parts
                 remove_old_parts(dst)
+        except SourceChangedError:
+            raise   # the interrupted run's work stays: the original files may be put back
         except (DecodeError, SourceError):
             remove_staging(staged)  # bad input: nothing worth resuming
             raise
@@ -315,9 +342,31 @@ def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dic
     return checkpoint
 
 
+def _converted_files_unchanged(staged: Path, job: _Job, checkpoint: dict[str, Any],
+                               log: Callable[[str], None]) -> bool:
+    """True if the files the interrupted run converted are the ones it converted (their prints,
+    in the journal, match); False (start over) where it cannot be checked; SourceChangedError
+    listing the files that changed."""
+    rows = checkpoint.get("source_pos")
+    entries = (job.journal.restore(journal_path(staged), rows)
+               if _is_int(rows) and checkpoint.get("journal_rows") == rows else None)
+    if entries is None:
+        log(f"{journal_path(staged)}: missing or incomplete, so the files already converted cannot be "
+            "checked; starting over")
+        return False
+    paths = (job.source.where(key) for key in job.source.item_keys())
+    changed = changed_files(entries, paths, threads=max(job.workers, 4))
+    if changed:
+        raise refuse(staged, changed, rows)
+    return True
+
+
 def _save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skipped: list) -> None:
     state = {"job": job.fingerprint(), "source_pos": source_pos, "skipped": skipped, "labels_seen": job.labels_seen,
              "writer": writer.checkpoint()}
+    if job.journal is not None:   # the prints of the files converted so far, appended beside the checkpoint
+        job.journal.save(journal_path(staged), source_pos)
+        state["journal_rows"] = source_pos
     if job.targets is not None:   # the rows of the samples written so far, appended beside the checkpoint
         state["target_rows"] = len(job.targets)
         job.targets.save(targets_path(staged), len(job.targets))
@@ -343,6 +392,15 @@ def _resume_writer(job: _Job, staged: Path, checkpoint: dict[str, Any], log: Cal
         writer = job.module.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
     except WriterKilledError as exc:
         log(f"the interrupted conversion cannot be resumed ({exc}); starting over")
+        remove_staging(staged)
+        return None
+    try:
+        unchanged = job.journal is None or _converted_files_unchanged(staged, job, checkpoint, log)
+    except BaseException:
+        writer.close()
+        raise
+    if not unchanged:
+        writer.close()
         remove_staging(staged)
         return None
     job.labels_seen[:] = checkpoint.get("labels_seen", job.labels_seen)
@@ -378,6 +436,7 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
         if resumable:
             progress_path(staged).unlink(missing_ok=True)
             targets_path(staged).unlink(missing_ok=True)
+            journal_path(staged).unlink(missing_ok=True)
     finally:
         writer.close()
     return count, skipped, resumed

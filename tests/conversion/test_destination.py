@@ -126,7 +126,7 @@ def _plain_lmdb(path: Path) -> None:
     env.close()
 
 
-@pytest.mark.parametrize("case", ["plain-hdf5", "plain-lmdb", "plain-file", "empty-folder", "symlink-to-store",
+@pytest.mark.parametrize("case", ["plain-hdf5", "plain-lmdb", "plain-file", "symlink-to-store",
                                   "store-with-a-user-file", "lmdb-store-with-a-user-file"])
 def test_foreign_things_under_store_names_are_refused(imgs, tmp_path, run, case):
     if case == "plain-hdf5":
@@ -141,10 +141,6 @@ def test_foreign_things_under_store_names_are_refused(imgs, tmp_path, run, case)
         dst, fmt = tmp_path / "mine.h5", "hdf5"
         dst.write_bytes(b"my own bytes")
         why = "file that is not a dlstore store"
-    elif case == "empty-folder":
-        dst, fmt = tmp_path / "mine.shards", "shards"
-        dst.mkdir()
-        why = "empty folder"
     elif case == "symlink-to-store":
         real = tmp_path / "real.lmdb"
         dlstore.convert(imgs, real, workers=0, progress=False)
@@ -185,18 +181,35 @@ def test_every_kind_of_store_is_recognised_and_replaced(imgs, varsize_folder, tm
     assert not [p for p in tmp_path.iterdir() if "dlstore-" in p.name]   # no staging, lock or old copy left
 
 
-@pytest.mark.parametrize("fmt", ["shards", "hdf5"])
-def test_a_damaged_store_is_still_recognised_as_one(imgs, tmp_path, fmt):
-    dst = tmp_path / ("s.shards" if fmt == "shards" else "s.h5")
+DAMAGE = {   # the file damaged, and where: past the HDF5 seal (its superblock), a page of data.mdb
+    "shards": ("manifest.json", 0), "lmdb": ("data.mdb", 4096 + 64), "hdf5": (None, 600)}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_damaged_store_is_replaced_only_when_said_to_be(imgs, tmp_path, run, fmt):
+    """A store of ours that differs from its seal is still recognised as one, but ``overwrite=True``
+    refuses it (it could hold someone's edits); ``overwrite="damaged"`` (--overwrite-damaged) replaces it."""
+    dst = tmp_path / f"s.{ {'shards': 'shards', 'lmdb': 'lmdb', 'hdf5': 'h5'}[fmt] }"
     dlstore.convert(imgs, dst, workers=0, progress=False)
-    damaged = dst / "manifest.json" if fmt == "shards" else dst
+    name, offset = DAMAGE[fmt]
+    damaged = dst if name is None else dst / name
     data = bytearray(damaged.read_bytes())
-    middle = 600 if fmt == "hdf5" else 0    # hdf5: past the seal, in the HDF5 superblock
-    data[middle:middle + 8] = b"\xff" * 8
+    data[offset:offset + 8] = bytes(b ^ 0xFF for b in data[offset:offset + 8])
     damaged.write_bytes(bytes(data))
-    assert not_a_store(dst) is None
-    dlstore.convert(imgs, dst, workers=0, progress=False, overwrite=True)
+    before = snapshot(tmp_path)
+    with pytest.raises(NotAStoreError, match="differs from what dlstore wrote.*--overwrite-damaged"
+                       if run is convert_cli else 'differs from what dlstore wrote.*overwrite="damaged"'):
+        run(imgs, dst, fmt)
+    assert snapshot(tmp_path) == before
+    assert not_a_store(dst) is not None and not_a_store(dst, damaged=True) is None
+    if run is convert_cli:
+        result = CliRunner().invoke(main, ["convert", str(imgs), str(dst), "--format", fmt, "--overwrite-damaged",
+                                           "--workers", "0", "--quiet"])
+        assert result.exit_code == 0, result.output
+    else:
+        dlstore.convert(imgs, dst, workers=0, progress=False, overwrite="damaged")
     assert len(dlstore.open_dataset(dst, check="open")) == 6
+    assert not_a_store(dst) is None
 
 
 class _OccupiesDestinationLate(torch.utils.data.Dataset):

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from dlstore.errors import StoreBusyError
-from dlstore.conversion.destination import DestinationLock
+from dlstore.conversion.lock import DestinationLock
 
 ROUNDS = 300
 
