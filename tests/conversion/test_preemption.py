@@ -22,11 +22,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+import threading
+import time
 from pathlib import Path
 
 import lmdb
@@ -201,3 +205,87 @@ def test_killed_conversion_leaves_nothing_behind_and_resumes_exactly(folder, cle
     assert contents(dst) == contents(clean[fmt]), (got, messages)
     assert dlstore.verify(dst, deep=True).ok
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["conversion.py", dst.name])
+
+
+# --- distributed: a rank killed with its decode workers running ------------------------------
+
+def _slow_loads(seconds: float) -> None:
+    import dlstore.sources.folder as folder_source
+
+    loader = folder_source.pil_loader
+
+    def slow(*args, **kwargs):
+        time.sleep(seconds)
+        return loader(*args, **kwargs)
+
+    folder_source.pil_loader = slow    # (in this rank; its forked decode workers inherit it)
+
+
+def _rank(rank: int, src: str, dst: str, record: str | None) -> dict:
+    """Convert collectively with 2 decode workers a rank; with ``record``, rank 0 kills itself (SIGKILL)
+    once its workers run and its part has a checkpoint, after writing their pids to ``record``."""
+    _slow_loads(SLOW_S)
+    if record is not None and rank == 0:
+        state = Path(dst).with_name(f".{Path(dst).name}.dlstore-dist") / "rank-00000.json"
+
+        def kill_me() -> None:
+            while True:
+                workers = [int(pid) for task in os.listdir("/proc/self/task")
+                           for pid in open(f"/proc/self/task/{task}/children").read().split()]
+                if len(workers) >= 2 and state.exists():
+                    break
+                time.sleep(0.01)
+            Path(record).write_text(json.dumps(workers))
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=kill_me, daemon=True).start()
+    messages: list[str] = []
+    try:
+        dlstore.convert(src, dst, distributed=True, workers=2, static=STATIC, progress=False, resume=record is None,
+                        shard_size=UNIT_BYTES, log=messages.append)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        return {"error": type(exc).__name__, "messages": messages}
+    return {"messages": messages}
+
+
+def _dead(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_a_killed_rank_takes_its_decode_workers_and_the_lock_with_it(folder, tmp_path):
+    from test_distributed_resume import run_ranks
+
+    dst, record = tmp_path / "d.shards", tmp_path / "workers.json"
+    results = run_ranks(_rank, str(folder), str(dst), str(record), tmp_path=tmp_path)
+    assert results[0] is None and results[1]["error"] == "DistributedError", results
+    workers = json.loads(record.read_text())
+    end = time.monotonic() + 5
+    while not all(map(_dead, workers)) and time.monotonic() < end:
+        time.sleep(0.01)
+    alive = [pid for pid in workers if not _dead(pid)]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)       # a failed case leaves nothing running either
+    assert not alive, f"rank 0's decode workers outlived it: {alive}"
+    lock = dst.with_name(f".{dst.name}.dlstore-lock")
+    assert lock.exists() and _holding(lock) == []
+
+    results = run_ranks(_rank, str(folder), str(dst), None, tmp_path=tmp_path)
+    assert all("error" not in r for r in results), results
+    assert any("taking over the lock" in m for m in results[0]["messages"]), results[0]["messages"]
+    shutil.move(dst, tmp_path / "resumed.shards")
+    run_ranks(_rank, str(folder), str(dst), None, tmp_path=tmp_path)     # uninterrupted (nothing to resume)
+    assert contents(tmp_path / "resumed.shards") == contents(dst)
+
+
+def _holding(path: Path) -> list[int]:
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if any(os.readlink(f"/proc/{pid}/fd/{fd}") == str(path) for fd in os.listdir(f"/proc/{pid}/fd")):
+                found.append(int(pid))
+        except OSError:
+            pass
+    return found
