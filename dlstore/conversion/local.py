@@ -10,9 +10,7 @@ the store is complete.
 
 from __future__ import annotations
 
-import glob
 import inspect
-import json
 import os
 import time
 from collections.abc import Callable
@@ -30,11 +28,9 @@ from ..errors import (
     DecodeError,
     SourceChangedError,
     SourceError,
-    WriterKilledError,
 )
 from ..formats.encoding import ENCODINGS
 from ..formats.space import write_error
-from ..formats.targets import PARTIAL_SUFFIX
 from ..sources import open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS
 from ..transforms.static import output_shape, parse_static
@@ -44,45 +40,23 @@ from .destination import (
     check_apart,
     check_destination,
     publish,
-    remove_path,
     staging_path,
 )
 from .distributed import active_group, convert_distributed
+from .checkpoint import (
+    journal_path,
+    load_checkpoint,
+    progress_path,
+    remove_staging,
+    resume_writer,
+    save_checkpoint,
+    targets_path,
+)
 from .job import ON_ERROR, ConvertResult, _feed, _finish, _Job, disk_usage
-from .journal import SUFFIX as JOURNAL_SUFFIX
-from .journal import changed_files, refuse
 from .lock import DestinationLock
 from .pool import apply_static_any, usable_workers
 
 # --- the conversion ----------------------------------------------------------------------
-
-PROGRESS_NAME = "progress.json"
-
-
-def progress_path(staged: Path) -> Path:
-    """Where a resumable conversion keeps its checkpoint: inside a staging folder (shards,
-    LMDB), or beside a staging file (HDF5: ``.NAME.dlstore-tmp.progress.json``)."""
-    return staged / PROGRESS_NAME if staged.is_dir() else staged.with_name(f"{staged.name}.{PROGRESS_NAME}")
-
-
-def journal_path(staged: Path) -> Path:
-    """Where a resumable conversion of files keeps the prints of the files converted (see ``journal``)."""
-    path = progress_path(staged)
-    return path.with_name(path.name + JOURNAL_SUFFIX)
-
-
-def targets_path(staged: Path) -> Path:
-    """Where a resumable conversion of target vectors keeps the rows of the written samples."""
-    path = progress_path(staged)
-    return path.with_name(path.name + PARTIAL_SUFFIX)
-
-
-def remove_staging(staged: Path) -> None:
-    """Remove a staging path and what a file-type writer keeps beside it (``NAME.*``)."""
-    remove_path(staged)
-    for sibling in staged.parent.glob(f"{glob.escape(staged.name)}.*"):
-        remove_path(sibling)
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -97,6 +71,36 @@ def _check_writer_options(module: Any, fmt: str, options: dict[str, Any]) -> Non
     if unknown:
         raise ArgumentError(f"{', '.join(unknown)}: not an option of {fmt} stores; valid: "
                             f"{', '.join(valid) or 'none'}")
+
+
+def _checked_arguments(dst: Any, *, overwrite: Any, on_error: Any, encoding: Any, max_pixels: Any, quality: Any,
+                       workers: Any, shard_size: Any) -> int | None:
+    """ArgumentError (ArgumentTypeError) naming the first unusable argument; the shard size in bytes."""
+    if not (isinstance(overwrite, bool) or overwrite == "damaged"):
+        raise ArgumentError(f'overwrite must be False, True (replace a dlstore store) or "damaged" (also one that '
+                            f"differs from its seal), got {overwrite!r}")
+    if on_error not in ON_ERROR:
+        raise ArgumentError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+    if encoding not in ENCODINGS:
+        raise ArgumentError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
+    if not isinstance(dst, (str, os.PathLike)):
+        raise ArgumentTypeError(f"dst must be a path (str or os.PathLike), got {type(dst).__name__}")
+    if max_pixels is not None and (not _is_int(max_pixels) or max_pixels < 1):
+        raise ArgumentError(f"max_pixels must be None (no limit) or a positive int, got {max_pixels!r}")
+    if not _is_int(quality) or not 1 <= quality <= 100:
+        raise ArgumentError(f"quality must be an int within 1..100, got {quality!r}")
+    if workers is not None and (not _is_int(workers) or workers < 0):
+        raise ArgumentError(f"workers must be None (one per usable CPU), 0 (decode in this process) or a "
+                            f"positive int, got {workers!r}")
+    if isinstance(shard_size, str):   # "8MiB", as the command line's --shard-size
+        try:
+            shard_size = parse_size(shard_size)
+        except ValueError as exc:
+            raise ArgumentError(f"shard_size={shard_size!r} (--shard-size {shard_size}): {exc}") from None
+    if shard_size is not None and (not _is_int(shard_size) or shard_size < 1):
+        raise ArgumentError(f"shard_size must be a positive number of bytes or a size like \"8MiB\", "
+                            f"got {shard_size!r}")
+    return shard_size
 
 
 def sample_shape(spec: list[dict[str, Any]], source: Any) -> tuple[int, int, int] | None:
@@ -211,30 +215,8 @@ def convert(
         ConversionInterrupted: a worker died; KeyboardInterrupt: interrupted. A
             resumable partial conversion is kept next to ``dst`` (``.NAME.dlstore-tmp``).
     """
-    if not (isinstance(overwrite, bool) or overwrite == "damaged"):
-        raise ArgumentError(f'overwrite must be False, True (replace a dlstore store) or "damaged" (also one that '
-                            f"differs from its seal), got {overwrite!r}")
-    if on_error not in ON_ERROR:
-        raise ArgumentError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
-    if encoding not in ENCODINGS:
-        raise ArgumentError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
-    if not isinstance(dst, (str, os.PathLike)):
-        raise ArgumentTypeError(f"dst must be a path (str or os.PathLike), got {type(dst).__name__}")
-    if max_pixels is not None and (not _is_int(max_pixels) or max_pixels < 1):
-        raise ArgumentError(f"max_pixels must be None (no limit) or a positive int, got {max_pixels!r}")
-    if not _is_int(quality) or not 1 <= quality <= 100:
-        raise ArgumentError(f"quality must be an int within 1..100, got {quality!r}")
-    if workers is not None and (not _is_int(workers) or workers < 0):
-        raise ArgumentError(f"workers must be None (one per usable CPU), 0 (decode in this process) or a "
-                            f"positive int, got {workers!r}")
-    if isinstance(shard_size, str):   # "8MiB", as the command line's --shard-size
-        try:
-            shard_size = parse_size(shard_size)
-        except ValueError as exc:
-            raise ArgumentError(f"shard_size={shard_size!r} (--shard-size {shard_size}): {exc}") from None
-    if shard_size is not None and (not _is_int(shard_size) or shard_size < 1):
-        raise ArgumentError(f"shard_size must be a positive number of bytes or a size like \"8MiB\", "
-                            f"got {shard_size!r}")
+    shard_size = _checked_arguments(dst, overwrite=overwrite, on_error=on_error, encoding=encoding,
+                                    max_pixels=max_pixels, quality=quality, workers=workers, shard_size=shard_size)
     log = log or (lambda message: None)
     dst = Path(dst)
     if store_format is not None and not isinstance(store_format, str):
@@ -287,7 +269,7 @@ def convert(
     try:
         staged = staging_path(dst)
         start = time.perf_counter()
-        checkpoint = _load_checkpoint(staged, job, log) if resume else None
+        checkpoint = load_checkpoint(staged, job, log) if resume else None
         if checkpoint is None:
             remove_staging(staged)  # left by a conversion that crashed, or not resumable
         try:
@@ -321,102 +303,12 @@ def convert(
     )
 
 
-def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dict[str, Any] | None:
-    """The checkpoint of an interrupted run with the same job, or None (start over)."""
-    if not hasattr(job.module.Writer, "resume"):
-        log(f"{job.module.FORMAT} conversions cannot resume; starting over")
-        return None
-    path = progress_path(staged)
-    if not path.is_file():
-        log("nothing to resume (no interrupted conversion found); starting over")
-        return None
-    try:
-        checkpoint = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        log(f"{path} is unreadable; starting over")
-        return None
-    if checkpoint.get("job") != json.loads(json.dumps(job.fingerprint())):
-        raise SourceError(
-            f"{staged}: the interrupted conversion used other settings or another source listing; "
-            "rerun without --resume to start over (or with the original settings)")
-    return checkpoint
-
-
-def _converted_files_unchanged(staged: Path, job: _Job, checkpoint: dict[str, Any],
-                               log: Callable[[str], None]) -> bool:
-    """True if the files the interrupted run converted are the ones it converted (their prints,
-    in the journal, match); False (start over) where it cannot be checked; SourceChangedError
-    listing the files that changed."""
-    rows = checkpoint.get("source_pos")
-    entries = (job.journal.restore(journal_path(staged), rows)
-               if _is_int(rows) and checkpoint.get("journal_rows") == rows else None)
-    if entries is None:
-        log(f"{journal_path(staged)}: missing or incomplete, so the files already converted cannot be "
-            "checked; starting over")
-        return False
-    paths = (job.source.where(key) for key in job.source.item_keys())
-    changed = changed_files(entries, paths, threads=max(job.workers, 4))
-    if changed:
-        raise refuse(staged, changed, rows)
-    return True
-
-
-def _save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skipped: list) -> None:
-    state = {"job": job.fingerprint(), "source_pos": source_pos, "skipped": skipped, "labels_seen": job.labels_seen,
-             "writer": writer.checkpoint()}
-    if job.journal is not None:   # the prints of the files converted so far, appended beside the checkpoint
-        job.journal.save(journal_path(staged), source_pos)
-        state["journal_rows"] = source_pos
-    if job.targets is not None:   # the rows of the samples written so far, appended beside the checkpoint
-        state["target_rows"] = len(job.targets)
-        job.targets.save(targets_path(staged), len(job.targets))
-    path = progress_path(staged)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # (a full disk): the previous checkpoint stays valid
-        raise
-    os.replace(tmp, path)
-
-
-def _resume_writer(job: _Job, staged: Path, checkpoint: dict[str, Any], log: Callable[[str], None]) -> Any:
-    """The interrupted conversion's writer, reopened, with the job's state restored; None where
-    its file can never be reopened (an HDF5 file whose writer was killed: HDF5 refuses to open it
-    for writing again), the staging then removed: the conversion starts over. Any other failure
-    to reopen (the file locked by a reader, no permission) is raised, the staging kept."""
-    try:
-        writer = job.module.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
-    except WriterKilledError as exc:
-        log(f"the interrupted conversion cannot be resumed ({exc}); starting over")
-        remove_staging(staged)
-        return None
-    try:
-        unchanged = job.journal is None or _converted_files_unchanged(staged, job, checkpoint, log)
-    except BaseException:
-        writer.close()
-        raise
-    if not unchanged:
-        writer.close()
-        remove_staging(staged)
-        return None
-    job.labels_seen[:] = checkpoint.get("labels_seen", job.labels_seen)
-    if job.targets is not None:
-        job.targets.restore(targets_path(staged), int(checkpoint["target_rows"]))
-    unit = "files" if job.source.origin_kind == "path" else "items"
-    log(f"resuming after {checkpoint['source_pos']} of {len(job.source)} {unit}")
-    return writer
-
-
 def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: bool,
          name: str, log: Callable[[str], None]) -> tuple[int, list[dict[str, str]], int]:
     """Decode, write and finish into ``staged``; return (sample count, skipped files, samples of
     them an interrupted run had written)."""
     source, module = job.source, job.module
-    writer = None if checkpoint is None else _resume_writer(job, staged, checkpoint, log)
+    writer = None if checkpoint is None else resume_writer(job, staged, checkpoint, log)
     if writer is None:
         writer = module.Writer(staged, shape=job.record_shape, **job.options)
         start, skipped = 0, []
@@ -428,7 +320,7 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
         with tqdm(total=len(source), initial=start, unit="img", desc=f"convert {name}",
                   disable=not progress, dynamic_ncols=True) as bar:
             _feed(job, writer, start, skipped, bar,
-                  (lambda pos: _save_checkpoint(staged, job, writer, pos, skipped)) if resumable else None)
+                  (lambda pos: save_checkpoint(staged, job, writer, pos, skipped)) if resumable else None)
         count = len(source) - len(skipped)
         if count == 0:
             raise SourceError(f"{source.root}: no file could be converted ({len(skipped)} skipped)")
