@@ -34,7 +34,8 @@ from .common import fail, say, sigterm_as_interrupt
 @click.option("--shard-size", type=str, default="1GiB", show_default=True,
               help="Target size of each data file (shards format), e.g. 256MiB.")
 @click.option("--resume", is_flag=True,
-              help="Continue an interrupted conversion to DST from its last completed data file.")
+              help="Continue an interrupted conversion to DST from its last completed unit, once the source "
+                   "files it already converted are checked unchanged (size, mtime, content hash).")
 @click.option("--exif-transpose", is_flag=True,
               help="Apply EXIF orientation when decoding (torchvision does not; off by default).")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,

@@ -316,6 +316,8 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
         start, skipped = checkpoint["source_pos"], list(checkpoint["skipped"])
     resumed = start - len(skipped)
     resumable = hasattr(writer, "checkpoint")
+    if not resumable:
+        job.journal = None   # (nothing would save it)
     try:
         with tqdm(total=len(source), initial=start, unit="img", desc=f"convert {name}",
                   disable=not progress, dynamic_ncols=True) as bar:
