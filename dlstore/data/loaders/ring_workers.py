@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from ...errors import ArgumentError, WorkerError
-from .lifeline import Parent, TaskQueue, parent_spec
+from ...processes import Parent, TaskQueue, parent_spec
 from .ring_slots import Ring
 
 # Seconds the workers get to exit after being told to, before they are terminated.
