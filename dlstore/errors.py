@@ -25,6 +25,15 @@ class DecodeError(SourceError):
         self.reason = reason
 
 
+class SourceChangedError(SourceError):
+    """``resume``: source files the interrupted conversion already converted changed since (size,
+    modification time or content); ``changed`` lists their origins (paths relative to the root)."""
+
+    def __init__(self, message: str, changed: list[str]):
+        super().__init__(message)
+        self.changed = list(changed)
+
+
 class ArgumentError(DlstoreError, ValueError):
     """An argument has a value dlstore cannot use; the message names it and what is valid."""
 

@@ -56,7 +56,7 @@ FORBIDDEN = {
     "conversion": ("", "data", "tools", "cli"),
 }
 # The bottom layer imports nothing from the package but errors.
-LEAVES = ("errors", "_system", "units")
+LEAVES = ("errors", "_system", "units", "processes")
 LEAF_MAY_IMPORT = ("errors",)
 # The ground floor: a private module whose public names every subpackage may import.
 GROUND = ("_system",)

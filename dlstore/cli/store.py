@@ -10,7 +10,7 @@ import click
 
 from .. import formats
 from ..errors import DlstoreError
-from .common import fail, parse_bytes, say, sigterm_as_interrupt
+from .common import fail, say, sigterm_as_interrupt
 
 
 @click.command()
@@ -23,13 +23,19 @@ from .common import fail, parse_bytes, say, sigterm_as_interrupt
 @click.option("--static", "static", default="", show_default=False,
               help='Static transforms run once per image, e.g. "resize=256,center_crop=224" or "resize_max=512".')
 @click.option("--workers", type=int, default=None, help="Decode processes (default: usable CPUs).")
-@click.option("--overwrite", is_flag=True, help="Replace an existing store at DST.")
+@click.option("--overwrite", is_flag=True,
+              help="Replace an existing store at DST: only a store dlstore wrote, holding exactly what dlstore "
+                   "wrote (never a folder, file, dataset, attribute or key of yours).")
+@click.option("--overwrite-damaged", is_flag=True,
+              help="As --overwrite, and also replace a store of ours that differs from its seal (damaged) "
+                   "with nothing dlstore can name as added.")
 @click.option("--on-error", type=click.Choice(["fail", "skip"]), default="fail", show_default=True,
               help="What to do with a file that cannot be decoded.")
 @click.option("--shard-size", type=str, default="1GiB", show_default=True,
               help="Target size of each data file (shards format), e.g. 256MiB.")
 @click.option("--resume", is_flag=True,
-              help="Continue an interrupted conversion to DST from its last completed data file.")
+              help="Continue an interrupted conversion to DST from its last completed unit, once the source "
+                   "files it already converted are checked unchanged (size, mtime, content hash).")
 @click.option("--exif-transpose", is_flag=True,
               help="Apply EXIF orientation when decoding (torchvision does not; off by default).")
 @click.option("--max-pixels", type=click.IntRange(min=1), default=None,
@@ -44,8 +50,8 @@ from .common import fail, parse_bytes, say, sigterm_as_interrupt
               help="Convert every image to this PIL mode (default: a folder is RGB; a list keeps its files' "
                    "one mode, RGB when grayscale and colour mix).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def convert(src, dst, root, fmt, static, workers, overwrite, on_error, shard_size, resume, exif_transpose,
-            max_pixels, compression, encoding, quality, mode, quiet):
+def convert(src, dst, root, fmt, static, workers, overwrite, overwrite_damaged, on_error, shard_size, resume,
+            exif_transpose, max_pixels, compression, encoding, quality, mode, quiet):
     """Convert SRC into store DST.
 
     SRC is an image folder (ImageFolder layout) or a CSV / JSON-lines list of
@@ -70,8 +76,9 @@ def convert(src, dst, root, fmt, static, workers, overwrite, on_error, shard_siz
                              f"use a .h5 DST or --format hdf5, or leave --compression out"))
         options["compression"] = compression
     try:
-        result = run_convert(src, dst, store_format=fmt, static=static, workers=workers, overwrite=overwrite,
-                             on_error=on_error, shard_size=parse_bytes(shard_size), resume=resume, **options,
+        result = run_convert(src, dst, store_format=fmt, static=static, workers=workers,
+                             overwrite="damaged" if overwrite_damaged else overwrite,
+                             on_error=on_error, shard_size=shard_size, resume=resume, **options,
                              exif_transpose=exif_transpose, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
                              encoding=encoding, quality=quality, root=root, mode=mode,
                              distributed=env_world_size() > 1,

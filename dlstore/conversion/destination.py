@@ -2,29 +2,25 @@
 
 A Writer fills a staging path next to the destination (``.NAME.dlstore-tmp``);
 ``publish`` renames it into place only when complete, so a store that exists
-under its real name is a store that is whole. A lock file
-(``.NAME.dlstore-lock``, ``flock``) makes a second conversion to the same
-destination refuse instead of interleaving. With ``overwrite``, only a store
+under its real name is a store that is whole. A lock (``lock``) makes a second
+conversion to the same destination refuse instead of interleaving. With ``overwrite``, only a store
 dlstore wrote is replaced (``formats.ownership``), and never the source.
 """
 
 from __future__ import annotations
 
-import fcntl
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
-from ..errors import NotAStoreError, StoreBusyError, StoreExistsError
-from ..formats.ownership import not_a_store
+from ..errors import NotAStoreError, StoreExistsError
+from ..formats.ownership import not_a_store, signature
 
 
 def staging_path(dst: Path) -> Path:
     return dst.with_name(f".{dst.name}.dlstore-tmp")
-
-
-def lock_path(dst: Path) -> Path:
-    return dst.with_name(f".{dst.name}.dlstore-lock")
 
 
 def remove_path(path: Path) -> None:
@@ -33,48 +29,6 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
-
-
-class DestinationLock:
-    """Exclusive, non-blocking lock on a destination; released on close or process death."""
-
-    def __init__(self, dst: Path):
-        self.path = lock_path(dst)
-        self._fd: int | None = None
-
-    def acquire(self) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                raise StoreBusyError(
-                    f"{self.path.with_name(self.path.name[1:-len('.dlstore-lock')])}: another conversion "
-                    f"to this destination is running (lock {self.path}); wait for it or stop it"
-                ) from None
-            # The holder before us unlinks the lock file when it releases it. If that happened
-            # between our open and our flock, we hold a lock on a file nobody else can find, and
-            # a third converter would create a new one and lock it too. So the lock counts only
-            # if the path still names the inode we locked; otherwise try again with the new file.
-            held = os.fstat(fd)
-            try:
-                named = os.stat(self.path)
-            except FileNotFoundError:
-                named = None
-            if named is not None and (named.st_dev, named.st_ino) == (held.st_dev, held.st_ino):
-                self._fd = fd
-                return
-            os.close(fd)
-
-    def release(self) -> None:
-        if self._fd is not None:
-            try:
-                self.path.unlink(missing_ok=True)  # while still locked: see acquire
-            finally:
-                os.close(self._fd)
-                self._fd = None
 
 
 def fsync_dir(folder: Path) -> None:
@@ -103,30 +57,58 @@ def check_apart(dst: Path, src: Path, *, scanned: bool) -> None:
                          "(e.g. next to it); nothing was changed")
 
 
-def check_destination(dst: Path, overwrite: bool) -> None:
+def check_destination(dst: Path, overwrite: bool | str, log: Callable[[str], None] | None = None, *,
+                      seen: Any = None) -> Any:
     """StoreExistsError if something is at ``dst`` and it may not be replaced: ``overwrite`` is
-    False, or what is there is not a dlstore store (NotAStoreError, which says what it is)."""
+    False, or what is there is not a dlstore store as dlstore wrote it (NotAStoreError, which says
+    what it is; ``overwrite="damaged"`` also replaces a store of ours that differs from its seal).
+    An empty folder is taken whatever ``overwrite`` says (``log`` says so): nothing is lost.
+
+    Returns what was checked (``ownership.signature``); passed back as ``seen`` while ``dst`` has not
+    changed since, the store's bytes are not read again.
+    """
     if not (dst.exists() or dst.is_symlink()):
-        return
+        return None
+    if is_empty_folder(dst):
+        if log is not None:
+            log(f"{dst}: an empty folder; the store takes its place (the folder is removed, being empty)")
+        return None
     if not overwrite:
         raise StoreExistsError(f"{dst}: already exists; pass overwrite=True (--overwrite) to replace it")
-    found = not_a_store(dst)
+    checked = signature(dst)
+    if seen is not None and checked == seen:
+        return checked
+    found = not_a_store(dst, damaged=overwrite == "damaged")
     if found is not None:
         raise NotAStoreError(f"{dst}: --overwrite (overwrite=True) replaces only a dlstore store, and this is "
                              f"{found}; nothing was changed")
+    return checked
 
 
-def publish(staged: Path, dst: Path, overwrite: bool) -> None:
-    """Move a complete staged store to ``dst``, replacing an old store if allowed.
+def is_empty_folder(path: Path) -> bool:
+    try:
+        return path.is_dir() and not path.is_symlink() and not any(os.scandir(path))
+    except OSError:
+        return False
+
+
+def publish(staged: Path, dst: Path, overwrite: bool | str, *, seen: Any = None) -> None:
+    """Move a complete staged store to ``dst``, replacing an old store if allowed (``seen``: what
+    ``check_destination`` checked there before the conversion).
 
     The old store is renamed aside first and deleted after the new one is in
     place: a reader that already has the old files open keeps reading them
     (their inodes live on), and a new reader sees either the old store or the new
-    one, never a mix.
+    one, never a mix. An empty folder is removed (``rmdir``: it fails if something arrived in it).
     """
     old = dst.with_name(f".{dst.name}.dlstore-old")
+    if is_empty_folder(dst):
+        try:
+            os.rmdir(dst)
+        except OSError:
+            pass   # not empty any more: checked below like anything else there
     if dst.exists() or dst.is_symlink():
-        check_destination(dst, overwrite)   # again: something else may have been put there meanwhile
+        check_destination(dst, overwrite, seen=seen)   # again: something else may have been put there meanwhile
         remove_path(old)
         os.replace(dst, old)
     os.replace(staged, dst)

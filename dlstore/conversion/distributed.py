@@ -75,15 +75,16 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArgumentError, DistributedError, SourceError
+from ..errors import ArgumentError, DistributedError, SourceChangedError, SourceError
 from .assemble import (
     assemble,
     check_parts_folder,
     hdf5_parts_path,
     remove_with_siblings,
 )
-from .destination import DestinationLock, check_destination, remove_path, staging_path
+from .destination import check_destination, remove_path, staging_path
 from .job import ConvertResult, _feed, _finish, disk_usage
+from .lock import DestinationLock
 from .parts import PLAN, convert_part, keep_for_resume, resumable, write_json
 from .ranks import (
     Exchange,
@@ -192,8 +193,8 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
         parts_msg = None
         if rank == 0:
             try:
-                check_destination(dst, overwrite)
-                candidate = DestinationLock(dst)
+                check_destination(dst, overwrite, log)
+                candidate = DestinationLock(dst, log)
                 candidate.acquire()
                 lock = candidate  # from here on this conversion owns the work and staging paths
                 if fmt == "hdf5":
@@ -242,7 +243,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
             own = exc
             status.error = describe_error(exc)
             status.aborted = isinstance(exc, DistributedError)
-            status.bad_input = isinstance(exc, SourceError)
+            status.bad_input = isinstance(exc, SourceError) and not isinstance(exc, SourceChangedError)
             if not status.aborted:
                 mark_failed(work, rank)
         statuses = ex.gather(status)

@@ -18,6 +18,7 @@ from ..formats.targets import describe as describe_targets
 from ..sources.origins import Origins
 from ..transforms.static import StaticSpec, describe
 from ..units import human_bytes
+from .journal import Journal
 from .pool import _CHUNK, _CHUNK_IN_MEMORY, _decoded
 
 ON_ERROR = ("fail", "skip")
@@ -99,11 +100,15 @@ class _Job:
     labels_seen: list[int] = field(default_factory=lambda: [-1, 0])
     # Target vectors of the samples written so far (a source with ``target_spec`` (K, dtype)), else None.
     targets: TargetRows | None = None
+    # The prints of the files converted so far, for a resume to check (a file source), else None.
+    journal: Journal | None = None
 
     def __post_init__(self) -> None:
         spec = getattr(self.source, "target_spec", None)
         if spec is not None and self.targets is None:
             self.targets = TargetRows(*spec)
+        if self.source.origin_kind == "path" and self.journal is None:
+            self.journal = Journal()
 
     @property
     def record_shape(self) -> tuple[int, int, int] | None:
@@ -151,8 +156,11 @@ def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, Any]], bar
     # and the writer loop; tee buffers only that window.
     todo, ahead = itertools.tee(source.item_keys(start))
     chunk = _CHUNK if source.origin_kind == "path" else _CHUNK_IN_MEMORY
-    results = _decoded(ahead, source.loader(job.decode), job.spec, job.codec, job.workers, chunk)
-    for pos, (key, result) in enumerate(zip(todo, results), start=start):
+    results = _decoded(ahead, source.loader(job.decode), job.spec, job.codec, job.workers, chunk,
+                       where=None if job.journal is None else source.where)
+    for pos, (key, (result, printed)) in enumerate(zip(todo, results), start=start):
+        if job.journal is not None:
+            job.journal.append(source.origin(key), printed)
         if not isinstance(result, str):
             record, label = result
             if job.record_shape is not None and tuple(record.shape) != job.record_shape:

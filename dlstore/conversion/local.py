@@ -10,9 +10,7 @@ the store is complete.
 
 from __future__ import annotations
 
-import glob
 import inspect
-import json
 import os
 import time
 from collections.abc import Callable
@@ -28,51 +26,37 @@ from ..errors import (
     ArgumentError,
     ArgumentTypeError,
     DecodeError,
+    SourceChangedError,
     SourceError,
-    WriterKilledError,
 )
 from ..formats.encoding import ENCODINGS
 from ..formats.space import write_error
-from ..formats.targets import PARTIAL_SUFFIX
 from ..sources import open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS
 from ..transforms.static import output_shape, parse_static
+from ..units import parse_size
 from .assemble import remove_old_parts
 from .destination import (
-    DestinationLock,
     check_apart,
     check_destination,
     publish,
-    remove_path,
     staging_path,
 )
 from .distributed import active_group, convert_distributed
+from .checkpoint import (
+    journal_path,
+    load_checkpoint,
+    progress_path,
+    remove_staging,
+    resume_writer,
+    save_checkpoint,
+    targets_path,
+)
 from .job import ON_ERROR, ConvertResult, _feed, _finish, _Job, disk_usage
+from .lock import DestinationLock
 from .pool import apply_static_any, usable_workers
 
 # --- the conversion ----------------------------------------------------------------------
-
-PROGRESS_NAME = "progress.json"
-
-
-def progress_path(staged: Path) -> Path:
-    """Where a resumable conversion keeps its checkpoint: inside a staging folder (shards,
-    LMDB), or beside a staging file (HDF5: ``.NAME.dlstore-tmp.progress.json``)."""
-    return staged / PROGRESS_NAME if staged.is_dir() else staged.with_name(f"{staged.name}.{PROGRESS_NAME}")
-
-
-def targets_path(staged: Path) -> Path:
-    """Where a resumable conversion of target vectors keeps the rows of the written samples."""
-    path = progress_path(staged)
-    return path.with_name(path.name + PARTIAL_SUFFIX)
-
-
-def remove_staging(staged: Path) -> None:
-    """Remove a staging path and what a file-type writer keeps beside it (``NAME.*``)."""
-    remove_path(staged)
-    for sibling in staged.parent.glob(f"{glob.escape(staged.name)}.*"):
-        remove_path(sibling)
-
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
@@ -87,6 +71,36 @@ def _check_writer_options(module: Any, fmt: str, options: dict[str, Any]) -> Non
     if unknown:
         raise ArgumentError(f"{', '.join(unknown)}: not an option of {fmt} stores; valid: "
                             f"{', '.join(valid) or 'none'}")
+
+
+def _checked_arguments(dst: Any, *, overwrite: Any, on_error: Any, encoding: Any, max_pixels: Any, quality: Any,
+                       workers: Any, shard_size: Any) -> int | None:
+    """ArgumentError (ArgumentTypeError) naming the first unusable argument; the shard size in bytes."""
+    if not (isinstance(overwrite, bool) or overwrite == "damaged"):
+        raise ArgumentError(f'overwrite must be False, True (replace a dlstore store) or "damaged" (also one that '
+                            f"differs from its seal), got {overwrite!r}")
+    if on_error not in ON_ERROR:
+        raise ArgumentError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
+    if encoding not in ENCODINGS:
+        raise ArgumentError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
+    if not isinstance(dst, (str, os.PathLike)):
+        raise ArgumentTypeError(f"dst must be a path (str or os.PathLike), got {type(dst).__name__}")
+    if max_pixels is not None and (not _is_int(max_pixels) or max_pixels < 1):
+        raise ArgumentError(f"max_pixels must be None (no limit) or a positive int, got {max_pixels!r}")
+    if not _is_int(quality) or not 1 <= quality <= 100:
+        raise ArgumentError(f"quality must be an int within 1..100, got {quality!r}")
+    if workers is not None and (not _is_int(workers) or workers < 0):
+        raise ArgumentError(f"workers must be None (one per usable CPU), 0 (decode in this process) or a "
+                            f"positive int, got {workers!r}")
+    if isinstance(shard_size, str):   # "8MiB", as the command line's --shard-size
+        try:
+            shard_size = parse_size(shard_size)
+        except ValueError as exc:
+            raise ArgumentError(f"shard_size={shard_size!r} (--shard-size {shard_size}): {exc}") from None
+    if shard_size is not None and (not _is_int(shard_size) or shard_size < 1):
+        raise ArgumentError(f"shard_size must be a positive number of bytes or a size like \"8MiB\", "
+                            f"got {shard_size!r}")
+    return shard_size
 
 
 def sample_shape(spec: list[dict[str, Any]], source: Any) -> tuple[int, int, int] | None:
@@ -108,14 +122,14 @@ def convert(
     store_format: str | None = None,
     static: Any = None,
     workers: int | None = None,
-    overwrite: bool = False,
+    overwrite: bool | str = False,
     on_error: str = "fail",
     resume: bool = False,
     exif_transpose: bool = False,
     max_pixels: int | None = DEFAULT_MAX_PIXELS,
     encoding: str = "raw",
     quality: int = 90,
-    shard_size: int | None = None,
+    shard_size: int | str | None = None,
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     distributed: bool | None = None,
@@ -148,7 +162,12 @@ def convert(
             (``"resize=256,center_crop=224"``), a list of op dicts, torchvision
             transforms, or a hybrid transform (its static part).
         workers: decode processes; default: the CPUs this process may use.
-        overwrite: replace an existing store at ``dst``.
+        overwrite: True: replace an existing store at ``dst``, provided it is a store dlstore wrote
+            and still holds exactly what dlstore wrote there (its seal and checksums match: a dataset,
+            attribute, key or file a user added is never replaced, it is named); ``"damaged"``
+            (``--overwrite-damaged``): also replace a store of ours that differs from its seal
+            with nothing added that dlstore can name. An empty folder at ``dst`` is replaced
+            without ``overwrite``.
         on_error: ``"fail"`` stops at the first undecodable file (naming it) and
             writes nothing; ``"skip"`` leaves it out and records it in the manifest.
         resume: continue an interrupted conversion to ``dst`` from its last
@@ -162,8 +181,9 @@ def convert(
             each statically transformed sample stored encoded (5-15x smaller for
             JPEG) and decoded with PIL at read time.
         quality: JPEG quality (1-100; PIL advises at most 95) for ``encoding="jpeg"``.
-        shard_size: target bytes per data file of a shards store, default 1 GiB (ignored by the
-            other formats, which write one file).
+        shard_size: target bytes per data file of a shards store, an int or a size such as
+            ``"256MiB"`` (as ``--shard-size``), default 1 GiB (ignored by the other formats, which
+            write one file).
         progress: show a tqdm progress bar.
         log: called with warnings (e.g. empty class folders); default: ignored.
         distributed: convert on every rank of the initialised ``torch.distributed``
@@ -195,21 +215,8 @@ def convert(
         ConversionInterrupted: a worker died; KeyboardInterrupt: interrupted. A
             resumable partial conversion is kept next to ``dst`` (``.NAME.dlstore-tmp``).
     """
-    if on_error not in ON_ERROR:
-        raise ArgumentError(f"on_error must be one of {', '.join(ON_ERROR)}, got {on_error!r}")
-    if encoding not in ENCODINGS:
-        raise ArgumentError(f"encoding must be one of {', '.join(ENCODINGS)}, got {encoding!r}")
-    if not isinstance(dst, (str, os.PathLike)):
-        raise ArgumentTypeError(f"dst must be a path (str or os.PathLike), got {type(dst).__name__}")
-    if max_pixels is not None and (not _is_int(max_pixels) or max_pixels < 1):
-        raise ArgumentError(f"max_pixels must be None (no limit) or a positive int, got {max_pixels!r}")
-    if not _is_int(quality) or not 1 <= quality <= 100:
-        raise ArgumentError(f"quality must be an int within 1..100, got {quality!r}")
-    if workers is not None and (not _is_int(workers) or workers < 0):
-        raise ArgumentError(f"workers must be None (one per usable CPU), 0 (decode in this process) or a "
-                            f"positive int, got {workers!r}")
-    if shard_size is not None and (not _is_int(shard_size) or shard_size < 1):
-        raise ArgumentError(f"shard_size must be a positive number of bytes, got {shard_size!r}")
+    shard_size = _checked_arguments(dst, overwrite=overwrite, on_error=on_error, encoding=encoding,
+                                    max_pixels=max_pixels, quality=quality, workers=workers, shard_size=shard_size)
     log = log or (lambda message: None)
     dst = Path(dst)
     if store_format is not None and not isinstance(store_format, str):
@@ -247,7 +254,7 @@ def convert(
 
         return convert_distributed(group, open_src, dst, module=module, job_for=job_for, overwrite=overwrite,
                                    resume=resume, progress=progress, log=log)
-    check_destination(dst, overwrite)
+    seen = check_destination(dst, overwrite, log)
     source = open_src()
     if source.empty_classes:
         log(f"warning: {len(source.empty_classes)} class folder(s) hold no image and keep their "
@@ -257,20 +264,22 @@ def convert(
     job = _Job(source=source, spec=spec, shape=sample_shape(spec, source), module=module, decode=decode,
                workers=workers, on_error=on_error, options=format_options, codec=codec)
 
-    lock = DestinationLock(dst)
+    lock = DestinationLock(dst, log)
     lock.acquire()
     try:
         staged = staging_path(dst)
         start = time.perf_counter()
-        checkpoint = _load_checkpoint(staged, job, log) if resume else None
+        checkpoint = load_checkpoint(staged, job, log) if resume else None
         if checkpoint is None:
             remove_staging(staged)  # left by a conversion that crashed, or not resumable
         try:
             count, skipped, resumed = _run(job, staged, checkpoint, progress, dst.name, log)
             replaced = dst.exists()
-            publish(staged, dst, overwrite)
+            publish(staged, dst, overwrite, seen=seen)
             if replaced and module.FORMAT == "hdf5":   # a distributed store replaced by this one: its parts
                 remove_old_parts(dst)
+        except SourceChangedError:
+            raise   # the interrupted run's work stays: the original files may be put back
         except (DecodeError, SourceError):
             remove_staging(staged)  # bad input: nothing worth resuming
             raise
@@ -294,71 +303,12 @@ def convert(
     )
 
 
-def _load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dict[str, Any] | None:
-    """The checkpoint of an interrupted run with the same job, or None (start over)."""
-    if not hasattr(job.module.Writer, "resume"):
-        log(f"{job.module.FORMAT} conversions cannot resume; starting over")
-        return None
-    path = progress_path(staged)
-    if not path.is_file():
-        log("nothing to resume (no interrupted conversion found); starting over")
-        return None
-    try:
-        checkpoint = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        log(f"{path} is unreadable; starting over")
-        return None
-    if checkpoint.get("job") != json.loads(json.dumps(job.fingerprint())):
-        raise SourceError(
-            f"{staged}: the interrupted conversion used other settings or another source listing; "
-            "rerun without --resume to start over (or with the original settings)")
-    return checkpoint
-
-
-def _save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skipped: list) -> None:
-    state = {"job": job.fingerprint(), "source_pos": source_pos, "skipped": skipped, "labels_seen": job.labels_seen,
-             "writer": writer.checkpoint()}
-    if job.targets is not None:   # the rows of the samples written so far, appended beside the checkpoint
-        state["target_rows"] = len(job.targets)
-        job.targets.save(targets_path(staged), len(job.targets))
-    path = progress_path(staged)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with open(tmp, "w", encoding="utf-8") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        tmp.unlink(missing_ok=True)  # (a full disk): the previous checkpoint stays valid
-        raise
-    os.replace(tmp, path)
-
-
-def _resume_writer(job: _Job, staged: Path, checkpoint: dict[str, Any], log: Callable[[str], None]) -> Any:
-    """The interrupted conversion's writer, reopened, with the job's state restored; None where
-    its file can never be reopened (an HDF5 file whose writer was killed: HDF5 refuses to open it
-    for writing again), the staging then removed: the conversion starts over. Any other failure
-    to reopen (the file locked by a reader, no permission) is raised, the staging kept."""
-    try:
-        writer = job.module.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
-    except WriterKilledError as exc:
-        log(f"the interrupted conversion cannot be resumed ({exc}); starting over")
-        remove_staging(staged)
-        return None
-    job.labels_seen[:] = checkpoint.get("labels_seen", job.labels_seen)
-    if job.targets is not None:
-        job.targets.restore(targets_path(staged), int(checkpoint["target_rows"]))
-    unit = "files" if job.source.origin_kind == "path" else "items"
-    log(f"resuming after {checkpoint['source_pos']} of {len(job.source)} {unit}")
-    return writer
-
-
 def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: bool,
          name: str, log: Callable[[str], None]) -> tuple[int, list[dict[str, str]], int]:
     """Decode, write and finish into ``staged``; return (sample count, skipped files, samples of
     them an interrupted run had written)."""
     source, module = job.source, job.module
-    writer = None if checkpoint is None else _resume_writer(job, staged, checkpoint, log)
+    writer = None if checkpoint is None else resume_writer(job, staged, checkpoint, log)
     if writer is None:
         writer = module.Writer(staged, shape=job.record_shape, **job.options)
         start, skipped = 0, []
@@ -366,11 +316,13 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
         start, skipped = checkpoint["source_pos"], list(checkpoint["skipped"])
     resumed = start - len(skipped)
     resumable = hasattr(writer, "checkpoint")
+    if not resumable:
+        job.journal = None   # (nothing would save it)
     try:
         with tqdm(total=len(source), initial=start, unit="img", desc=f"convert {name}",
                   disable=not progress, dynamic_ncols=True) as bar:
             _feed(job, writer, start, skipped, bar,
-                  (lambda pos: _save_checkpoint(staged, job, writer, pos, skipped)) if resumable else None)
+                  (lambda pos: save_checkpoint(staged, job, writer, pos, skipped)) if resumable else None)
         count = len(source) - len(skipped)
         if count == 0:
             raise SourceError(f"{source.root}: no file could be converted ({len(skipped)} skipped)")
@@ -378,6 +330,7 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
         if resumable:
             progress_path(staged).unlink(missing_ok=True)
             targets_path(staged).unlink(missing_ok=True)
+            journal_path(staged).unlink(missing_ok=True)
     finally:
         writer.close()
     return count, skipped, resumed

@@ -14,10 +14,12 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ..errors import ArgumentError, DistributedError, SourceError, StoreCorruptError
+from ..errors import ArgumentError, DistributedError, SourceChangedError, SourceError, StoreCorruptError
 from ..formats.synced import write_synced
 from .assemble import remove_with_siblings
 from .destination import staging_path
+from .journal import SUFFIX as JOURNAL_SUFFIX
+from .journal import changed_files, refuse
 from .ranks import RankStatus, failed_ranks, listdir
 
 PLAN = "plan.json"  # the ranks and the job's fingerprint: what a --resume must match
@@ -42,8 +44,11 @@ def convert_part(job: Any, part_path: Path, first: int, total: int, work: Path, 
 
     state_path = work / f"rank-{rank:05d}.json"
     rows_path = work / f"rank-{rank:05d}.targets"   # target vectors of the samples written (see targets)
+    journal_path = work / f"rank-{rank:05d}{JOURNAL_SUFFIX}"   # prints of the files converted (see journal)
     fingerprint = json.loads(json.dumps(job.fingerprint()))
     state = _read_state(state_path, fingerprint, rank) if resume else None
+    if state is not None and not _converted_files_unchanged(job, state, journal_path, rank, log):
+        state = None
     if state is not None and "done" in state:
         job.labels_seen[:] = state["labels_seen"]
         return state["done"], state["skipped"], state["done"]
@@ -64,12 +69,18 @@ def convert_part(job: Any, part_path: Path, first: int, total: int, work: Path, 
     if writer is None:
         state_path.unlink(missing_ok=True)
         rows_path.unlink(missing_ok=True)
+        journal_path.unlink(missing_ok=True)
+        if job.journal is not None:
+            job.journal.reset()
         remove_with_siblings(part_path)  # (a part written before the first checkpoint)
         writer = module.Writer(part_path, shape=job.record_shape, **job.options)
 
     def save(source_pos: int) -> None:
         state = {"job": fingerprint, "source_pos": source_pos, "skipped": skipped, "labels_seen": job.labels_seen,
                  "writer": writer.checkpoint()}
+        if job.journal is not None:
+            job.journal.save(journal_path, source_pos)
+            state["journal_rows"] = source_pos
         if job.targets is not None:
             state["target_rows"] = len(job.targets)
             job.targets.save(rows_path, len(job.targets))
@@ -85,15 +96,38 @@ def convert_part(job: Any, part_path: Path, first: int, total: int, work: Path, 
         finish(job, writer, count, skipped, files=len(job.source))
     finally:
         writer.close()
-    write_json(state_path, {"job": fingerprint, "done": count, "skipped": skipped, "labels_seen": job.labels_seen})
+    done = {"job": fingerprint, "done": count, "skipped": skipped, "labels_seen": job.labels_seen}
+    if job.journal is not None:
+        job.journal.save(journal_path, len(job.source))
+        done["journal_rows"] = len(job.source)
+    write_json(state_path, done)
     check()
     return count, skipped, resumed
 
 
+def _converted_files_unchanged(job: Any, state: dict[str, Any], journal_path: Path, rank: int, log: Any) -> bool:
+    """True if the files of this rank's part that the interrupted run converted are unchanged (or the
+    source has no files); False (the part starts over) where the journal cannot tell; SourceChangedError
+    listing the files that changed."""
+    if job.journal is None:
+        return True
+    rows = len(job.source) if "done" in state else state.get("source_pos")
+    entries = job.journal.restore(journal_path, rows) if state.get("journal_rows") == rows else None
+    if entries is None:
+        log(f"rank {rank}: {journal_path} is missing or incomplete, so the files its part already converted "
+            "cannot be checked; converting the part again")
+        return False
+    changed = changed_files(entries, (job.source.where(key) for key in job.source.item_keys()),
+                            threads=max(job.workers, 4))
+    if changed:
+        raise refuse(journal_path.parent, changed, rows)
+    return True
+
+
 def keep_for_resume(work: Path, stage: str, fmt: str, exc: BaseException, statuses: list[RankStatus]) -> bool:
     """Whether the work folder holds something ``--resume`` can continue after ``exc``."""
-    if isinstance(exc, SourceError) or any(s.bad_input for s in statuses):
-        return False  # bad input: nothing worth resuming
+    if (isinstance(exc, SourceError) and not isinstance(exc, SourceChangedError)) or any(s.bad_input for s in statuses):
+        return False  # bad input: nothing worth resuming (changed files: the originals may be put back)
     if stage != "convert" and not (stage == "assemble" and fmt == "lmdb"):  # shards, HDF5: parts moved
         return False
     return any(name.startswith("rank-") for name in listdir(work))

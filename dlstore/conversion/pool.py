@@ -1,10 +1,17 @@
-"""Decoding in a pool of processes: ordered chunks, a bounded window in flight, a dead worker noticed."""
+"""Decoding in a pool of processes: ordered chunks, a bounded window in flight, a dead worker noticed.
+
+The workers die with the process that started them (``dlstore.processes``: the kernel's
+parent-death signal, and a thread that checks for the parent while the worker waits for a
+task), so a conversion killed by SIGKILL, the OOM killer or an unhandled SIGTERM leaves no
+process behind holding its lock, its files or its caller's pipes.
+"""
 
 from __future__ import annotations
 
 import collections
 import itertools
 import multiprocessing
+import os
 import pickle
 import signal
 from collections.abc import Callable, Iterable, Iterator
@@ -17,8 +24,10 @@ import numpy as np
 
 from ..errors import ConversionInterrupted, DecodeError
 from ..formats.encoding import encode
+from ..processes import Parent, parent_spec, watch
 from ..sources.decode import pil_loader
 from ..transforms.static import StaticSpec, apply_static_any
+from .journal import fileprint
 
 _CHUNK = 8  # items per task: amortises inter-process overhead, keeps ordering latency low
 _CHUNK_IN_MEMORY = 64  # an in-memory item (dataset, array) costs far less than a file: bigger tasks
@@ -26,14 +35,23 @@ _CHUNK_IN_MEMORY = 64  # an in-memory item (dataset, array) costs far less than 
 
 # --- decoding, in worker processes -------------------------------------------------------
 
-# The item loader of this worker process (a source's ``loader(decode)``), set once by the pool's
-# initializer: with ``fork`` it is inherited, not pickled, so a dataset is never copied per task.
+# The item loader of this worker process (a source's ``loader(decode)``) and the function giving
+# an item's file (a file source's ``where``, else None), set once by the pool's initializer: with
+# ``fork`` they are inherited, not pickled, so a dataset is never copied per task.
 _LOADER: Callable[[Any], tuple[Any, int]] | None = None
+_WHERE: Callable[[Any], str] | None = None
+
+Result = tuple[tuple[np.ndarray, int] | str, list[Any] | None]   # (record and label, or why not; file print)
 
 
-def _init_worker(loader: Callable[[Any], tuple[Any, int]] | None = None) -> None:
-    global _LOADER
-    _LOADER = loader
+def _init_worker(loader: Callable[[Any], tuple[Any, int]] | None, where: Callable[[Any], str] | None,
+                 parent: tuple[int | None, bool]) -> None:
+    global _LOADER, _WHERE
+    watching = Parent(parent)    # (sets the parent-death signal first: a parent gone before shows below)
+    if not watching.alive():
+        os._exit(1)
+    watch(watching)
+    _LOADER, _WHERE = loader, where
     # Ctrl-C goes to the whole process group; the parent handles it and stops the pool.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     # A forked worker inherits the parent's Python SIGTERM handler (the CLI's); the pool stops
@@ -62,16 +80,19 @@ def _process(image: Any, where: str, spec: StaticSpec, codec: tuple[str, int]) -
 
 
 def _decode_chunk(keys: list[Any], spec: StaticSpec, codec: tuple[str, int],
-                  loader: Callable[[Any], tuple[Any, int]] | None = None) -> list[tuple[np.ndarray, int] | str]:
-    """(record, label) per item, or the error text for items that failed (the parent decides)."""
-    load = loader or _LOADER
-    out: list[tuple[np.ndarray, int] | str] = []
+                  loader: Callable[[Any], tuple[Any, int]] | None = None,
+                  where: Callable[[Any], str] | None = None) -> list[Result]:
+    """Per item: (record, label), or the error text where it failed (the parent decides), and the
+    print of its file (``journal.fileprint``, taken before the file is read; None without a file)."""
+    load, where = loader or _LOADER, where or _WHERE
+    out: list[Result] = []
     for key in keys:
+        printed = None if where is None else fileprint(where(key))
         try:
             image, label = load(key)
-            out.append((_process(image, str(key), spec, codec), label))
+            out.append(((_process(image, str(key), spec, codec), label), printed))
         except DecodeError as exc:
-            out.append(exc.reason)
+            out.append((exc.reason, printed))
     return out
 
 
@@ -100,8 +121,10 @@ def usable_workers(loader: Any, workers: int, log: Callable[[str], None]) -> int
 
 
 def _decoded(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]], spec: StaticSpec,
-             codec: tuple[str, int], workers: int, chunk_size: int = _CHUNK) -> Iterator[tuple[np.ndarray, int] | str]:
-    """Yield load + static results in the order of ``keys`` (consumed lazily: no list of all chunks)."""
+             codec: tuple[str, int], workers: int, chunk_size: int = _CHUNK,
+             where: Callable[[Any], str] | None = None) -> Iterator[Result]:
+    """Yield load + static results, with their files' prints where ``where`` gives each item's file,
+    in the order of ``keys`` (consumed lazily: no list of all chunks)."""
     source = iter(keys)
     chunks = iter(lambda: list(itertools.islice(source, chunk_size)), [])
     # Import the decode-side torchvision kernels once here: forked workers share them instead
@@ -109,10 +132,13 @@ def _decoded(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]], spec
     import torchvision.transforms.v2.functional  # noqa: F401
     if workers <= 1:
         for chunk in chunks:
-            yield from _decode_chunk(chunk, spec, codec, loader)
+            yield from _decode_chunk(chunk, spec, codec, loader, where)
         return
     window = 4 * workers
-    pool = ProcessPoolExecutor(workers, mp_context=_mp_context(), initializer=_init_worker, initargs=(loader,))
+    ctx = _mp_context()
+    # (the workers start in this thread, at the first submit: the parent-death signal is tied to it)
+    pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_init_worker,
+                               initargs=(loader, where, parent_spec(ctx)))
     pending: collections.deque = collections.deque()
     broken = False
     try:
@@ -141,7 +167,7 @@ def _decoded(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]], spec
             pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _result(future: Any, pool: ProcessPoolExecutor) -> list[np.ndarray | str]:
+def _result(future: Any, pool: ProcessPoolExecutor) -> list[Result]:
     """``future.result()``, but a dead worker is noticed even when the pool does not notice.
 
     CPython's pool can block for ever when a worker is killed in the middle of sending a

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .. import formats
-from ..data.loaders.lifeline import Parent, parent_spec
+from ..processes import Parent, parent_spec
 from ..errors import DlstoreError, StoreCorruptError
 from ..formats import encoding
 from ..formats.checks import safe_member

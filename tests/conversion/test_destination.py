@@ -126,7 +126,7 @@ def _plain_lmdb(path: Path) -> None:
     env.close()
 
 
-@pytest.mark.parametrize("case", ["plain-hdf5", "plain-lmdb", "plain-file", "empty-folder", "symlink-to-store",
+@pytest.mark.parametrize("case", ["plain-hdf5", "plain-lmdb", "plain-file", "symlink-to-store",
                                   "store-with-a-user-file", "lmdb-store-with-a-user-file"])
 def test_foreign_things_under_store_names_are_refused(imgs, tmp_path, run, case):
     if case == "plain-hdf5":
@@ -141,10 +141,6 @@ def test_foreign_things_under_store_names_are_refused(imgs, tmp_path, run, case)
         dst, fmt = tmp_path / "mine.h5", "hdf5"
         dst.write_bytes(b"my own bytes")
         why = "file that is not a dlstore store"
-    elif case == "empty-folder":
-        dst, fmt = tmp_path / "mine.shards", "shards"
-        dst.mkdir()
-        why = "empty folder"
     elif case == "symlink-to-store":
         real = tmp_path / "real.lmdb"
         dlstore.convert(imgs, real, workers=0, progress=False)
@@ -185,18 +181,35 @@ def test_every_kind_of_store_is_recognised_and_replaced(imgs, varsize_folder, tm
     assert not [p for p in tmp_path.iterdir() if "dlstore-" in p.name]   # no staging, lock or old copy left
 
 
-@pytest.mark.parametrize("fmt", ["shards", "hdf5"])
-def test_a_damaged_store_is_still_recognised_as_one(imgs, tmp_path, fmt):
-    dst = tmp_path / ("s.shards" if fmt == "shards" else "s.h5")
+DAMAGE = {   # the file damaged, and where: past the HDF5 seal (its superblock), a page of data.mdb
+    "shards": ("manifest.json", 0), "lmdb": ("data.mdb", 4096 + 64), "hdf5": (None, 600)}
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_damaged_store_is_replaced_only_when_said_to_be(imgs, tmp_path, run, fmt):
+    """A store of ours that differs from its seal is still recognised as one, but ``overwrite=True``
+    refuses it (it could hold someone's edits); ``overwrite="damaged"`` (--overwrite-damaged) replaces it."""
+    dst = tmp_path / f"s.{ {'shards': 'shards', 'lmdb': 'lmdb', 'hdf5': 'h5'}[fmt] }"
     dlstore.convert(imgs, dst, workers=0, progress=False)
-    damaged = dst / "manifest.json" if fmt == "shards" else dst
+    name, offset = DAMAGE[fmt]
+    damaged = dst if name is None else dst / name
     data = bytearray(damaged.read_bytes())
-    middle = 600 if fmt == "hdf5" else 0    # hdf5: past the seal, in the HDF5 superblock
-    data[middle:middle + 8] = b"\xff" * 8
+    data[offset:offset + 8] = bytes(b ^ 0xFF for b in data[offset:offset + 8])
     damaged.write_bytes(bytes(data))
-    assert not_a_store(dst) is None
-    dlstore.convert(imgs, dst, workers=0, progress=False, overwrite=True)
+    before = snapshot(tmp_path)
+    with pytest.raises(NotAStoreError, match="differs from what dlstore wrote.*--overwrite-damaged"
+                       if run is convert_cli else 'differs from what dlstore wrote.*overwrite="damaged"'):
+        run(imgs, dst, fmt)
+    assert snapshot(tmp_path) == before
+    assert not_a_store(dst) is not None and not_a_store(dst, damaged=True) is None
+    if run is convert_cli:
+        result = CliRunner().invoke(main, ["convert", str(imgs), str(dst), "--format", fmt, "--overwrite-damaged",
+                                           "--workers", "0", "--quiet"])
+        assert result.exit_code == 0, result.output
+    else:
+        dlstore.convert(imgs, dst, workers=0, progress=False, overwrite="damaged")
     assert len(dlstore.open_dataset(dst, check="open")) == 6
+    assert not_a_store(dst) is None
 
 
 class _OccupiesDestinationLate(torch.utils.data.Dataset):
@@ -229,3 +242,99 @@ def test_without_overwrite_any_existing_path_is_refused(imgs, tmp_path):
     with pytest.raises(StoreExistsError, match="already exists") as err:
         dlstore.convert(imgs, dst, workers=0, progress=False)
     assert not isinstance(err.value, NotAStoreError)
+
+
+# --- an empty folder, a read-only destination, sizes -----------------------------------------
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_empty_folder_at_the_destination_is_taken_saying_so(imgs, tmp_path, fmt, overwrite):
+    """``mkdir out.shards`` first, then convert: the folder, empty, is used (as --overwrite would agree)."""
+    dst = tmp_path / f"out.{ {'shards': 'shards', 'lmdb': 'lmdb', 'hdf5': 'h5'}[fmt] }"
+    dst.mkdir()
+    messages: list[str] = []
+    dlstore.convert(imgs, dst, workers=0, progress=False, overwrite=overwrite, log=messages.append)
+    assert messages == [f"{dst}: an empty folder; the store takes its place (the folder is removed, being empty)"]
+    assert len(dlstore.open_dataset(dst)) == 6 and not_a_store(dst) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["imgs", dst.name]
+
+
+def test_the_command_line_takes_an_empty_folder_too(imgs, tmp_path):
+    dst = tmp_path / "out.shards"
+    dst.mkdir()
+    result = CliRunner().invoke(main, ["convert", str(imgs), str(dst), "--workers", "0", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith(f"{dst}: an empty folder; the store takes its place")
+    assert len(dlstore.open_dataset(dst)) == 6
+
+
+class _FillsTheFolder(torch.utils.data.Dataset):
+    """While the last item is read, a user saves a file into the (empty) destination folder."""
+
+    def __init__(self, dst: Path):
+        self.dst = dst
+
+    def __len__(self):
+        return 4
+
+    def __getitem__(self, i):
+        if i == len(self) - 1:
+            (self.dst / "notes.txt").write_text("saved during the conversion")
+        return torch.full((3, 8, 8), i, dtype=torch.uint8), i
+
+
+@pytest.mark.parametrize("overwrite", [False, True])
+def test_an_empty_folder_filled_during_the_conversion_is_kept(tmp_path, overwrite):
+    dst = tmp_path / "out.shards"
+    dst.mkdir()
+    with pytest.raises(StoreExistsError, match="notes.txt" if overwrite else "already exists"):
+        dlstore.convert(_FillsTheFolder(dst), dst, workers=0, progress=False, overwrite=overwrite)
+    assert os.listdir(dst) == ["notes.txt"] and (dst / "notes.txt").read_text() == "saved during the conversion"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out.shards"]
+
+
+@pytest.fixture
+def read_only(tmp_path):
+    """A real read-only filesystem (a tmpfs mounted ro): root writes anywhere else."""
+    import subprocess
+
+    mnt = tmp_path / "ro"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "ro,size=1m", "tmpfs", str(mnt)], capture_output=True,
+                          text=True, check=False)
+    if proc.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here ({proc.stderr.strip() or 'mount refused'})")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+@pytest.mark.parametrize("where", ["out.shards", "sub/out.h5"])
+def test_a_read_only_destination_is_a_dlstore_error_naming_it(imgs, read_only, where):
+    dst = read_only / where
+    with pytest.raises(dlstore.StoreWriteError, match="Read-only file system") as err:
+        dlstore.convert(imgs, dst, workers=0, progress=False)
+    assert str(err.value).startswith(f"{dst}: cannot write in ") and "writable filesystem" in str(err.value)
+    assert isinstance(err.value, OSError)
+    result = CliRunner().invoke(main, ["convert", str(imgs), str(dst), "--workers", "0", "--quiet"])
+    assert result.exit_code == 2 and result.output.startswith(f"error: {dst}: cannot write in "), result.output
+    assert len(result.output.strip().splitlines()) == 1 and "Traceback" not in result.output
+    assert os.listdir(read_only) == []
+
+
+def test_shard_size_takes_the_command_lines_sizes(imgs, tmp_path):
+    """``shard_size="8MiB"`` means what ``--shard-size 8MiB`` means; the stores are the same."""
+    api = tmp_path / "api.shards"
+    dlstore.convert(imgs, api, static="center_crop=12", shard_size="1KiB", workers=0, progress=False)
+    result = CliRunner().invoke(main, ["convert", str(imgs), str(tmp_path / "cli.shards"), "--static",
+                                       "center_crop=12", "--shard-size", "1KiB", "--workers", "0", "--quiet"])
+    assert result.exit_code == 0, result.output
+    names = sorted(p.name for p in api.iterdir())
+    assert len([n for n in names if n.startswith("shard-")]) == 3           # 1024 B / 432 B a sample: 2 each
+    assert snapshot(api).values() and {n: snapshot(api)[f"api.shards/{n}"] for n in names} == \
+        {n: snapshot(tmp_path / "cli.shards")[f"cli.shards/{n}"] for n in names}
+    with pytest.raises(dlstore.ArgumentError, match="shard_size='lots'"):
+        dlstore.convert(imgs, tmp_path / "x.shards", shard_size="lots", workers=0, progress=False)
+    result = CliRunner().invoke(main, ["convert", str(imgs), str(tmp_path / "x.shards"), "--shard-size", "lots"])
+    assert result.exit_code == 2 and "error: --shard-size lots: 'lots' is not a size" in result.output, result.output

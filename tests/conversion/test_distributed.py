@@ -138,6 +138,7 @@ def test_skipped_files_are_recorded_like_a_single_process_conversion(broken_fold
 def test_rank_zero_failure_before_the_split_reaches_every_rank(rgb_folder, tmp_path):
     dst = tmp_path / "exists.shards"
     dst.mkdir()
+    (dst / "notes.txt").write_text("not empty")   # (an empty folder would be taken)
     results = run_ranks(_convert_one, str(rgb_folder), str(dst), {}, tmp_path=tmp_path)
     assert results[0]["error"] == "StoreExistsError"
     assert results[1]["error"] == "DistributedError" and "already exists" in results[1]["message"]

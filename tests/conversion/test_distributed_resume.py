@@ -26,7 +26,7 @@ from _helpers import free_port, rank_main
 
 from dlstore import convert, open_dataset, verify
 from dlstore.conversion.distributed import hdf5_parts_path, work_path
-from dlstore.conversion.destination import lock_path
+from dlstore.conversion.lock import lock_path
 
 SUFFIX = {"shards": ".shards", "hdf5": ".h5", "lmdb": ".lmdb"}
 OPTIONS = {"shards": {"shard_size": 4 * 16 * 16 * 3}, "hdf5": {"batch_bytes": 4 * 16 * 16 * 3},

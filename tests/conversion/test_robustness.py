@@ -29,7 +29,7 @@ from dlstore.errors import (
     StoreBusyError,
     StoreCorruptError,
 )
-from dlstore.conversion.destination import DestinationLock
+from dlstore.conversion.lock import DestinationLock
 from dlstore.sources.demo import make_image_folder, synthetic_image
 
 

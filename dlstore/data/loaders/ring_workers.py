@@ -4,7 +4,7 @@ Each worker takes ``(pass, k, slot, indices, seed)`` tasks from one queue (whoev
 free), builds batch k into slot j (the dataset's batch buffer *is* the slot, so the gather
 writes shared memory directly) and reports ``(pass, k, slot, rows, labels, error)`` on a
 pipe of its own. The pool starts, watches and stops them; a worker dies with the main
-process (``lifeline``), and runs torch on one intra-op thread (the processes are the
+process (``dlstore.processes``), and runs torch on one intra-op thread (the processes are the
 parallelism).
 """
 
@@ -24,7 +24,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from ...errors import ArgumentError, WorkerError
-from .lifeline import Parent, TaskQueue, parent_spec
+from ...processes import Parent, TaskQueue, parent_spec
 from .ring_slots import Ring
 
 # Seconds the workers get to exit after being told to, before they are terminated.
@@ -42,7 +42,7 @@ def _picklable(exc: BaseException) -> BaseException:
 def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: Any, current: Any,
           worker_init_fn: Callable[[int], None] | None, parent_of: tuple[int | None, bool]) -> None:
     """A worker's loop: build each task's batch into its slot, report (pass, k, slot, rows, labels);
-    returns when told to, or when the main process is gone (see ``lifeline``)."""
+    returns when told to, or when the main process is gone (see ``dlstore.processes``)."""
     parent = Parent(parent_of)
     if not parent.alive():
         return

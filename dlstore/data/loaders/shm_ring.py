@@ -45,7 +45,7 @@ is left there whatever happens to the processes; the memory goes with the ring's
 tensor. The ring lives as long as the loader (or until ``close()``). Workers are started
 per pass and stopped when it ends, breaks or fails (with ``persistent_workers``, kept
 until ``close()`` or the loader is garbage collected), and die with the main process however
-it ends, SIGTERM and SIGKILL included (``lifeline``). An error in a worker is raised in
+it ends, SIGTERM and SIGKILL included (``dlstore.processes``). An error in a worker is raised in
 the main process, its type kept, with the batch, its indices and the worker's traceback
 in a note; a worker that dies is a :class:`WorkerError` as soon as the main process waits.
 One pass at a time: a pass started while another is suspended takes the workers and

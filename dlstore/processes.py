@@ -1,5 +1,9 @@
 """Worker processes that die with the process that started them.
 
+Every process dlstore starts (a loader's batch workers, a conversion's decode workers) uses
+this module, the one place that knows how; it imports nothing from the package, so every
+layer may use it.
+
 A process killed by SIGTERM (Python's default action: no cleanup), SIGKILL or the
 OOM killer never tells its workers to stop, and a worker blocked waiting for its
 next task would wait forever, holding its copy of the dataset and its mappings of
@@ -16,10 +20,12 @@ the shared memory. Two ways out, as a worker sees it::
                as its children hold its pipe)
 
 The second is what torch.utils.data's workers do (``ManagerWatchdog``, every 5 s);
-the first needs no polling and reaches a worker busy with a batch too. Shared memory
-needs nothing more: torch unlinks a segment from ``/dev/shm`` as soon as it is made
-(the ``file_descriptor`` strategy), so the kernel frees it with its last mapping, the
-moment the last of these processes is gone; under the ``file_system`` strategy
+the first needs no polling and reaches a worker busy with a batch too. A worker of a pool
+whose wait it does not own (``concurrent.futures.ProcessPoolExecutor``'s) gets both from
+``Parent`` and ``watch``: a daemon thread that does the second check and ends the process.
+Shared memory needs nothing more: torch unlinks a segment from ``/dev/shm`` as soon as it
+is made (the ``file_descriptor`` strategy), so the kernel frees it with its last mapping,
+the moment the last of these processes is gone; under the ``file_system`` strategy
 ``torch_shm_manager`` unlinks the segments once the processes it serves are gone.
 """
 
@@ -31,6 +37,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from multiprocessing.connection import wait
 from typing import Any
 
@@ -69,6 +76,19 @@ class Parent:
             return False
         # readable only at end of file: the main process never writes to it
         return self._sentinel is None or not wait([self._sentinel], timeout=0)
+
+
+def watch(parent: Parent, exit_code: int = 1) -> threading.Thread:
+    """In a worker whose main thread may block where it cannot poll (a pool's task queue): a daemon
+    thread that ends the process, without cleanup, once ``parent`` is gone."""
+    def run() -> None:
+        while parent.alive():
+            time.sleep(POLL_S)
+        os._exit(exit_code)
+
+    thread = threading.Thread(target=run, name="dlstore-parent-watch", daemon=True)
+    thread.start()
+    return thread
 
 
 def _kill_me_with_parent() -> None:
