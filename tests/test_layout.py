@@ -68,6 +68,8 @@ LIBRARY_PRIVATES = {
     "formats.shards.reader:_mmap": "numpy's memmap keeps its mmap object there: the map the reader advises",
     "tools.throughput:_shutdown_workers": "a DataLoader iterator's workers stopped before the next trial",
     "tools.timeline:_ExperimentalConfig": "torch's profiler option that records every thread (no public name)",
+    "conversion.pool:_exit": "os._exit: the documented way to end a child process without running cleanup",
+    "processes:_exit": "os._exit: the documented way to end a child process without running cleanup",
     "conversion.pool:_processes": "ProcessPoolExecutor's worker processes, to notice a dead one",
     "conversion.pool:_result_queue": "ProcessPoolExecutor's result pipe, closed to free a stuck manager thread",
     "conversion.pool:_writer": "ProcessPoolExecutor's result pipe, closed to free a stuck manager thread",
@@ -342,6 +344,10 @@ def test_objects_meet_through_public_members():
     found = private_members(ROOT, LIBRARY_PRIVATES)
     assert not found, ("private members of another module's objects used (make the member public, or pass "
                        "what is needed through a method, e.g. out=):\n" + "\n".join(found))
+    files = module_files(ROOT)
+    stale = [entry for entry in LIBRARY_PRIVATES
+             if entry.split(":")[1] not in files[f"{ROOT.name}.{entry.split(':')[0]}"].read_text()]
+    assert not stale, f"LIBRARY_PRIVATES lists uses that are gone: {stale}"
 
 
 def test_no_module_is_named_like_a_standard_module_or_builtin():
