@@ -66,7 +66,7 @@ if TYPE_CHECKING:
     from .tools.verification import VerifyReport, verify
     from .transforms import HybridTransform, ResizeMax, split_transforms
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 # public name -> the module it comes from (imported when the name is first used)
 _LAZY = {
