@@ -10,6 +10,10 @@ from typing import Any
 
 import click
 
+# dlstore.loader's back-ends for a store (--backend of profile and bench); the library checks them
+# again, this copy keeps --help free of torch
+STORE_BACKENDS = ("auto", "threads", "ring", "dataloader")
+
 # The library names an option both ways, ``keyword=value (--flag value)`` or ``--flag
 # (keyword=value)``; on the command line only the flag means anything.
 _BOTH_WAYS = re.compile(r'\b\w+=(?:"[^"]*"|[^\s()]+) \((--[\w-]+(?: [^()\s]+)?)\)|(--[\w-]+) \(\w+=[^()]*\)')

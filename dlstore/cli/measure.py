@@ -7,9 +7,7 @@ import os
 import click
 
 from ..errors import DlstoreError
-from .common import check_device, fail, gone, renamed
-
-BACKENDS = ("auto", "threads", "ring", "dataloader")
+from .common import STORE_BACKENDS, check_device, fail, gone, renamed
 
 
 def _threads_gone(value: str) -> str:
@@ -96,7 +94,7 @@ def _loader_options(f):
         click.option("--num-workers", "workers", type=click.IntRange(min=0), default=None,
                      help="Worker processes (default: DataLoader min(4, usable CPUs); dlstore.loader 0)."),
         renamed("--num-workers", "the loader's num_workers"),
-        click.option("--backend", type=click.Choice(BACKENDS), default=None,
+        click.option("--backend", type=click.Choice(STORE_BACKENDS), default=None,
                      help="dlstore.loader's back-end: threads (in this process), ring (--num-workers processes "
                           "writing into shared memory), dataloader (its torch DataLoader back-end). Default: auto."),
         click.option("--num-threads", type=click.IntRange(min=1), default=None,

@@ -172,3 +172,14 @@ def test_a_wait_far_above_the_batch_cost_says_why():
     busy = _result(_report(0.2, 0.005), build_s=0.03, parallel=2,
                    check=ThreadCheck(threads=1, processes=1, usable=2, load=7.0)).explanation()
     assert "machine is busy" in busy and "barely keep up" in busy
+
+
+@pytest.mark.parametrize("backend, crosses", [(None, True), ("dataloader", True), ("ring", False),
+                                               ("threads", False)])
+def test_a_slow_wait_blames_pickling_only_where_batches_cross_from_a_worker(backend, crosses):
+    """torch's DataLoader and dlstore's DataLoader back-end pickle each batch out of a worker; the
+    ring's workers write into shared slots and threads hand batches over in this process."""
+    result = ProfileResult(loader="...", kwargs={"batch_size": 64, "num_workers": 2}, report=_report(0.2, 0.005),
+                           build_s=0.03, parallel=2, step_spec="sleep:5", device="cpu", backend=backend,
+                           thread_check=ThreadCheck(threads=1, processes=1, usable=2, load=0.2))
+    assert ("each batch crosses from a worker process" in result.explanation()) == crosses
