@@ -8,7 +8,7 @@ this script measures what that buys, path by path:
 
     threads       dlstore.loader(ds, 64, shuffle=True): loader threads
     ring          ... num_workers=2: worker processes into the shared-memory ring
-    dataloader    ... threads=0, num_workers=0: StoreDataLoader, batches in the main thread
+    dataloader    ... backend="dataloader", num_workers=0: batches in the main thread
     plain nw0     torch's DataLoader(ds, batch_size=64, shuffle=True) over open_dataset
                   (StoreDataset.__getitems__ + default_collate, in the main process)
     plain nw2     ... num_workers=2 (persistent)
@@ -63,7 +63,7 @@ from _common import machine_info, uptime, write_json
 
 import dlstore
 from dlstore.data import intraop
-from dlstore.data.gpu import loader as gpu_loader
+from dlstore.data.loaders import resident as gpu_loader
 from dlstore.transforms import batch, compiled
 from dlstore.transforms.batch import BatchCutout
 
@@ -128,7 +128,7 @@ def configs(store: Path) -> dict[str, tuple[Callable[[], Iterable], dict]]:
         return dlstore.loader(ds, BATCH, shuffle=True, num_workers=2, persistent_workers=True)
 
     def dataloader():
-        return dlstore.loader(ds, BATCH, shuffle=True, threads=0)
+        return dlstore.loader(ds, BATCH, shuffle=True, backend="dataloader")
 
     def plain_nw0():
         return DataLoader(plain, batch_size=BATCH, shuffle=True, generator=gen)
@@ -153,7 +153,7 @@ def configs(store: Path) -> dict[str, tuple[Callable[[], Iterable], dict]]:
 
     def gpu_cpu_main():   # main's groups on the CPU: a GPU's 64 MiB (mmap'd, faulted in afresh each time)
         loader = gpu_cpu()
-        loader.group_batches = max(1, gpu_loader.GROUP_BYTES // (int(np.prod(gpu.shape)) * BATCH))
+        loader.strategy.group_batches = max(1, gpu_loader.GROUP_BYTES // (int(np.prod(gpu.shape)) * BATCH))
         return loader
 
     out["gpu-cpu before"] = (gpu_cpu_main, {"before": True})

@@ -138,7 +138,7 @@ def compare(path: str | os.PathLike, device: str | torch.device, *, batch: int =
 def _boundary_bytes(ds: Any, batch: int, **options: Any) -> dict[str, int]:
     """Bytes per sample the threads / workers hand to the main process, float32 vs the device path's uint8."""
     full = dlstore.loader(ds, batch, **options)
-    host = dlstore.loader(ds, batch, device="cpu", **options).host_loader
+    host = dlstore.loader(ds.host_stage()[0], batch, **options)      # what device= hands over
     out = {}
     for name, loader in (("cpu_norm_float32", full), ("device_uint8", host)):
         n = nbytes = 0
@@ -164,7 +164,7 @@ def main() -> None:
     print(f"load before: {up_before}")
     root = Path(args.workdir or tempfile.mkdtemp(prefix="dlstore-device-"))
     stores = {224: (build_store(root, 224, 256), 64), 32: (build_store(root, 32, 2048), 256)}
-    ways = {"threads2": {"threads": 2}, "workers2": {"num_workers": 2, "threads": 0}}
+    ways = {"threads2": {"backend": "threads", "num_threads": 2}, "workers2": {"num_workers": 2, "backend": "dataloader"}}
     boundary: dict[str, Any] = {}
     for size, (path, batch) in stores.items():
         ds = dlstore.open_dataset(path, transform=pipeline(size))

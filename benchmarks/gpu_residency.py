@@ -85,8 +85,8 @@ def residency_comparison(path: str | os.PathLike, device: str | torch.device = "
             ds = dlstore.GPUDataset(path, device, torch.float16, normalize=normalize, **ds_kw)
             sync(device)
             preloads.append(time.perf_counter() - t0)
-        loader = dlstore.loader(ds, batch, shuffle=True, seed=0, drop_last=True, channels_last=True,
-                                batch_transform=transform, **loader_kw)
+        ds.transform = transform
+        loader = dlstore.loader(ds, batch, shuffle=True, seed=0, drop_last=True, channels_last=True, **loader_kw)
         first = [x for x, _ in loader]   # warm-up epoch (epoch 0), kept for the equality check
         sync(device)
         if reference is None:
@@ -100,8 +100,8 @@ def residency_comparison(path: str | os.PathLike, device: str | torch.device = "
         results[name] = {
             "preload_s": preload_s, "preload_runs": preloads, "epoch_s": epoch_s, "epoch_runs": times,
             "end_to_end_s": preload_s + epochs * epoch_s, "samples_per_s": samples / epoch_s,
-            "device_bytes": ds.nbytes, "mode": ds.mode, "fused": loader.fused,
-            "compiled": bool(loader._fused is not None and loader._fused.compiled), "same_batches": same,
+            "device_bytes": ds.nbytes, "mode": ds.mode, "fused": loader.strategy.fused,
+            "compiled": bool(loader.strategy.gather is not None and loader.strategy.gather.compiled), "same_batches": same,
         }
         log(f"  {name:30s} preload {preload_s * 1e3:8.1f} ms  epoch {epoch_s * 1e3:8.1f} ms  "
             f"{samples / epoch_s:12,.0f} samples/s  {ds.nbytes / 2**20:8.1f} MiB  same={same}")

@@ -78,11 +78,11 @@ def run_dataset(name: str, folder: Path, store: Path, pipeline: v2.Compose, batc
     conv = dlstore.convert(folder, store, static=hybrid, progress=False)
     convert_s = time.perf_counter() - t0
     ds_hybrid = dlstore.open_dataset(store, transform=hybrid)
-    if ds_hybrid._fused_crop is None or ds_hybrid._fused_flip is None:
+    if ds_hybrid.batch_path.crop is None or ds_hybrid.batch_path.flip is None:
         raise RuntimeError(f"{name}: crop and flip were not fused: {ds_hybrid.batch_ops}")
     ds_plain = dlstore.open_dataset(store)
     ds_two_pass = dlstore.open_dataset(store, batch_transform=BatchCompose(
-        [ds_hybrid._fused_crop, ds_hybrid._fused_flip]))
+        [ds_hybrid.batch_path.crop, ds_hybrid.batch_path.flip]))
     ds_per_sample = dlstore.open_dataset(store, transform=hybrid.dynamic)
     raw = datasets.ImageFolder(str(folder), transform=pipeline)
     opts = {"num_workers": workers}

@@ -343,10 +343,10 @@ def epoch_rate(loader, limit: int) -> float:
 
 
 def backend_of(loader) -> str:
-    """What ``dlstore.loader`` chose: its type, and its thread or worker count."""
-    if hasattr(loader, "threads"):
-        return f"{type(loader).__name__}, threads={loader.threads}"
-    return f"{type(loader).__name__}, num_workers={getattr(loader, 'num_workers', getattr(loader, 'workers', '?'))}"
+    """What ``dlstore.loader`` chose: its back-end, and its thread or worker count."""
+    if getattr(loader, "backend", None) == "threads":
+        return f"threads, num_threads={loader.num_threads}"
+    return f"{getattr(loader, 'backend', type(loader).__name__)}, num_workers={loader.num_workers}"
 
 
 def ffcv_epoch_rate(loader, limit: int) -> float:
@@ -473,7 +473,7 @@ def main() -> None:
         # cores, against FFCV w2, whose numba threads use both)
         threads_loaders = {f"store_threads{n}": dlstore.loader(
             dlstore.open_dataset(dst, transform=dynamic), batch_size=args.batch, shuffle=True, backend="threads",
-            threads=n, generator=torch.Generator().manual_seed(0)) for n in (1, 2)}
+            num_threads=n, generator=torch.Generator().manual_seed(0)) for n in (1, 2)}
         folder = datasets.ImageFolder(src, transform=v2.Compose(
             [v2.RandomResizedCrop(CROP, antialias=True), v2.RandomHorizontalFlip(), v2.PILToTensor()]))
         folder_loader = DataLoader(folder, batch_size=args.batch, shuffle=True, num_workers=args.workers)

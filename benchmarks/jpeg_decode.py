@@ -176,7 +176,7 @@ def main() -> None:
         dynamic = v2.Compose([v2.RandomResizedCrop(CROP, antialias=True), v2.RandomHorizontalFlip()])
         store = dlstore.open_dataset(dst, transform=dynamic)
         store_loader = dlstore.loader(store, args.batch, shuffle=True, generator=torch.Generator().manual_seed(0))
-        threads = store_loader.threads
+        threads = store_loader.num_threads
         reduced_loader = dlstore.loader(dlstore.open_dataset(dst, transform=dynamic, reduced_decode=True), args.batch,
                                         shuffle=True, generator=torch.Generator().manual_seed(0))
         folder = datasets.ImageFolder(tmp / "images", transform=v2.Compose(

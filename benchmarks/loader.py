@@ -8,7 +8,7 @@ runs whole epochs of batch 64 for at least ``--seconds`` per round, shuffled;
 each loader is made once and iterated every epoch, as a training loop does; ImageFolder
 reads every 5th image so its epoch is short too), and prints the median of each and these ratios (issue 17):
 
-1. thread scaling: ``dlstore.loader(threads=2)`` over ``threads=1``, static
+1. thread scaling: ``dlstore.loader(backend="threads", num_threads=2)`` over ``threads=1``, static
    store and crop+flip (``RandomCrop(224, padding=4)`` + ``RandomHorizontalFlip()``);
 2. crop+flip over static, through the default loader;
 
@@ -203,14 +203,14 @@ def configurations(stores: dict[str, Path], folder: Path) -> dict[str, Callable[
         [v2.Resize(256), v2.CenterCrop(224), v2.PILToTensor()]))
     # every 5th image: an epoch of ImageFolder fits in a measurement window
     imagefolder = Subset(imagefolder, range(0, len(imagefolder), 5))
-    workers = dlstore.loader(static["shards"], BATCH, shuffle=True, num_workers=2, threads=0,
-                             persistent_workers=True, generator=g, shm_ring=False)   # the DataLoader path
-    ring = dlstore.loader(static["shards"], BATCH, shuffle=True, num_workers=2, threads=0,
-                          persistent_workers=True, generator=g, shm_ring=True)
-    ring_aug = dlstore.loader(aug, BATCH, shuffle=True, num_workers=2, threads=0,
-                              persistent_workers=True, generator=g, shm_ring=True)
-    workers_aug = dlstore.loader(aug, BATCH, shuffle=True, num_workers=2, threads=0,
-                                 persistent_workers=True, generator=g, shm_ring=False)
+    workers = dlstore.loader(static["shards"], BATCH, shuffle=True, num_workers=2,
+                             persistent_workers=True, generator=g, backend="dataloader")   # the DataLoader path
+    ring = dlstore.loader(static["shards"], BATCH, shuffle=True, num_workers=2,
+                          persistent_workers=True, generator=g, backend="ring")
+    ring_aug = dlstore.loader(aug, BATCH, shuffle=True, num_workers=2,
+                              persistent_workers=True, generator=g, backend="ring")
+    workers_aug = dlstore.loader(aug, BATCH, shuffle=True, num_workers=2,
+                                 persistent_workers=True, generator=g, backend="dataloader")
     configs = {
         "memcpy threads=1": lambda: memcpy(1),
         "memcpy threads=2": lambda: memcpy(2),
@@ -224,27 +224,27 @@ def configurations(stores: dict[str, Path], folder: Path) -> dict[str, Callable[
                                                               flip_p=0.0),
         "plain get_batch": lambda: plain_loop(static["shards"], g),
         "plain get_batch crop+flip": lambda: plain_loop(aug, g),
-        "threads=1": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, threads=1, generator=g),
-        "threads=2": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, threads=2, generator=g),
-        "threads=1 crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, threads=1, generator=g),
-        "threads=2 crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, threads=2, generator=g),
-        "threads=1 crop+flip pure": pure(once(lambda: dlstore.loader(aug, BATCH, shuffle=True, threads=1, generator=g))),
-        "threads=2 crop+flip pure": pure(once(lambda: dlstore.loader(aug, BATCH, shuffle=True, threads=2, generator=g))),
+        "threads=1": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, backend="threads", num_threads=1, generator=g),
+        "threads=2": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, backend="threads", num_threads=2, generator=g),
+        "threads=1 crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, backend="threads", num_threads=1, generator=g),
+        "threads=2 crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, backend="threads", num_threads=2, generator=g),
+        "threads=1 crop+flip pure": pure(once(lambda: dlstore.loader(aug, BATCH, shuffle=True, backend="threads", num_threads=1, generator=g))),
+        "threads=2 crop+flip pure": pure(once(lambda: dlstore.loader(aug, BATCH, shuffle=True, backend="threads", num_threads=2, generator=g))),
         "default": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, generator=g),
         "default crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, generator=g),
         "default crop+flip pure": pure(once(lambda: dlstore.loader(aug, BATCH, shuffle=True, generator=g))),
-        "num_workers=0": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, threads=0, generator=g),
+        "num_workers=0": lambda: dlstore.loader(static["shards"], BATCH, shuffle=True, backend="dataloader", generator=g),
         "num_workers=2": lambda: workers,
         "num_workers=2 ring": lambda: ring,
-        "num_workers=0 crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, threads=0, generator=g),
+        "num_workers=0 crop+flip": lambda: dlstore.loader(aug, BATCH, shuffle=True, backend="dataloader", generator=g),
         "num_workers=2 crop+flip": lambda: workers_aug,
         "num_workers=2 ring crop+flip": lambda: ring_aug,
         "default lmdb": lambda: dlstore.loader(static["lmdb"], BATCH, shuffle=True, generator=g),
         "default hdf5": lambda: dlstore.loader(static["hdf5"], BATCH, shuffle=True, generator=g),
         "default jpeg lmdb": lambda: dlstore.loader(static["jpeg lmdb"], BATCH, shuffle=True, generator=g),
-        "threads=0 jpeg lmdb": lambda: dlstore.loader(static["jpeg lmdb"], BATCH, shuffle=True, threads=0,
+        "threads=0 jpeg lmdb": lambda: dlstore.loader(static["jpeg lmdb"], BATCH, shuffle=True, backend="dataloader",
                                                       generator=g),
-        "PIL, threads=0 jpeg lmdb": lambda: dlstore.loader(pil, BATCH, shuffle=True, threads=0, generator=g),
+        "PIL, threads=0 jpeg lmdb": lambda: dlstore.loader(pil, BATCH, shuffle=True, backend="dataloader", generator=g),
         "ImageFolder": lambda: DataLoader(imagefolder, batch_size=BATCH, shuffle=True, num_workers=0, generator=g),
     }
     # every loader made once and iterated each epoch (the kernels, loops and pure(...) run afresh)

@@ -17,7 +17,7 @@ reader          reads                                           reopens
 =============== ============================================== ==========================
 item            ``ds[i]``, random ``i``                         every 300 reads
 batch           ``ds.get_batch(random indices)``                only after an error
-loader-threads  ``dlstore.loader(shuffle=True, threads=2)``     every 2 epochs
+loader-threads  ``dlstore.loader(shuffle=True, backend="threads", num_threads=2)``     every 2 epochs
 loader-workers  ``dlstore.loader(shuffle=True, num_workers=1)`` every epoch
 =============== ============================================== ==========================
 
@@ -51,7 +51,6 @@ import csv
 import faulthandler
 import gc
 import hashlib
-import inspect
 import multiprocessing as mp
 import os
 import signal
@@ -232,9 +231,9 @@ def _reader(k: int, kind: str, path: str, ref: dict, progress, stop, out: str, l
                 checker.check(images, labels, opened, idx)
             else:
                 if kind == "loader-threads":
-                    batches = dlstore.loader(ds, BATCH, shuffle=True, threads=2)
+                    batches = dlstore.loader(ds, BATCH, shuffle=True, backend="threads", num_threads=2)
                 else:
-                    batches = dlstore.loader(ds, BATCH, shuffle=True, num_workers=1, threads=0,
+                    batches = dlstore.loader(ds, BATCH, shuffle=True, num_workers=1, backend="dataloader",
                                              multiprocessing_context="fork", **loader_options)
                 for images, labels in batches:
                     checker.check(images, labels, opened)
@@ -312,11 +311,9 @@ def soak(fmt: str, work: Path, lists: dict[str, Path], *, n: int, seconds: float
     """Readers against a store being overwritten, for ``seconds``; the counts and the failures.
 
     ``loader_workers``: "auto" reads with ``dlstore.loader``'s own choice for ``num_workers=1``;
-    "dataloader" forces the torch DataLoader (``shm_ring=False``, where the loader has that option).
+    "dataloader" forces the torch DataLoader (``backend="dataloader"``).
     """
-    loader_options = {}
-    if loader_workers == "dataloader" and "shm_ring" in inspect.signature(dlstore.loader).parameters:
-        loader_options["shm_ring"] = False
+    loader_options = {"backend": "dataloader"} if loader_workers == "dataloader" else {}
     ref = references(fmt, lists, work, n)
     dst = str(work / f"soak-{fmt}{FORMATS[fmt][0]}")
     dlstore.convert(lists[pattern[0]], dst, root=lists["A"].parent, static=STATIC, workers=0, progress=False,

@@ -99,18 +99,9 @@ def device_default() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def gpu_crop(gpu_ds: dlstore.GPUDataset, setup: Setup) -> tuple[object, str]:
-    """The random crop for the GPU loader: the pipeline's own ``v2.RandomCrop`` if the loader takes
-    torchvision ops (one batch is tried), else the dlstore equivalent; and which one it is."""
+def gpu_crop(setup: Setup) -> tuple[object, str]:
+    """The random crop of the GPU path: the pipeline's own ``v2.RandomCrop`` (the GPUDataset's transform)."""
     crop = next(t for t in setup.hybrid.dynamic_ops if type(t).__name__ == "RandomCrop")
-    try:
-        images, _ = next(iter(dlstore.loader(gpu_ds, 8, batch_transform=crop, seed=0)))
-    except (TypeError, ValueError) as exc:
-        return BatchRandomCrop(SIZE, padding=PADDING), (
-            f"BatchRandomCrop({SIZE}, padding={PADDING}) (the GPU loader does not take v2.RandomCrop yet: "
-            f"{type(exc).__name__}: {str(exc).splitlines()[0]})")
-    if tuple(images.shape[1:]) != (1, SIZE, SIZE):
-        raise RuntimeError(f"the GPU loader with {crop!r} gave batches of shape {tuple(images.shape)}")
     return crop, repr(crop)
 
 
@@ -143,10 +134,10 @@ def make_loader(path: str, setup: Setup, *, seed: int, batch_size: int, shuffle:
     if path == "c":
         gpu = {} if gpu is None else gpu
         if "dataset" not in gpu:
+            gpu["crop"], gpu["crop_repr"] = gpu_crop(setup)
             gpu["dataset"] = dlstore.GPUDataset(setup.store, device, torch.float16,
-                                                normalize=([setup.mean], [setup.std]))
-            gpu["crop"], gpu["crop_repr"] = gpu_crop(gpu["dataset"], setup)
-        return dlstore.loader(gpu["dataset"], batch_size, shuffle, drop_last=shuffle, seed=seed, batch_transform=gpu["crop"])
+                                                normalize=([setup.mean], [setup.std]), transform=gpu["crop"])
+        return dlstore.loader(gpu["dataset"], batch_size, shuffle, drop_last=shuffle, seed=seed)
     raise ValueError(f"unknown path {path!r}; valid: {', '.join((*PATHS, *CONTROLS))}")
 
 

@@ -32,6 +32,7 @@ from .errors import (
     SharedMemoryError,
     SourceChangedError,
     SourceError,
+    StateMismatchError,
     StaticMismatchError,
     StoreBusyError,
     StoreCorruptError,
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
         GPUDataset,
         HDF5Dataset,
         LMDBDataset,
+        Loader,
         ShardsDataset,
         StoreDataset,
         loader,
@@ -62,9 +64,9 @@ if TYPE_CHECKING:
     )
     from .data.profiling_ranges import profiling_range
     from .tools.verification import VerifyReport, verify
-    from .transforms import HybridTransform, split_transforms
+    from .transforms import HybridTransform, ResizeMax, split_transforms
 
-__version__ = "0.1.0"
+__version__ = "0.3.0"
 
 # public name -> the module it comes from (imported when the name is first used)
 _LAZY = {
@@ -74,6 +76,7 @@ _LAZY = {
     "GPUDataset": "dlstore.data",
     "HDF5Dataset": "dlstore.data",
     "LMDBDataset": "dlstore.data",
+    "Loader": "dlstore.data",
     "ShardsDataset": "dlstore.data",
     "StoreDataset": "dlstore.data",
     "loader": "dlstore.data",
@@ -82,6 +85,7 @@ _LAZY = {
     "VerifyReport": "dlstore.tools.verification",
     "verify": "dlstore.tools.verification",
     "HybridTransform": "dlstore.transforms",
+    "ResizeMax": "dlstore.transforms",
     "split_transforms": "dlstore.transforms",
 }
 
@@ -100,13 +104,16 @@ __all__ = [
     "HDF5Dataset",
     "HybridTransform",
     "LMDBDataset",
+    "Loader",
     "MeasurementError",
     "NotAStoreError",
+    "ResizeMax",
     "SampleIndexError",
     "ShardsDataset",
     "SharedMemoryError",
     "SourceChangedError",
     "SourceError",
+    "StateMismatchError",
     "StaticMismatchError",
     "StoreBusyError",
     "StoreCorruptError",

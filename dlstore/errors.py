@@ -134,3 +134,8 @@ class WorkerError(DlstoreError, RuntimeError):
 class SharedMemoryError(DlstoreError, MemoryError):
     """The shared memory (``/dev/shm``) cannot hold a loader's ring of batches; the message says how
     much it needs, how much is free, and what to do."""
+
+
+class StateMismatchError(ArgumentError):
+    """A loader state (``state_dict()``) loaded into a loader it does not fit: another dataset, batch
+    size, ``drop_last``, sampler, back-end or seed; the message names each difference."""

@@ -1,8 +1,8 @@
 """CIFAR-10 from GPU memory: convert once, preload, augment and train on the device.
 
     torchvision.datasets.CIFAR10(download=True) --dlstore.convert--> cifar10.shards
-        --dlstore.GPUDataset--> the whole training set on the device (fp16, normalised)
-        --loader--> per batch: random crop (padding 4) + flip on the device, no workers
+        --dlstore.GPUDataset--> the whole training set on the device (fp16, normalised), with its transform
+        --dlstore.loader--> per batch: random crop (padding 4) + flip on the device, no workers
 
     python examples/cifar10_gpu.py --device cuda            # downloads CIFAR-10 to ./data once
     python examples/cifar10_gpu.py --device cpu --steps 20  # the same code on the CPU
@@ -76,10 +76,10 @@ def train(store: str | Path, *, device: str = "cuda", epochs: int = 1, steps: in
     """Train ``make_model()`` on ``store`` held in ``device`` memory; returns the loss of every step."""
     torch.manual_seed(seed)
     dtype = torch.float16 if device.startswith("cuda") else torch.float32
-    data = dlstore.GPUDataset(store, device=device, dtype=dtype, normalize=(MEAN, STD))
+    data = dlstore.GPUDataset(store, device=device, dtype=dtype, normalize=(MEAN, STD),
+                              transform=BatchCompose([BatchRandomCrop(32, padding=4), BatchRandomHorizontalFlip()]))
     print(data, f"loaded in {data.load_seconds:.2f} s")
-    loader = dlstore.loader(data, batch_size, shuffle=True, drop_last=True, seed=seed, channels_last=True,
-                            batch_transform=BatchCompose([BatchRandomCrop(32, padding=4), BatchRandomHorizontalFlip()]))
+    loader = dlstore.loader(data, batch_size, shuffle=True, drop_last=True, seed=seed, channels_last=True)
     model = make_model(len(data.classes), width).to(device, memory_format=torch.channels_last)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9, nesterov=True, weight_decay=5e-4)
     losses: list[torch.Tensor] = []     # kept on the device: no sync with the host per step

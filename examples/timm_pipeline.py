@@ -12,8 +12,8 @@ crop then reads a downscaled copy, an approximation measured there.
 
 ``timm_for_dlstore`` adapts the one timm op that a store's uint8 tensors break:
 ``MaybeToTensor`` converts a PIL image to float in [0, 1] but passes a tensor through
-unchanged, so the ``Normalize`` after it would see 0..255. It becomes
-``v2.ToDtype(float32, scale=True)``, which is what it does to a PIL image.
+unchanged, so the ``Normalize`` after it would see 0..255. It becomes torchvision's
+``ConvertImageDtype(float32)``, which divides by 255 as it does to a PIL image.
 
     python examples/timm_pipeline.py IMAGES [--store train.shards] [--size 224] [--batches 3]
 """
@@ -25,6 +25,7 @@ from typing import Any
 
 import timm.data
 import torch
+import torchvision.transforms as transforms
 from torchvision.transforms import v2
 
 import dlstore
@@ -42,7 +43,7 @@ def timm_for_dlstore(pipeline: Any) -> v2.Compose:
     for t in pipeline.transforms:
         name = type(t).__name__
         if name == "MaybeToTensor":          # PIL -> float [0, 1]; a uint8 tensor would pass unscaled
-            ops.append(v2.ToDtype(torch.float32, scale=True))
+            ops.append(transforms.ConvertImageDtype(torch.float32))
         elif name == "MaybePILToTensor":     # PIL -> uint8 tensor (use_prefetcher=True): a store has that
             continue
         else:
@@ -53,10 +54,7 @@ def timm_for_dlstore(pipeline: Any) -> v2.Compose:
 def split_timm(size: int = 224, *, resize_max: int | None = None, **timm_options: Any) -> tuple[Any, HybridTransform]:
     """timm's training transform and its dlstore split (optionally downscaled at conversion)."""
     pipeline = timm.data.create_transform(size, is_training=True, **timm_options)
-    hybrid = dlstore.split_transforms(pipeline)
-    if resize_max is not None:
-        hybrid = HybridTransform(f"resize_max={resize_max}", hybrid.dynamic_ops, notes=hybrid.notes)
-    return pipeline, hybrid
+    return pipeline, dlstore.split_transforms(pipeline, resize_max=resize_max)
 
 
 def main() -> None:
@@ -74,7 +72,7 @@ def main() -> None:
     print(hybrid)                                  # where each op went, and why
     print(dlstore.convert(args.images, args.store, static=hybrid, overwrite=True, progress=False))
     ds = dlstore.open_dataset(args.store, transform=hybrid)
-    print("per sample:", ds.per_sample_ops)        # timm's crop class has no batch equivalent
+    print("per sample:", ds.per_sample_ops)        # timm's crop fixes the size of a variable-shape store
     print("per batch: ", ds.batch_ops)
     loader = dlstore.loader(ds, batch_size=args.batch_size, shuffle=True)
     for k, (images, labels) in zip(range(args.batches), loader):

@@ -218,7 +218,8 @@ def check_preload(path: str, device: torch.device, mean, std, *, repeats: int,
 
 
 def time_gpu_loader(ds: dlstore.GPUDataset, batch: int, transform, epochs: int) -> dict[str, Any]:
-    loader = dlstore.loader(ds, batch, shuffle=True, drop_last=False, batch_transform=transform, seed=0)
+    ds.transform = transform
+    loader = dlstore.loader(ds, batch, shuffle=True, drop_last=False, seed=0)
     device = ds.device
     count = 0
     for images, labels in loader:  # warm-up epoch (kernels, allocator)
@@ -365,21 +366,24 @@ def jpeg_store_device(folder: Path, store: Path, device: torch.device, *, batch:
     against the host's for the same draws (on CUDA: nvjpeg's and the CUDA resize's rounding)."""
     from torchvision.transforms import v2
 
-    from dlstore.data.loaders.device import DeviceLoader, host_stage
+    from dlstore.data.device_decode import DeviceDecode
 
     dlstore.convert(folder, store, encoding="jpeg", quality=90, workers=usable_cpus(), progress=False)
     crop = [v2.RandomResizedCrop(224), v2.RandomHorizontalFlip()]
     ds = dlstore.open_dataset(store, transform=v2.Compose(
         [*crop, v2.ToDtype(torch.float32, scale=True), v2.Normalize(IMAGENET_MEAN, IMAGENET_STD)]))
-    ways = {"host decode": host_stage(ds), "device decode": host_stage(ds, records_to=device)}
+    ways = {"host decode": ds.host_stage(), "device decode": ds.host_stage(records_to=device)}
 
     def rate(way: str, r: int) -> float:
+        # the host stage on the loader's threads, the device stage here (loader(device=) overlaps
+        # them on a side stream; both ways alike, so the ratio stands)
         host_ds, steps = ways[way]
-        g = torch.Generator().manual_seed(r)
-        loader = DeviceLoader(dlstore.loader(host_ds, batch, shuffle=True, generator=g), device, steps)
         n, t = 0, time.perf_counter()
-        for images, _ in loader:
-            n += len(images)
+        for images, _ in dlstore.loader(host_ds, batch, shuffle=True, seed=r):
+            x = steps[0](images, device) if steps and isinstance(steps[0], DeviceDecode) else images.to(device)
+            for step in steps[1:] if steps and isinstance(steps[0], DeviceDecode) else steps:
+                x = step(x, None)
+            n += len(x)
             if time.perf_counter() - t > seconds:
                 break
         sync(device)
@@ -392,7 +396,7 @@ def jpeg_store_device(folder: Path, store: Path, device: torch.device, *, batch:
     out: dict[str, Any] = {"images": len(ds), "decodes_on_device": type(ways["device decode"][1][0]).__name__,
                            **{w: {"samples_per_s": spread(v)} for w, v in rates.items()}}
     plain = dlstore.open_dataset(store, transform=v2.Compose(crop))
-    records_ds, steps = host_stage(plain, records_to=device)
+    records_ds, steps = plain.host_stage(records_to=device)
     idx = list(range(min(len(plain), 256)))
     want = plain.get_batch(idx, generator=torch.Generator().manual_seed(0))[0]
     got = steps[0](records_ds.get_batch(idx, generator=torch.Generator().manual_seed(0))[0], device).cpu()

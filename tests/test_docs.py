@@ -26,7 +26,8 @@ command's arguments, working directory, environment and file descriptors: the co
 script, without a fresh interpreter per command. ``DLSTORE_DOCS_REAL_CLI=1`` (and any platform
 but Linux) runs the installed console script instead.
 
-Run one file: ``pytest tests/test_docs.py -k reading -s`` (``-s`` shows what every block printed,
+The README runs in the fast loop (``-m "not slow"``), the other files in the full one. Run one file:
+``pytest tests/test_docs.py -k reading -s`` (``-s`` shows what every block printed,
 to paste into the docs' ```text blocks).
 """
 
@@ -49,8 +50,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -339,7 +338,8 @@ def _runnable(doc: Path) -> bool:
     return any(block.run for block in parse_blocks(doc))
 
 
-@pytest.mark.parametrize("doc", [d for d in DOCS if _runnable(d)], ids=lambda p: p.name)
+@pytest.mark.parametrize("doc", [pytest.param(d, marks=() if d.name == "README.md" else pytest.mark.slow)
+                                 for d in DOCS if _runnable(d)], ids=lambda p: p.name)
 def test_examples_run(doc, tmp_path, monkeypatch, cli):
     """Run the file's blocks in order in a fresh working directory (see the module docstring)."""
     work = tmp_path / "work"

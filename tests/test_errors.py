@@ -16,7 +16,6 @@ import pytest
 import torch
 
 import dlstore
-from dlstore.data import GPULoader
 from dlstore import errors, tools
 from dlstore import transforms as T
 from dlstore.sources.demo import make_image_folder
@@ -108,7 +107,8 @@ CASES = [
     ("gpu-not-a-source", lambda e: dlstore.GPUDataset(5, "cpu"), errors.ArgumentTypeError, "int"),
     ("gpu-bad-normalize", lambda e: dlstore.GPUDataset(e["store"], "cpu", normalize=(1, 2, 3)), errors.ArgumentError,
      "normalize"),
-    ("gpu-zero-batch", lambda e: GPULoader(dlstore.GPUDataset(e["store"], "cpu"), 0), errors.ArgumentError, "batch_size"),
+    ("gpu-zero-batch", lambda e: dlstore.loader(dlstore.GPUDataset(e["store"], "cpu"), 0), errors.ArgumentError,
+     "batch_size"),
     ("gpu-bad-overflow", lambda e: dlstore.GPUDataset(e["store"], "cpu", on_overflow="spill"), errors.ArgumentError,
      "spill"),
     ("parse-static-interpolation", lambda e: T.parse_static("resize=1:zzz"), errors.TransformSpecError, "zzz"),

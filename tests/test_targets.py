@@ -273,17 +273,18 @@ def test_int_label_stores_keep_their_layout(tmp_path, fmt):
     assert ds.get_batch([0, 5])[1].tolist() == [0, 2]
 
 
-@pytest.mark.parametrize("threads, workers", [(2, 0), (None, 2)])
-def test_loaders_batch_target_vectors(tmp_path, threads, workers):
+@pytest.mark.parametrize("options", [{"backend": "threads", "num_threads": 2}, {"num_workers": 2}],
+                         ids=["threads", "ring"])
+def test_loaders_batch_target_vectors(tmp_path, options):
     targets = np.random.default_rng(6).random((20, 3)).astype(np.float32)
     dst = tmp_path / "s.shards"
     dlstore.convert((_images(20), targets), dst, workers=0, progress=False)
     ds = dlstore.open_dataset(dst)
-    batches = list(dlstore.loader(ds, batch_size=8, num_workers=workers, threads=threads))
+    batches = list(dlstore.loader(ds, batch_size=8, **options))
     labels = torch.cat([labels for _, labels in batches])
     assert labels.dtype == torch.float32 and labels.shape == (20, 3)
     np.testing.assert_array_equal(labels.numpy(), targets)
-    plain = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=workers)
+    plain = torch.utils.data.DataLoader(ds, batch_size=8, num_workers=options.get("num_workers", 0))
     np.testing.assert_array_equal(torch.cat([t for _, t in plain]).numpy(), targets)
 
 

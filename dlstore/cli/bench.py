@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import sys
 
 import click
 
-from ..errors import ArgumentError, DlstoreError
-from .common import fail, parse_bytes, renamed, say, sigterm_as_interrupt
+from ..errors import DlstoreError
+from .common import STORE_BACKENDS, fail, parse_bytes, renamed, say, sigterm_as_interrupt
 
 
 @click.command()
@@ -25,6 +24,10 @@ from .common import fail, parse_bytes, renamed, say, sigterm_as_interrupt
               help="Comma-separated DataLoader num_workers values to measure.")
 @renamed("--num-workers", "the list of DataLoader num_workers values")
 @click.option("--batch-size", "-b", type=click.IntRange(min=1), default=64, show_default=True)
+@click.option("--backend", type=click.Choice(STORE_BACKENDS), default="auto", show_default=True,
+              help="dlstore.loader's back-end for reading the stores: threads (--num-workers 0 only), ring "
+                   "(worker processes writing into shared memory; --num-workers 1 or more), dataloader, or "
+                   "auto (its own choice per num_workers value). ImageFolder is read by torch's DataLoader.")
 @click.option("--cache", default="cold,warm", show_default=True, help="Page-cache states: cold, warm.")
 @click.option("--order", "orders", default="random,sequential", show_default=True,
               help="Sample orders: random, sequential.")
@@ -45,7 +48,7 @@ from .common import fail, parse_bytes, renamed, say, sigterm_as_interrupt
 @click.option("--out", "out", type=click.Path(file_okay=False), default="dlstore-bench-report", show_default=True,
               help="Folder for report.json, report.md and report.png (with matplotlib).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
-def bench(src, workdir, formats, static, workers, batch_size, cache, orders, samples, repeats, quality,
+def bench(src, workdir, formats, static, workers, batch_size, backend, cache, orders, samples, repeats, quality,
           convert_workers, disk_test_size, drop_caches, keep, out, quiet):
     """Benchmark storage formats on a disk: which one to use on this machine.
 
@@ -59,11 +62,9 @@ def bench(src, workdir, formats, static, workers, batch_size, cache, orders, sam
 
     sigterm_as_interrupt()
     try:
-        if src is not None:
-            _check_image_folder(src, batch_size)
         report = run_bench(src, workdir=workdir, formats=formats, static=static, workers=workers,
-                           batch_size=batch_size, cache=cache, orders=orders, samples=samples, repeats=repeats,
-                           quality=quality, convert_workers=convert_workers,
+                           batch_size=batch_size, backend=backend, cache=cache, orders=orders, samples=samples,
+                           repeats=repeats, quality=quality, convert_workers=convert_workers,
                            disk_test_bytes=parse_bytes(disk_test_size), drop_caches=drop_caches, keep=keep,
                            progress=not quiet, log=say)
         written = report.write(out)
@@ -77,27 +78,3 @@ def bench(src, workdir, formats, static, workers, batch_size, cache, orders, sam
         click.echo(f"kept the images and stores in {report.settings['workdir']}")
     click.echo("wrote " + ", ".join(str(p) for p in written.values()))
 
-
-def _check_image_folder(src: str, batch_size: int) -> None:
-    """ArgumentError unless SRC is a folder and not a store: bench converts images, it does not read a store."""
-    from pathlib import Path
-
-    from .. import formats
-
-    takes = "bench takes an image folder (it converts it to each format and times reading each) or none " \
-        "(built-in demo images)"
-    try:
-        fmt = formats.detect_format(src)
-    except DlstoreError:
-        fmt = None
-    if fmt is None:
-        if not os.path.isdir(src):
-            raise ArgumentError(f"{src}: a file, not a folder; {takes}")
-        return
-    try:
-        root = formats.get_format(fmt).read_manifest(Path(src))["source"].get("root")
-    except (DlstoreError, OSError, ValueError, KeyError, TypeError):
-        root = None
-    origin = f" ({root})" if root else ""
-    raise ArgumentError(f"{src} is a dlstore {fmt} store; {takes}: pass the folder it was converted from{origin}, "
-                        f"or time reading this store with dlstore profile {src} -b {batch_size}")

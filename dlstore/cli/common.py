@@ -5,8 +5,14 @@ from __future__ import annotations
 import re
 import signal
 import sys
+from collections.abc import Callable
+from typing import Any
 
 import click
+
+# dlstore.loader's back-ends for a store (--backend of profile and bench); the library checks them
+# again, this copy keeps --help free of torch
+STORE_BACKENDS = ("auto", "threads", "ring", "dataloader")
 
 # The library names an option both ways, ``keyword=value (--flag value)`` or ``--flag
 # (keyword=value)``; on the command line only the flag means anything.
@@ -34,15 +40,20 @@ def sigterm_as_interrupt() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
-def renamed(new: str, meaning: str):
-    """A hidden old option that fails naming its new name (``--workers`` means decode processes only)."""
+def gone(decls: str, fix: Callable[[Any], str], **kwargs: Any):
+    """A hidden option that no longer exists: given, the command fails with ``fix(value)``, one line
+    naming what replaced it (``kwargs``: click.option's, e.g. a ``type``)."""
     def refuse(ctx: click.Context, param: click.Parameter, value: object) -> None:
         if value is not None:
-            raise click.UsageError(f"--workers is the decode processes of convert and demo; {meaning} is "
-                                   f"{new} here", ctx=ctx)
-    return click.option("--workers", "old_workers", hidden=True, expose_value=False, default=None,
-                        callback=refuse)
+            raise click.UsageError(fix(value), ctx=ctx)
+    name = "gone_" + decls.split("/")[0].lstrip("-").replace("-", "_")
+    return click.option(decls, name, hidden=True, expose_value=False, default=None, callback=refuse, **kwargs)
 
+
+def renamed(new: str, meaning: str):
+    """A hidden old option that fails naming its new name (``--workers`` means decode processes only)."""
+    return gone("--workers", lambda value: f"--workers is the decode processes of convert and demo; {meaning} is "
+                                           f"{new} here")
 
 
 def parse_bytes(text: str) -> int:

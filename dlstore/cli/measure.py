@@ -7,7 +7,17 @@ import os
 import click
 
 from ..errors import DlstoreError
-from .common import check_device, fail, renamed
+from .common import STORE_BACKENDS, check_device, fail, gone, renamed
+
+
+def _threads_gone(value: str) -> str:
+    new = "--backend dataloader" if value.strip() == "0" else f"--backend threads --num-threads {value}"
+    return f"--threads is gone since 0.3: pass {new}"
+
+
+def _shm_ring_gone(value: bool) -> str:
+    new = "--backend ring (with --num-workers N)" if value else "--backend dataloader"
+    return f"--{'' if value else 'no-'}shm-ring is gone since 0.3: pass {new}"
 
 
 @click.command()
@@ -78,17 +88,19 @@ def _loader_options(f):
                      help="Profile what dlstore tune recommended: the file `dlstore tune --json` wrote."),
         click.option("--loader", "which", type=click.Choice(["auto", "dlstore", "dataloader"]), default="auto",
                      show_default=True,
-                     help="dlstore: dlstore.loader (threads, the ring, or its DataLoader back-end with "
-                          "--threads 0 --no-shm-ring); dataloader: torch's DataLoader. auto: as tune's kwargs "
-                          "mean (dlstore when they name threads or the ring), else dlstore for a store, "
-                          "DataLoader for a folder."),
+                     help="dlstore: dlstore.loader (its back-end: --backend); dataloader: torch's DataLoader. "
+                          "auto: as tune's kwargs mean (dlstore when they name a backend), dlstore when "
+                          "--backend or --num-threads is given, else dlstore for a store, DataLoader for a folder."),
         click.option("--num-workers", "workers", type=click.IntRange(min=0), default=None,
                      help="Worker processes (default: DataLoader min(4, usable CPUs); dlstore.loader 0)."),
         renamed("--num-workers", "the loader's num_workers"),
-        click.option("--threads", type=click.IntRange(min=0), default=None,
-                     help="dlstore.loader threads (0: no threads; default: its own choice)."),
-        click.option("--shm-ring/--no-shm-ring", "shm_ring", default=None,
-                     help="dlstore.loader worker processes writing into the shared-memory ring (default: its choice)."),
+        click.option("--backend", type=click.Choice(STORE_BACKENDS), default=None,
+                     help="dlstore.loader's back-end: threads (in this process), ring (--num-workers processes "
+                          "writing into shared memory), dataloader (its torch DataLoader back-end). Default: auto."),
+        click.option("--num-threads", type=click.IntRange(min=1), default=None,
+                     help="Threads of --backend threads (default: the usable CPUs, at most 8)."),
+        gone("--threads", _threads_gone, type=str),
+        gone("--shm-ring/--no-shm-ring", _shm_ring_gone),
         click.option("--prefetch-factor", type=click.IntRange(min=1), default=None),
         click.option("--pin-memory", is_flag=True, default=None, help="pin_memory=True (useful with --device cuda)."),
         click.option("--persistent-workers/--no-persistent-workers", default=None),
@@ -124,7 +136,7 @@ def _loader_options(f):
               help="Write a torch.profiler trace of the measured steps to this folder (TensorBoard, "
                    "Perfetto), with the dlstore.* stages as named ranges; with --compare one subfolder a loader.")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-def profile(path, batch_size, from_tune, which, workers, threads, shm_ring, prefetch_factor, pin_memory,
+def profile(path, batch_size, from_tune, which, workers, backend, num_threads, prefetch_factor, pin_memory,
             persistent_workers, transform, steps, step_spec, device, static, compare, plot, trace_dir, as_json):
     """Profile a training loop on STORE_OR_FOLDER: time waiting for data vs time in a synthetic step,
     step by step (and GPU utilisation on CUDA)."""
@@ -143,9 +155,11 @@ def profile(path, batch_size, from_tune, which, workers, threads, shm_ring, pref
             check_matplotlib()
         folder = _compare_folder(compare) if compare else None
         kwargs = _from_tune(from_tune) if from_tune else {}
-        given = {"batch_size": batch_size, "num_workers": workers, "threads": threads, "shm_ring": shm_ring,
+        given = {"batch_size": batch_size, "num_workers": workers, "backend": backend, "num_threads": num_threads,
                  "prefetch_factor": prefetch_factor, "pin_memory": pin_memory,
                  "persistent_workers": persistent_workers}
+        if backend not in (None, "auto", "threads") and num_threads is None:
+            kwargs.pop("num_threads", None)     # tune's thread count, of a back-end no longer asked for
         kwargs.update({k: v for k, v in given.items() if v is not None})
         if "batch_size" not in kwargs:
             raise click.UsageError("give --batch-size (or --from-tune with tune's kwargs)")
@@ -159,7 +173,7 @@ def profile(path, batch_size, from_tune, which, workers, threads, shm_ring, pref
         if folder is not None:   # the current pipeline first, as the plot's top panel
             current = open_for_tuning(folder, static=static or getattr(dataset, "manifest", {}).get("static"),
                                       transform=parse_transform(transform))
-            other = run_profile(current, _complete({k: v for k, v in kwargs.items() if k not in ("threads", "shm_ring")},
+            other = run_profile(current, _complete({k: v for k, v in kwargs.items() if k not in STORE_LOADER_ONLY},
                                                    False),
                                 steps=steps, step=step, step_spec=step_spec, device=device, store_loader=False,
                                 transform=transform, label=f"current pipeline: ImageFolder({folder})",
@@ -215,6 +229,10 @@ def _compare_folder(spec: str) -> str:
     return folder
 
 
+# dlstore.loader's own arguments: not DataLoader's
+STORE_LOADER_ONLY = ("backend", "num_threads")
+
+
 def _from_tune(path: str) -> dict:
     import json
 
@@ -226,14 +244,28 @@ def _from_tune(path: str) -> dict:
     if not isinstance(kwargs, dict) or "batch_size" not in kwargs:
         raise ValueError(f"--from-tune {path}: expected `dlstore tune --json` output (a \"kwargs\" object "
                          "with batch_size)")
+    old = [name for name in ("threads", "shm_ring") if name in kwargs]
+    if old:
+        said = ", ".join(f"{name}={kwargs[name]!r}" for name in old)
+        raise ValueError(f"--from-tune {path}: its kwargs say {said}, dlstore 0.2's spelling; 0.3 says "
+                         f"{_backend_of(kwargs)}: edit the file, or run dlstore tune --json again")
     return dict(kwargs)
+
+
+def _backend_of(old: dict) -> str:
+    """What 0.2's ``threads=`` / ``shm_ring=`` kwargs say in 0.3's words."""
+    if old.get("shm_ring"):
+        return "backend='ring'"
+    if old.get("threads"):
+        return f"backend='threads', num_threads={old['threads']!r}"
+    return "backend='dataloader'"
 
 
 def _which(which: str, kwargs: dict, dataset, tuned: bool) -> bool:
     from ..data.dataset import StoreDataset
     from ..tools.throughput import uses_store_loader
 
-    if which == "dlstore" or (which == "auto" and (uses_store_loader(kwargs) or "threads" in kwargs)):
+    if which == "dlstore" or (which == "auto" and (uses_store_loader(kwargs) or "num_threads" in kwargs)):
         if not isinstance(dataset, StoreDataset):
             raise ValueError("dlstore.loader reads stores (dlstore.open_dataset); for an image folder use "
                              "--loader dataloader")
@@ -250,8 +282,8 @@ def _complete(kwargs: dict, store_loader: bool) -> dict:
     kwargs = dict(kwargs)
     if store_loader:
         return kwargs
-    for name in ("threads", "shm_ring"):
-        if kwargs.pop(name, None):
+    for name in STORE_LOADER_ONLY:
+        if kwargs.pop(name, None) is not None:
             raise ValueError(f"--{name.replace('_', '-')} is dlstore.loader's; drop it or use --loader dlstore")
     kwargs.setdefault("num_workers", min(4, usable_cpus()))
     kwargs.setdefault("pin_memory", False)

@@ -46,11 +46,11 @@ from ..transforms.batch import (
 from ..transforms.equivalents import batch_equivalent
 
 
-def split_decode_crop(reader: Any, per_sample_ops: list[Any], batch_ops: list[BatchTransform]
+def split_decode_crop(decodes: bool, per_sample_ops: list[Any], batch_ops: list[BatchTransform]
                       ) -> tuple[BatchRandomResizedCrop | None, list[Any], list[BatchTransform]]:
-    """(the crop run at decode time or None, per-sample ops, batch ops) of an encoded store whose
-    dynamic part begins with a bilinear RandomResizedCrop; the other ops unchanged."""
-    if not isinstance(reader, DecodingReader):
+    """(the crop run at decode time or None, per-sample ops, batch ops) of an encoded store (``decodes``)
+    whose dynamic part begins with a bilinear RandomResizedCrop; the other ops unchanged."""
+    if not decodes:
         return None, per_sample_ops, batch_ops
     if len(per_sample_ops) == 1:           # a variable-shape store: the crop is what fixes the size
         crop = batch_equivalent(per_sample_ops[0])
@@ -97,11 +97,10 @@ def crop_into_batch(images: list[torch.Tensor], idx: list[int], boxes: list[list
                     crop: BatchRandomResizedCrop, new_batch: Callable[[tuple[int, ...]], torch.Tensor], *,
                     where: str) -> torch.Tensor:
     """Image j's box ``boxes[j]`` (top, left, height, width) resized to ``crop.size`` by torchvision's
-    ``resized_crop`` kernel and flipped where ``flips[j]``, in the copy into one (B, C, h, w) batch
-    from ``new_batch``; TransformSpecError (naming ``where`` and the sample) where channels differ."""
-    from torchvision.transforms.v2 import functional as F
-
-    resized_crop, size, antialias = F.resized_crop_image, list(crop.size), crop.antialias   # past the dispatch
+    ``resized_crop`` kernel (the crop's: v2's, or v1's for a v1 RandomResizedCrop) and flipped where
+    ``flips[j]``, in the copy into one (B, C, h, w) batch from ``new_batch``; TransformSpecError
+    (naming ``where`` and the sample) where channels differ."""
+    size = list(crop.size)
     out = None
     for j, (image, i, (t, l, h, w)) in enumerate(zip(images, idx, boxes)):
         if out is None:
@@ -109,7 +108,7 @@ def crop_into_batch(images: list[torch.Tensor], idx: list[int], boxes: list[list
         elif image.shape[0] != out.shape[1]:
             raise TransformSpecError(f"{where}: cannot batch samples of {out.shape[1]} and "
                                      f"{image.shape[0]} channels (sample {i}); convert with one colour mode")
-        resized = resized_crop(image, t, l, h, w, size, antialias=antialias)
+        resized = crop.resize_one(image, t, l, h, w)
         out[j] = resized.flip(-1) if flips[j] else resized     # the flip in the copy into the batch
     return out if out is not None else new_batch((0, 3, *size))
 

@@ -74,7 +74,7 @@ class Readahead:
     """Asks the kernel to read blocks of samples ahead (``posix_fadvise(WILLNEED)``), so a window
     is read as a few large sequential reads instead of one fault per sample.
 
-    Where the dataset's reader can say where its samples lie (``StoreReader.prefetch``: every
+    Where the dataset can say where its samples lie (``StoreDataset.prefetch``: every
     format's fixed-shape stores), those exact bytes. Elsewhere an estimate: every format writes
     its samples in index order, so sample ``i`` of ``n`` lies near byte ``i / n`` of the store's
     data files (the files holding 95 % of its bytes, in name order). The estimate drifts by what
@@ -84,8 +84,8 @@ class Readahead:
     """
 
     def __init__(self, dataset: Any):
-        self.reader = getattr(dataset, "format_reader", None)
-        self.exact = hasattr(self.reader, "prefetch")
+        self.dataset = dataset
+        self.exact = hasattr(dataset, "prefetch")
         self.path = Path(dataset.path)
         self.n = len(dataset)
 
@@ -104,7 +104,7 @@ class Readahead:
     def __call__(self, first: int, stop: int) -> None:
         """Advise the bytes of samples ``[first, stop)``."""
         if self.exact:
-            self.exact = self.reader.prefetch(np.arange(first, stop, dtype=np.int64))
+            self.exact = self.dataset.prefetch(np.arange(first, stop, dtype=np.int64))
             if self.exact:
                 return
         files, sizes, ends = self._layout

@@ -48,6 +48,7 @@ def open_dataset(
     reader_options: dict[str, Any] | None = None,
     check: str = "none",
     reduced_decode: bool = False,
+    static_mismatch: str = "error",
 ) -> StoreDataset:
     """Open a store written by ``dlstore convert`` as a map-style Dataset of the matching class.
 
@@ -84,6 +85,10 @@ def open_dataset(
             batches (``get_batch``, ``dlstore.loader``) decode each record at the smallest DCT
             scale (1/2, 1/4, 1/8) at which its drawn box still holds the output size. Faster on
             large records, not the exact pixels (docs/reading.md measures it); off by default.
+        static_mismatch: ``"error"`` (default): a leading deterministic op of ``transform`` that differs
+            from the store's recorded static stage (another resize size, another crop) raises
+            StaticMismatchError naming both; ``"allow"`` runs it on the stored samples anyway, and the
+            plan (``repr(ds)``) says so.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
@@ -99,4 +104,5 @@ def open_dataset(
                                 f"{type(path).__name__}")
     cls = _CLASSES[formats.detect_format(path)]
     return cls(path, transform=transform, target_transform=target_transform, batch_transform=batch_transform,
-               reader_options=reader_options, check=check, reduced_decode=reduced_decode)
+               reader_options=reader_options, check=check, reduced_decode=reduced_decode,
+               static_mismatch=static_mismatch)

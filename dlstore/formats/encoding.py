@@ -180,8 +180,10 @@ class DecodingReader:
 
     def __init__(self, reader: Any):
         self.raw = reader
+        self.path = reader.path
         self.manifest = reader.manifest
         self.labels = reader.labels
+        self.targets = getattr(reader, "targets", None)   # (N, K) target vectors, or None
         self.count = reader.count if hasattr(reader, "count") else len(reader)
         shape = self.manifest["sample"].get("decoded_shape")
         self.shape = tuple(shape) if shape is not None else None
@@ -193,6 +195,20 @@ class DecodingReader:
 
     def __len__(self) -> int:
         return self.count
+
+    # what concerns the stored records, not their pixels: the format's reader answers
+    @property
+    def willneed(self) -> bool:
+        return self.raw.willneed
+
+    def prefetch(self, indices: Any) -> bool:
+        return self.raw.prefetch(indices)
+
+    def ensure_open(self) -> None:
+        self.raw.ensure_open()
+
+    def origins(self) -> Any:
+        return self.raw.origins()
 
     def _decoded(self, record: np.ndarray, i: int) -> np.ndarray:
         sample = decode(record, where=f"{self.where} sample {i}")

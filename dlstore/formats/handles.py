@@ -37,6 +37,11 @@ class ForkSafe:
 
     _handles: tuple[str, ...] = ()
 
+    def ensure_open(self) -> None:
+        """Open the handles in this process now, if they are not (a loader calls it before its threads
+        start, so that an error about the store comes from the caller's thread)."""
+        self._ensure_open()
+
     def _ensure_open(self) -> None:
         if getattr(self, "_pid", None) == os.getpid():
             return          # open in this process; _pid is set only once every handle is

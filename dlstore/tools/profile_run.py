@@ -1,9 +1,9 @@
 """``dlstore profile`` as a function: build the loader the arguments describe, time a loop over it,
 and say why the numbers are what they are.
 
-Any loader the API builds can be profiled: ``dlstore.loader(...)`` with threads, worker
-processes over the shared-memory ring or its DataLoader back-end (``threads=0, shm_ring=False``),
-torch's ``DataLoader``, and exactly what ``tune`` recommends (its kwargs choose the loader as
+Any loader the API builds can be profiled: ``dlstore.loader(...)`` with each ``backend=``
+(threads, worker processes over the shared-memory ring, its DataLoader back-end), torch's
+``DataLoader``, and exactly what ``tune`` recommends (its kwargs choose the loader as
 ``TuneResult.call()`` prints it). Beside the loop it measures, in this process, how long one batch
 takes to build (``batch_build_time``): a wait per step far above what the loader's batch building
 can explain is reported with the likely reason (intra-op thread oversubscription, a busy machine,
@@ -60,28 +60,36 @@ def batch_build_time(dataset: Any, batch_size: int, *, rounds: int = 5, seed: in
     return statistics.median(times), batch
 
 
+def backend_of(loader: Any) -> str | None:
+    """The back-end a ``dlstore.Loader`` builds its batches with; None for torch's DataLoader."""
+    from torch.utils.data import DataLoader
+
+    return None if isinstance(loader, DataLoader) else loader.backend
+
+
 def parallelism(loader: Any) -> int:
-    """Batches the loader builds at once beside the loop: its threads or workers (0: built in the loop)."""
-    for name in ("workers", "threads", "num_workers"):
-        value = getattr(loader, name, None)
-        if isinstance(value, int):
-            return value
-    return 0
+    """Batches the loader builds at once beside the loop: its threads or worker processes (0: built in
+    the loop). A DataLoader and every dlstore back-end but threads say it with ``num_workers``."""
+    if backend_of(loader) == "threads":
+        return loader.num_threads
+    return loader.num_workers
 
 
 def describe_loader(loader: Any, kwargs: dict[str, Any]) -> str:
-    """The loader as code a user can paste, with the type dlstore.loader chose."""
+    """The loader as code a user can paste, with the back-end dlstore.loader builds batches with."""
     args = ", ".join(f"{k}={v!r}" for k, v in kwargs.items())
-    from torch.utils.data import DataLoader
-
-    if type(loader) is DataLoader:
+    backend = backend_of(loader)
+    if backend is None:
         return f"DataLoader(dataset, {args}, shuffle=True)"
-    return f"dlstore.loader(dataset, {args}, shuffle=True) -> {type(loader).__name__}"
+    builders = f", num_threads={loader.num_threads}" if backend == "threads" else \
+        f", num_workers={loader.num_workers}" if loader.num_workers else ""
+    return f"dlstore.loader(dataset, {args}, shuffle=True) -> backend={backend!r}{builders}"
 
 
 @dataclass
 class ProfileResult:
-    """What ``run_profile`` measured: the loop's report, the batch build time, the thread check."""
+    """What ``run_profile`` measured: the loop's report, the batch build time, the thread check;
+    ``backend`` is the dlstore.loader back-end measured (None: torch's DataLoader)."""
 
     loader: str
     kwargs: dict[str, Any]
@@ -95,6 +103,7 @@ class ProfileResult:
     latency_stats: dict[str, Any] | None = None
     transform: str = ""
     timeline: Timeline | None = None
+    backend: str | None = None
 
     def expected_wait(self) -> float:
         """The wait per step batch building explains: all of it when the loop builds the batch
@@ -122,7 +131,7 @@ class ProfileResult:
         if self.parallel and self.build_s / self.parallel > self.report.step_p50 * 0.5:
             reasons.append(f"{self.parallel} builder(s) at {ms(self.build_s)} a batch barely keep up with a "
                            f"{ms(self.report.step_p50)} step")
-        if "DataLoader" in self.loader and self.kwargs.get("num_workers"):
+        if self.backend in (None, "dataloader") and self.kwargs.get("num_workers"):
             reasons.append("each batch crosses from a worker process (pickled, through shared memory)")
         if not reasons:
             reasons.append("not the batch building itself: look at what else the loop process runs")
@@ -149,7 +158,7 @@ class ProfileResult:
         return "\n".join(lines)
 
     def to_json(self) -> dict[str, Any]:
-        return {"loader": self.loader, "kwargs": self.kwargs, "transform": self.transform, "step": self.step_spec, "device": self.device,
+        return {"loader": self.loader, "backend": self.backend, "kwargs": self.kwargs, "transform": self.transform, "step": self.step_spec, "device": self.device,
                 "report": self.report.to_json(), "batch_build_s": self.build_s, "parallel": self.parallel,
                 "expected_wait_s": self.expected_wait(), "explanation": self.explanation(),
                 "thread_check": dict(asdict(self.thread_check), oversubscribed=self.thread_check.oversubscribed,
@@ -182,16 +191,18 @@ def run_profile(dataset: Any, kwargs: dict[str, Any], *, steps: int, step: Calla
     check = check_threads(extra_processes=workers,
                           samples=list(images.unbind(0)) if hasattr(images, "unbind") else None)
 
-    described = describe_loader(loader, kwargs)
-    report, timeline = record_timeline(loader, step, steps=steps, device=device, label=label or described,
+    report, timeline = record_timeline(loader, step, steps=steps, device=device,
+                                       label=label or describe_loader(loader, kwargs),
                                        trace_dir=trace_dir, util_interval=util_interval)
     latency = stats = None
     if timed is not None:
         latency = timed.report()
         stats = {kind: vars(s) for kind, s in timed.stats().items()}
-    return ProfileResult(loader=described, kwargs=dict(kwargs), report=report, build_s=build_s,
+    # described after the loop: a ring that /dev/shm could not hold has fallen back by now
+    return ProfileResult(loader=describe_loader(loader, kwargs), kwargs=dict(kwargs), report=report, build_s=build_s,
                          parallel=workers, step_spec=step_spec, device=device, thread_check=check, latency=latency,
-                         latency_stats=stats, transform=transform, timeline=timeline)
+                         latency_stats=stats, transform=transform, timeline=timeline, backend=backend_of(loader))
 
 
-__all__ = ["ProfileResult", "batch_build_time", "build_batch", "describe_loader", "parallelism", "run_profile"]
+__all__ = ["ProfileResult", "backend_of", "batch_build_time", "build_batch", "describe_loader", "parallelism",
+           "run_profile"]

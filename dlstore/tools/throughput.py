@@ -65,8 +65,8 @@ def loader_kwargs(
 
 
 def uses_store_loader(kwargs: dict[str, Any]) -> bool:
-    """Whether ``kwargs`` (as ``tune`` returns them) are for ``dlstore.loader``: they name threads or the ring."""
-    return bool(kwargs.get("threads") or kwargs.get("shm_ring"))
+    """Whether ``kwargs`` (as ``tune`` returns them) are for ``dlstore.loader``: they name a ``backend``."""
+    return "backend" in kwargs
 
 
 def build_loader(dataset: Any, kwargs: dict[str, Any], *, shuffle: bool = True, extra: dict[str, Any] | None = None,
@@ -85,7 +85,7 @@ def build_loader(dataset: Any, kwargs: dict[str, Any], *, shuffle: bool = True, 
     if store_loader is None:
         store_loader = uses_store_loader(kwargs)
     if store_loader:   # threads, worker processes writing into the ring, or its DataLoader back-end
-        from ..data.loaders.factory import loader
+        from ..data.loaders.loader import loader
 
         drop_last = bool((extra or {}).get("drop_last", False))
         return loader(dataset, shuffle=shuffle, drop_last=drop_last, **kwargs)
@@ -135,7 +135,7 @@ def measure_throughput(
 ) -> Trial:
     """Steady-state throughput of ``DataLoader(dataset, shuffle=shuffle, **kwargs, **extra)``.
 
-    With ``kwargs["threads"] > 0`` or ``kwargs["shm_ring"]`` it is ``dlstore.loader(dataset, shuffle=shuffle, **kwargs)``
+    With ``kwargs["backend"]`` it is ``dlstore.loader(dataset, shuffle=shuffle, **kwargs)``
     (``extra`` gives only ``drop_last`` then).
 
     Starts a fresh loader, skips the first ``warmup`` batches (default
@@ -160,7 +160,7 @@ def measure_throughput(
     """
     dev = torch.device(device) if device is not None else None
     workers = int(kwargs.get("num_workers", 0))
-    threads = int(kwargs.get("threads") or 0)
+    threads = int(kwargs.get("num_threads") or 0)
     warmup = workers + threads + 1 if warmup is None else warmup
     max_seconds = 4 * seconds + 30 if max_seconds is None else max_seconds
     non_blocking = bool(kwargs.get("pin_memory")) and dev is not None and dev.type == "cuda"

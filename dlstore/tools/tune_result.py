@@ -27,7 +27,7 @@ class TuneResult(dict):
 
     The speed-up is the confirmation's: the recommendation and the baseline re-measured in turn.
 
-    With ``result["threads"]`` (threads won) they are for ``dlstore.loader(ds, **result)``.
+    With ``result["backend"]`` (dlstore's threads or ring won) they are for ``dlstore.loader(ds, **result)``.
 
     Attributes:
         trials: every measured configuration, in the order run.
@@ -64,7 +64,7 @@ class TuneResult(dict):
     def call(self, name: str = "dataset") -> str:
         """The recommended loader as code: ``DataLoader(dataset, ...)`` or ``dlstore.loader(dataset, ...)``."""
         args = ", ".join(f"{k}={v!r}" for k, v in self.items())
-        store_loader = self.get("threads") or self.get("shm_ring")
+        store_loader = "backend" in self
         call = f"{'dlstore.loader' if store_loader else 'DataLoader'}({name}, {args})"
         return f"torch.set_num_threads(1); {call}" if self.one_thread else call
 
@@ -102,7 +102,7 @@ class TuneResult(dict):
             mark = "*" if t is self.best else " "
             note = t.stage + (f": {t.note}" if t.note else "")
             lines.append(
-                f"{mark} {t.num_workers:>7} {'ring' if k.get('shm_ring') else k.get('threads') or '-':>7} "
+                f"{mark} {t.num_workers:>7} {'ring' if k.get('backend') == 'ring' else k.get('num_threads') or '-':>7} "
                 f"{str(k.get('prefetch_factor', '-')):>8} "
                 f"{'yes' if k.get('pin_memory') else 'no':>5} "
                 f"{('yes' if k.get('persistent_workers') else 'no') if t.num_workers else '-':>7} "

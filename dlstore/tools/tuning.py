@@ -7,9 +7,10 @@ The search, within a time budget:
 0. Warm-up: one untimed trial of ``num_workers=0``, so the baseline is not measured cold
    (the first pass over a store pays its page faults, lazy imports and kernel set-up).
 1. Sweep: ``num_workers=0`` (the baseline), the loader this dataset gets by default (threads for a
-   store they apply to, else as many workers as usable CPUs), then the rest: ``dlstore.loader(threads=t)``
-   for t = 1, 2, the usable CPUs (at most 8); ``num_workers`` 1, 2, 4, ... up to the usable CPUs
-   and a little over; the shared-memory ring (``num_workers=w, shm_ring=True``) for the same
+   store they apply to, else as many workers as usable CPUs), then the rest:
+   ``dlstore.loader(backend="threads", num_threads=t)`` for t = 1, 2, the usable CPUs (at most 8);
+   ``num_workers`` 1, 2, 4, ... up to the usable CPUs and a little over; the shared-memory ring
+   (``dlstore.loader(backend="ring", num_workers=w)``) for the same
    counts. Every setting is measured ``repeats`` times, round-robin; the baseline and the default
    always, the rest while the budget lasts. A setting is judged on its median, and only once
    measured ``repeats`` times: one lucky (or stalled) trial neither wins nor loses.
@@ -25,7 +26,7 @@ The search, within a time budget:
 
 Among settings within the noise margin of the fastest, the cheapest wins (fewer workers, fewer
 threads, smaller prefetch). Each trial starts a fresh loader, discards its start-up and the first
-``num_workers + threads + 1`` batches, then counts batches over a time window
+``num_workers + num_threads + 1`` batches, then counts batches over a time window
 (``throughput.measure_throughput``), moving each batch to the device when one is given.
 """
 
@@ -49,14 +50,10 @@ from ..transforms import compiled
 from ..units import human_bytes
 from .oversubscription import check_threads
 from .throughput import Trial, _nbytes, loader_kwargs, measure_throughput
-from .tune_result import UNCOUNTED, TuneResult, paired_speedup
+from .tune_search import NOISE
+from .tune_result import UNCOUNTED, TuneResult
+from .tune_search import TuneSearch, short
 
-# Two measurements within this fraction of each other are considered equal.
-NOISE = 0.05
-# The confirmation measures the winner and the baseline in at least this many pairs.
-CONFIRM_PAIRS = 5
-# The least window of a trial (seconds): a rate over a shorter one is mostly start-up noise.
-MIN_WINDOW = 0.25
 
 
 def _worker_candidates(usable: int, max_workers: int | None) -> list[int]:
@@ -90,7 +87,8 @@ def tune(
 ) -> TuneResult:
     """Measure loader settings on ``dataset`` and return the fastest, confirmed beside the baseline.
 
-    See the module docstring for the search.
+    See the module docstring for the search (``tune_search.TuneSearch`` runs its steps). Many keyword options:
+    what to search (workers, threads, repeats) and the seams tests replace (``measure``, ``clock``).
 
     Args:
         dataset: any map-style dataset (a ``StoreDataset``, an ``ImageFolder``, ...).
@@ -110,7 +108,8 @@ def tune(
             ``drop_last`` ...); not part of the returned kwargs.
         cpus: override the CPU information (default: ``cpu_info()``).
         log: called with one line per finished trial (progress), e.g. ``print``.
-        threads: measure ``dlstore.loader(threads=t)`` and the ring too (None: for a StoreDataset they apply to).
+        threads: measure ``dlstore.loader(backend="threads")`` and the ring too (None: for a StoreDataset they
+            apply to).
         measure: ``measure(kwargs, seconds) -> Trial`` times one setting (default:
             ``measure_throughput`` on ``dataset``); tests give seeded fake timings.
         clock: the clock the budget is kept with (tests give a fake one with ``measure``).
@@ -129,18 +128,13 @@ def tune(
         raise ArgumentError(f"budget must be a positive number of seconds, got {budget}")
     if repeats < 1:
         raise ArgumentError(f"repeats must be >= 1, got {repeats}")
-    n = len(dataset)
-    if n == 0:
+    if len(dataset) == 0:
         raise ArgumentError("cannot tune on an empty dataset (len(dataset) == 0)")
     dev = torch.device(device) if device is not None else None
-    cuda = dev is not None and dev.type == "cuda"
     cpus = cpus or cpu_info()
-    candidates = _worker_candidates(cpus.usable, max_workers)
     thread_counts = _thread_candidates(dataset, cpus.usable) if threads is not False else []
     if threads and not thread_counts:
         raise ArgumentError("tune(threads=True) needs a fixed-shape StoreDataset (dlstore.open_dataset)")
-    # the shared-memory ring applies where threads do (a fixed-shape StoreDataset)
-    ring_counts = [w for w in candidates if w > 0] if thread_counts else []
     if measure is None:
         def measure(kwargs: dict[str, Any], seconds: float) -> Trial:
             with warnings.catch_warnings():
@@ -149,180 +143,51 @@ def tune(
                 return measure_throughput(dataset, kwargs, seconds=seconds, device=dev, shuffle=shuffle,
                                           extra=loader_extra, max_seconds=4 * seconds + 10)
 
-    deadline = clock() + budget
-    sweep_size = 1 + len(thread_counts) + len(candidates) + len(ring_counts)
-    # Every trial of the search gets the same window, fixed up front (the budget decides how many
-    # settings are measured, not how long each is); the confirmation gets a quarter of the budget,
-    # so its medians, the claim, come from the longest windows rather than from what is left.
-    planned = 1 + repeats * (sweep_size + 6)
-    window = max(MIN_WINDOW, 0.45 * budget / planned)
-    confirm_pairs = max(repeats, CONFIRM_PAIRS)
-    confirm_window = max(window, 0.25 * budget / (2 * confirm_pairs))
-    trials: list[Trial] = []
-    notes: list[str] = []
-    skipped: list[str] = []
-    batches_per_epoch = math.ceil(n / batch_size)
-
-    def run(kwargs: dict[str, Any], stage: str) -> Trial:
-        trial = measure(kwargs, confirm_window if stage == "confirm" else window)
-        trial.stage = stage
-        trials.append(trial)
-        if log is not None:
-            log(f"{stage:<10} {_short(kwargs):<52} {trial.batches_per_s:8.1f} batches/s "
-                f"(start-up {trial.startup_s:.2f} s)")
-        return trial
-
-    def measure_all(settings: list[tuple[dict[str, Any], str]], required: Iterable[dict[str, Any]] = ()) -> None:
-        """``repeats`` round-robin rounds; a setting not required runs only while the budget lasts,
-        and one left short of ``repeats`` measurements is not judged (``complete``)."""
-        required = list(required)
-        for _ in range(repeats):
-            for kwargs, stage in settings:
-                if kwargs in required or clock() < deadline:
-                    run(kwargs, stage)
-                elif f"{stage} {_short(kwargs)}" not in skipped:
-                    skipped.append(f"{stage} {_short(kwargs)}")
-
-    def config(workers: int, prefetch: int = 2, pin: bool = cuda, persistent: bool = True) -> dict[str, Any]:
-        return loader_kwargs(batch_size, workers, prefetch_factor=prefetch, pin_memory=pin,
-                             persistent_workers=persistent)
-
-    def like(kwargs: dict[str, Any], workers: int) -> dict[str, Any]:
-        """``config(workers)`` through the same kind of loader as ``kwargs`` (the ring or the DataLoader)."""
-        return dict(config(workers), shm_ring=True) if kwargs.get("shm_ring") and workers > 0 else config(workers)
-
-    def counted(kwargs: dict[str, Any]) -> list[float]:
-        return [t.batches_per_s for t in trials if t.kwargs == kwargs and t.stage not in UNCOUNTED + ("confirm",)]
-
-    def rate(kwargs: dict[str, Any]) -> float:
-        # The median: not the best (one setting may get a lucky quiet window the others never had),
-        # not the mean (one stalled run would sink it).
-        return statistics.median(counted(kwargs))
-
-    def complete() -> list[dict[str, Any]]:
-        unique: list[dict[str, Any]] = []
-        for t in trials:
-            if t.kwargs not in unique and len(counted(t.kwargs)) >= repeats:
-                unique.append(t.kwargs)
-        return unique
-
-    def pick(pool: Iterable[dict[str, Any]]) -> dict[str, Any]:
-        # The cheapest setting within the noise margin of the fastest: more workers and
-        # deeper queues must earn their memory by a clear margin.
-        pool = list(pool)
-        top = max(rate(k) for k in pool)
-        return min((k for k in pool if rate(k) >= top / (1 + noise)),
-                   key=lambda k: (int(k.get("num_workers", 0)), int(k.get("threads") or 0),
-                                  int(k.get("prefetch_factor") or 0),
-                                  bool(k.get("pin_memory")), not k.get("persistent_workers", True)))
-
-    baseline_kwargs = config(0)
-    default = (dict(config(0), threads=max(thread_counts)) if thread_counts
-               else config(max(c for c in candidates if c <= max(cpus.usable, 1))))
     batch, batch_bytes = _one_batch(dataset, batch_size, loader_extra)
     thread_check = _thread_check(batch, 0)
     # Oversubscribed (measured): the baseline's collate stalls at random, so its rate, the
     # denominator of every claim, would not reproduce. Search with the fix, and recommend it.
     one_thread = bool(thread_check is not None and thread_check.measured) if fix_threads is None else fix_threads
+    search = TuneSearch(measure, clock, budget=budget, repeats=repeats, noise=noise, log=log,
+                     batch_size=batch_size, cuda=dev is not None and dev.type == "cuda",
+                     workers=_worker_candidates(cpus.usable, max_workers), thread_counts=thread_counts,
+                     usable=cpus.usable, max_workers=max_workers, batches_per_epoch=math.ceil(len(dataset) / batch_size))
     threads_before = torch.get_num_threads()
     with _intra_op_threads(1 if one_thread else None):
-        run(baseline_kwargs, "warm-up")
-        # 1. the sweep: the baseline and the default first (always measured), then the rest
-        sweep = [(baseline_kwargs, "baseline"), (default, "default")]
-        sweep += [(dict(config(0), threads=t), "threads") for t in thread_counts]
-        sweep += [(config(w), "workers") for w in candidates]
-        sweep += [(dict(config(w), shm_ring=True), "ring") for w in ring_counts]
-        seen: list[dict[str, Any]] = []
-        sweep = [(k, s) for k, s in sweep if not (k in seen or seen.append(k))]
-        measure_all(sweep, required=[baseline_kwargs, default])
-        best = pick(complete())
-
-        # 2. refinement. The best at the top of the range: the trend may go on (workers that wait on
-        # I/O, or a busy machine where more processes get more CPU time), so double while it pays.
-        top_count = candidates[-1]
-        while (max_workers is None and int(best["num_workers"]) == top_count and top_count < 4 * cpus.usable
-               and clock() < deadline):
-            top_count = min(2 * top_count, 4 * cpus.usable)
-            measure_all([(like(best, top_count), "extend")])
-            best = pick(complete())
-        counts = sorted({int(k["num_workers"]) for k in complete() if bool(k.get("shm_ring")) == bool(best.get("shm_ring"))})
-        best_workers = int(best["num_workers"])
-        if best_workers > 0 and best_workers in counts:
-            i = counts.index(best_workers)
-            mids = {(best_workers + nb) // 2 for nb in (counts[i - 1] if i > 0 else None,
-                                                        counts[i + 1] if i + 1 < len(counts) else None) if nb is not None}
-            measure_all([(like(best, m), "refine") for m in sorted(mids) if m >= 1 and m not in counts])
-            best = pick(complete())
-        # prefetch around the best worker setting, when one came within 30 % of the best
-        with_workers = [k for k in complete() if int(k["num_workers"]) > 0]
-        if with_workers:
-            local = pick(with_workers)
-            if rate(local) >= 0.7 * rate(best):
-                measure_all([(dict(local, prefetch_factor=p), "prefetch") for p in (1, 4, 8)])
-                best = pick(complete())
-        if cuda:  # pin_memory: on by default for CUDA; check that it pays
-            measure_all([(dict(best, pin_memory=not best.get("pin_memory")), "pin")])
-            best = pick(complete())
-        persist_note = ""
-        if int(best["num_workers"]) > 0:
-            last = [t for t in trials if t.kwargs == best][-1]
-            if last.batches >= batches_per_epoch:
-                measure_all([(dict(best, persistent_workers=False), "persistent")])
-                best = pick(complete())
-            else:
-                persist_note = (f"persistent_workers=True keeps the workers between epochs: saves their "
-                                f"start-up (~{last.startup_s:.2f} s measured) once per epoch of "
-                                f"{batches_per_epoch} batches (~{batches_per_epoch / rate(best):.1f} s)")
-
-        # 3. confirmation: the winner and the baseline in turn, in pairs; the claim is the median of
-        # the pairs' ratios (each pair shares the minute it ran in, so drift in the load cancels)
-        if best != baseline_kwargs:
-            for _ in range(confirm_pairs):
-                run(baseline_kwargs, "confirm")
-                run(best, "confirm")
-            claim = paired_speedup(trials, best, baseline_kwargs)
-            if claim < 1 + noise:
-                notes.append(f"the sweep's winner ({_short(best)}, {rate(best):.1f} batches/s) was not faster than "
-                             f"num_workers=0 when measured in turn beside it ({claim:.2f}x, median of "
-                             f"{confirm_pairs} pairs): num_workers=0 is recommended")
-                best = baseline_kwargs
-    base_rate = rate(baseline_kwargs)
-    best_trial = [t for t in trials if t.kwargs == best and t.stage not in UNCOUNTED][-1]
-    baseline = next(t for t in trials if t.stage == "baseline")
-
-    slower = [k for k in complete() if k != baseline_kwargs and rate(k) < base_rate * (1 - noise)]
-    for t in trials:
-        if t.kwargs in slower:
-            t.note = (t.note + "; " if t.note else "") + "slower than workers=0"
-    if slower:
-        notes.append(f"{len(slower)} of {len(complete())} settings were slower than num_workers=0 "
-                     f"at the median (e.g. {_short(slower[0])}): more processes are not free here")
-    if skipped:
-        notes.append(f"budget of {budget:g} s spent before {len(skipped)} setting(s) had {repeats} measurements "
-                     f"(first: {skipped[0]}); they were not compared: give more --budget for a fuller search")
+        best = search.sweep()
+        best = search.refine(best)
+        best = search.confirm(best)
+    notes = search.notes
     if one_thread:
         notes.append((thread_check.message() if thread_check is not None and thread_check.message() else
                       "torch.set_num_threads(1) asked for") + f"; measured with torch.set_num_threads(1) (was "
                      f"{threads_before}), every setting and the baseline alike: the recommendation includes it")
     elif thread_check is not None and thread_check.message():
         notes.append(thread_check.message())
-    in_flight = best_trial.num_workers * max(best_trial.prefetch_factor, 1) * batch_bytes
-    limit = memory_limit_bytes()
-    if best_trial.num_workers and limit and in_flight > memory_warn_fraction * limit:
-        notes.append(
-            f"memory-heavy: {best_trial.num_workers} workers x prefetch {best_trial.prefetch_factor} x "
-            f"{human_bytes(batch_bytes)} per batch = {human_bytes(in_flight)} of batches in flight "
-            f"({in_flight / limit:.0%} of {human_bytes(limit)} available"
-            f"{', plus pinned copies' if best_trial.kwargs.get('pin_memory') else ''}); "
-            "lower prefetch_factor or num_workers if memory is short")
+    best_trial = [t for t in search.trials if t.kwargs == best and t.stage not in UNCOUNTED][-1]
+    notes += _memory_notes(best_trial, batch_bytes, memory_warn_fraction)
     if getattr(dataset, "fuses_crop_flip", False) and not compiled.available():
         notes.append(f"the random crop/flip ran the pure-numpy kernel ({compiled.unavailable_reason()}); "
                      "the compiled one reads ~2x faster with threads (docs/reading.md)")
-    if persist_note:
-        best_trial.note = (best_trial.note + "; " if best_trial.note else "") + persist_note
-    return TuneResult(best_trial.kwargs, trials=trials, best=best_trial, baseline=baseline, batch_bytes=batch_bytes,
-                      warnings=notes, cpus=cpus, device=str(dev) if dev is not None else None,
+    if search.persist_note:
+        best_trial.note = (best_trial.note + "; " if best_trial.note else "") + search.persist_note
+    baseline = next(t for t in search.trials if t.stage == "baseline")
+    return TuneResult(best_trial.kwargs, trials=search.trials, best=best_trial, baseline=baseline,
+                      batch_bytes=batch_bytes, warnings=notes, cpus=cpus, device=str(dev) if dev is not None else None,
                       thread_check=thread_check, one_thread=one_thread)
+
+
+def _memory_notes(best: Trial, batch_bytes: int, fraction: float) -> list[str]:
+    """A warning when the recommendation keeps more than ``fraction`` of the memory in batches."""
+    in_flight = best.num_workers * max(best.prefetch_factor, 1) * batch_bytes
+    limit = memory_limit_bytes()
+    if not (best.num_workers and limit and in_flight > fraction * limit):
+        return []
+    return [f"memory-heavy: {best.num_workers} workers x prefetch {best.prefetch_factor} x "
+            f"{human_bytes(batch_bytes)} per batch = {human_bytes(in_flight)} of batches in flight "
+            f"({in_flight / limit:.0%} of {human_bytes(limit)} available"
+            f"{', plus pinned copies' if best.kwargs.get('pin_memory') else ''}); "
+            "lower prefetch_factor or num_workers if memory is short"]
 
 
 def _thread_check(batch: Any, extra: int) -> Any:
@@ -348,10 +213,10 @@ def _intra_op_threads(count: int | None) -> Iterator[None]:
 def _thread_candidates(dataset: Any, usable: int) -> list[int]:
     """1, 2 and the usable CPUs (at most 8), for a StoreDataset that threads apply to; else none."""
     from ..data.dataset import StoreDataset
-    from ..data.loaders.factory import MAX_AUTO_THREADS, threads_apply
+    from ..data.loaders.options import MAX_AUTO_THREADS
 
     top = max(1, min(usable, MAX_AUTO_THREADS))
-    return sorted({1, min(2, top), top}) if isinstance(dataset, StoreDataset) and threads_apply(dataset) else []
+    return sorted({1, min(2, top), top}) if isinstance(dataset, StoreDataset) and dataset.threads_apply else []
 
 
 def _one_batch(dataset: Any, batch_size: int, extra: dict[str, Any] | None) -> tuple[Any, int]:
@@ -361,11 +226,6 @@ def _one_batch(dataset: Any, batch_size: int, extra: dict[str, Any] | None) -> t
     extra = {k: v for k, v in (extra or {}).items() if k in ("collate_fn",)}
     batch = next(iter(DataLoader(dataset, batch_size=batch_size, num_workers=0, **extra)))
     return batch, _nbytes(batch)
-
-
-def _short(kwargs: dict[str, Any]) -> str:
-    skip = {"batch_size"}
-    return ", ".join(f"{k}={v}" for k, v in kwargs.items() if k not in skip)
 
 
 def open_for_tuning(

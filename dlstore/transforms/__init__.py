@@ -12,7 +12,12 @@
   (the store's static ops are not run again); ``batch_plan`` maps the dynamic ops
   to batch transforms;
 * ``planner``: the one plan every read path takes of a read-time transform (what the
-  store already applied, per sample / per batch, host / device stage, GPU batch steps).
+  store already applied, per sample / per batch, host / device stage, GPU batch steps);
+  ``opening`` (the pipeline inside a preset object), ``recognise`` (what each op is),
+  ``placement`` (how it runs on a uint8 sample), ``prefix`` (the store's static ops in it)
+  and ``wrappers`` (the callables the planner puts around ops) are its parts;
+* ``ResizeMax``: the ``resize_max`` static op as a transform (with Resize, CenterCrop ... in a
+  pipeline whose static part ``split_transforms`` takes).
 """
 
 from .batch import (
@@ -27,6 +32,7 @@ from .batch import (
 from .equivalents import batch_plan
 from .hybrid import HybridTransform, split_transforms, strip_static_prefix
 from .static import (
+    ResizeMax,
     StaticSpec,
     apply_static,
     describe,
@@ -44,6 +50,7 @@ __all__ = [
     "BatchRandomResizedCrop",
     "BatchTransform",
     "HybridTransform",
+    "ResizeMax",
     "StaticSpec",
     "apply_static",
     "batch_plan",

@@ -247,10 +247,13 @@ class BatchRandomResizedCrop(BatchTransform):
         scale: range of the crop's area as a fraction of the image.
         ratio: range of the crop's aspect ratio (width / height).
         antialias: as torchvision's ``antialias`` (a triangle filter widened when shrinking).
+        kernel: whose CPU kernel resamples: ``"v2"`` (``v2.functional.resized_crop``: uint8 resampled
+            with fixed-point weights) or ``"v1"`` (``torchvision.transforms.functional.resized_crop``:
+            in float32, rounded), each bit for bit; up to 1 level apart on uint8.
     """
 
     def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
-                 ratio: Sequence[float] = (3 / 4, 4 / 3), *, antialias: bool = True):
+                 ratio: Sequence[float] = (3 / 4, 4 / 3), *, antialias: bool = True, kernel: str = "v2"):
         self.size = tuple(_size_pair(list(size) if isinstance(size, tuple) else size, "BatchRandomResizedCrop"))
         if len(scale) != 2 or len(ratio) != 2 or scale[0] > scale[1] or ratio[0] > ratio[1] \
                 or scale[0] <= 0 or ratio[0] <= 0:
@@ -260,6 +263,9 @@ class BatchRandomResizedCrop(BatchTransform):
         self.scale = (float(scale[0]), float(scale[1]))
         self.ratio = (float(ratio[0]), float(ratio[1]))
         self.antialias = bool(antialias)
+        if kernel not in ("v1", "v2"):
+            raise TransformSpecError(f"BatchRandomResizedCrop: kernel must be 'v1' or 'v2', got {kernel!r}")
+        self.kernel = kernel
 
     def sample(self, shape: Sequence[int], *, generator: Any = None, device: Any = "cpu") -> BatchParams:
         b, _, height, width = shape
@@ -275,14 +281,22 @@ class BatchRandomResizedCrop(BatchTransform):
         from .functional import resized_crop
 
         return resized_crop(images, params["top"], params["left"], params["height"], params["width"],
-                            self.size, antialias=self.antialias)  # type: ignore[arg-type]
+                            self.size, antialias=self.antialias, kernel=self.kernel)  # type: ignore[arg-type]
+
+    def resize_one(self, image: "torch.Tensor", top: int, left: int, height: int, width: int) -> "torch.Tensor":
+        """One (C, H, W) image's box resized to ``size`` by this op's kernel (as ``apply`` on the CPU)."""
+        from .functional import resized_crop_one
+
+        return resized_crop_one(image, top, left, height, width, self.size, antialias=self.antialias,
+                                kernel=self.kernel)
 
     def output_size(self, height: int, width: int) -> tuple[int, int]:
         return self.size  # type: ignore[return-value]
 
     def __repr__(self) -> str:
+        kernel = ", kernel='v1'" if self.kernel == "v1" else ""
         return (f"BatchRandomResizedCrop(size={list(self.size)}, scale={self.scale}, "
-                f"ratio=({self.ratio[0]:.4g}, {self.ratio[1]:.4g}), antialias={self.antialias})")
+                f"ratio=({self.ratio[0]:.4g}, {self.ratio[1]:.4g}), antialias={self.antialias}{kernel})")
 
 
 class BatchCutout(BatchTransform):
@@ -336,17 +350,21 @@ class BatchNormalize(BatchTransform):
 
     Meant for the end of the pipeline, on the device: a float32 batch is 4x the
     bytes of uint8. The arithmetic runs in float32 (also for a float16 output,
-    which is then exactly the rounded float32 result).
+    which is then exactly the rounded float32 result). With ``divide=True`` integer
+    input is divided by its maximum, as torchvision v1's ``ConvertImageDtype`` and
+    ``ToTensor`` do (v2's ``ToDtype(scale=True)`` multiplies by the reciprocal: one ulp
+    apart on 378 of the 768 values of a uint8 channel).
 
     Args:
         mean: per-channel means (of the scaled values), or None for no normalisation.
         std: per-channel standard deviations; required with ``mean``.
         dtype: output dtype, a floating type (torch.float32, torch.float16, torch.bfloat16).
         scale: divide integer input by its maximum (255 for uint8), as ``ToDtype(scale=True)``.
+        divide: scale by dividing (v1's arithmetic) rather than multiplying by the reciprocal.
     """
 
     def __init__(self, mean: Sequence[float] | None = None, std: Sequence[float] | None = None, *,
-                 dtype: Any = None, scale: bool = True):
+                 dtype: Any = None, scale: bool = True, divide: bool = False):
 
         dtype = torch.float32 if dtype is None else dtype
         if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -359,6 +377,17 @@ class BatchNormalize(BatchTransform):
         self.std = None if std is None else [float(s) for s in std]
         self.dtype = dtype
         self.scale = bool(scale)
+        self.divide = bool(divide)
+
+    def scale_(self, x: "torch.Tensor", images: "torch.Tensor") -> "torch.Tensor":
+        """``x`` (``images`` as a new float32 tensor) scaled in place as this op scales integer input."""
+        if self.scale and not images.is_floating_point():
+            top = torch.iinfo(images.dtype).max
+            if self.divide:
+                x.div_(float(top))
+            else:
+                x.mul_(1.0 / top)
+        return x
 
     def apply(self, images: "torch.Tensor", params: BatchParams) -> "torch.Tensor":
 
@@ -366,7 +395,7 @@ class BatchNormalize(BatchTransform):
         if x is images:
             x = x.clone()
         if self.scale and not images.is_floating_point():
-            x.mul_(1.0 / torch.iinfo(images.dtype).max)
+            self.scale_(x, images)
         elif self.mean is not None and not images.is_floating_point():
             # v2.Normalize refuses integer input too: normalising 0..255 with means of 0..1 values is
             # a pipeline that lost its ToDtype(scale=True) (e.g. a ToTensor look-alike that passed
@@ -384,7 +413,8 @@ class BatchNormalize(BatchTransform):
         return x.to(self.dtype)
 
     def __repr__(self) -> str:
-        return f"BatchNormalize(mean={self.mean}, std={self.std}, dtype={self.dtype}, scale={self.scale})"
+        divide = ", divide=True" if self.divide else ""
+        return f"BatchNormalize(mean={self.mean}, std={self.std}, dtype={self.dtype}, scale={self.scale}{divide})"
 
 
 class BatchCompose(BatchTransform):

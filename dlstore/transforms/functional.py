@@ -15,34 +15,11 @@ Two kernels for the same result, chosen by output size:
   the copy dominates);
 * ``crop_flip_windows``: vectorised, no per-sample Python (small images).
 
-What the loop costs (a 2-core Xeon VM shared with other jobs, 224x224 shards,
-padding 4, half flipped, the kernels alone on 8 shuffled batches, CPU time of the
-calling thread, 25th percentile of 12-30 interleaved runs):
-
-* batch 64: 23.5 us a sample against 11.6 for the static gather (one ``np.take``), 0.49;
-  the previous loop (``torch.flip`` of the whole sample into a temporary, then the
-  window copied from it, then the strips filled byte-wide row by row): 27.4, 0.42.
-  Batch 256: 28.1 against 12.2 (0.43), previous 31.8 (0.38).
-* Where it goes (per sample): ~3.4 us of Python (the reader's ``get_many`` ~1.2
-  included), the GIL held; a crop ~+2-5 (the memset and a strided window); a flip
-  ~+7-12 with a crop, ~+5-7 without (numpy's cast loop moves one word at a time where
-  memcpy moves 32 bytes; a row that is not whole words takes one more strided call).
-  The memset and the copies release the GIL.
-* Rejected, measured: strips filled as words after the copy, per sample (same speed,
-  one more call) or for the whole batch before the copies (slower: the rows are cold);
-  ``torch.flip`` into a temporary (23+ us a flipped sample, with allocator stalls);
-  staging the batch in a padded buffer then one window gather (torch.index_select /
-  numpy fancy index; 0.24-0.33), torch.stack of ``as_strided`` windows with a batched
-  flip (0.32), a TorchScript loop (GIL-free, 0.2-0.25); a one-pass C loop through
-  ctypes (0.59-0.66, but a compiler at install).
-* So 0.85 is out of reach with numpy/torch primitives: a flipped window costs ~1.4x a
-  plain one in the fastest reversing copy they offer, and the crop's strips and
-  strided rows cost more than the gather's one contiguous copy.
-* And threads barely help it: its 2-3 numpy calls a sample each release and retake the
-  GIL, and two loader threads spend the difference handing it over (1.0-1.1x on 2
-  threads where whole-batch copies give 1.9-2.0x). ``compiled.crop_flip`` (numba, the
-  ``fast`` extra) does the batch in one GIL-free call and is what the readers use where
-  numba imports; these kernels stay the reference path and the fallback.
+The per-sample loop holds the GIL between its 2-3 numpy calls a sample, so loader threads
+barely scale on it; ``compiled.crop_flip`` (numba, the ``fast`` extra) does the batch in one
+GIL-free call and is what the readers use where numba imports. These kernels stay the
+reference path and the fallback (docs/reading.md, "The pure kernels", has their costs and
+the alternatives tried).
 
 And the resampling kernel of ``BatchRandomResizedCrop``: ``resized_crop``
 (torchvision's kernel per sample on the CPU, ``resized_crop_matmul`` elsewhere)
@@ -51,7 +28,7 @@ with the weights of ``resize_weights``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -76,11 +53,9 @@ def _word_bytes(width: int) -> int:
 def copy_reversed(dst: np.ndarray, src: np.ndarray) -> None:
     """``dst[..., k] = src[..., -1 - k]`` for uint8 arrays of one shape: each row copied reversed.
 
-    numpy copies a negative-stride row byte by byte (~40 us for a 3x224x224 sample);
-    read as byte-swapped 8-byte words in reverse order it is one cast copy, ~1.4x a plain
-    copy (~19 us against ~14 from a memory-mapped store; ``torch.flip`` into a temporary
-    and a copy: 23 or more, measured on a 2-core Xeon VM). A row whose width is not a
-    multiple of the word takes one more word per row, overlapping the rest.
+    numpy copies a negative-stride row byte by byte; read as byte-swapped 8-byte words in
+    reverse order it is one cast copy, close to a plain copy's speed. A row whose width is
+    not a multiple of the word takes one more word per row, overlapping the rest.
     """
     width = src.shape[-1]
     if width == 0 or dst.size == 0:
@@ -135,7 +110,7 @@ def crop_flip_loop(views: Iterable[np.ndarray], out: np.ndarray, tops: np.ndarra
     for oj, (view, a0, a1, b0, b1, e0, e1, f0, f1, flipped, strips, nothing) in zip(out, rows):
         # The strips: the whole sample set to `fill`, then the pixels copied over it. One
         # contiguous memset leaves the sample in the cache for the copy; filling only the
-        # strips, a few bytes in each of hundreds of rows, cost 2-3x more (measured).
+        # strips, a few bytes in each of hundreds of rows, costs more.
         if strips:
             oj[...] = fill
         if nothing:
@@ -147,7 +122,7 @@ def crop_flip_loop(views: Iterable[np.ndarray], out: np.ndarray, tops: np.ndarra
     return out
 
 
-def crop_flip_windows(read: Callable[[np.ndarray], np.ndarray], idx: np.ndarray, shape: tuple[int, int, int],
+def crop_flip_windows(plain: np.ndarray | None, flipped: np.ndarray | None, shape: tuple[int, int, int],
                       size: tuple[int, int], tops: np.ndarray, lefts: np.ndarray, flips: np.ndarray,
                       padding: Padding, fill: int, scratch: Scratch | None = None
                       ) -> tuple[torch.Tensor, Scratch]:
@@ -158,8 +133,8 @@ def crop_flip_windows(read: Callable[[np.ndarray], np.ndarray], idx: np.ndarray,
     copies each sample's window into the batch.
 
     Args:
-        read: ``read(indices)`` returns those samples as one (k, C, H, W) uint8 array.
-        idx: (B,) sample indices.
+        plain: the samples not flipped, in batch order, as one (k, C, H, W) uint8 array (None: none).
+        flipped: the samples to flip, likewise (None: none).
         shape: (C, H, W) of every sample.
         size: (th, tw) of the output.
         tops, lefts, flips, padding, fill: as in ``crop_flip_loop``.
@@ -168,7 +143,7 @@ def crop_flip_windows(read: Callable[[np.ndarray], np.ndarray], idx: np.ndarray,
     Returns:
         (the (B, C, th, tw) batch, the scratch buffer to pass next time).
     """
-    b = len(idx)
+    b = len(flips)
     c, h, w = shape
     th, tw = size
     left, top, right, bottom = padding
@@ -187,12 +162,12 @@ def crop_flip_windows(read: Callable[[np.ndarray], np.ndarray], idx: np.ndarray,
     n_plain = b - int(flips.sum())
     pos = np.empty(b, dtype=np.int64)
     pos[order] = np.arange(b)
-    # torch's copy_ into the strided interior is ~2x numpy's for short rows (measured)
+    # torch's copy_ into the strided interior is faster than numpy's for short rows
     interior = torch.from_numpy(buf)[:, :, top:top + h, side:side + w]
     if n_plain:
-        interior[:n_plain].copy_(torch.from_numpy(read(idx[order[:n_plain]])))
+        interior[:n_plain].copy_(torch.from_numpy(plain))
     if n_plain < b:
-        interior[n_plain:b].copy_(torch.from_numpy(read(idx[order[n_plain:]])).flip(-1))
+        interior[n_plain:b].copy_(torch.from_numpy(flipped).flip(-1))
     # flip(crop(pad(x), left=l)) = crop(flip(pad(x)), left=pw - tw - l), and flip(pad(x)) is the
     # flipped image with `right` columns of padding on its left
     x = np.where(flips, pw - tw - lefts + side - right, lefts + side - left)
@@ -252,30 +227,43 @@ def resize_weights(out_size: int, in_size: int, start: torch.Tensor, length: tor
 
 
 def resized_crop(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,
-                 width: torch.Tensor, size: tuple[int, int], *, antialias: bool) -> torch.Tensor:
+                 width: torch.Tensor, size: tuple[int, int], *, antialias: bool, kernel: str = "v2") -> torch.Tensor:
     """Crop every sample at its own box and resize it to ``size``, bilinear, as ``F.resized_crop``.
 
     On the CPU this runs torchvision's own kernel sample by sample (bit-identical
-    by construction: its native uint8 kernel touches only the taps it needs and
-    beat one dense batched matmul 3-7x on 32-256 px images, measured on a 2-core
-    CPU). Elsewhere (CUDA) it runs :func:`resized_crop_matmul`, which is what
-    torchvision computes on CUDA up to the order of float32 sums.
+    by construction: its native uint8 kernel touches only the taps it needs, which a
+    dense batched matmul cannot). Elsewhere (CUDA) it runs :func:`resized_crop_matmul`,
+    which is what torchvision computes on CUDA up to the order of float32 sums.
 
     Args:
         images: (B, C, H, W) tensor.
         top, left, height, width: (B,) int tensors, each sample's crop box.
         size: (out_h, out_w).
         antialias: as ``F.resized_crop(..., antialias=antialias)``.
+        kernel: ``"v2"`` (torchvision.transforms.v2's kernel) or ``"v1"`` (torchvision.transforms'),
+            on the CPU (see ``resized_crop_one``).
     """
     if images.device.type != "cpu":
         return resized_crop_matmul(images, top, left, height, width, size, antialias=antialias)
-    from torchvision.transforms.v2 import functional as F
-
     boxes = zip(top.tolist(), left.tolist(), height.tolist(), width.tolist())
     out = torch.empty((len(images), images.shape[1], *size), dtype=images.dtype)
     for j, (t, l, h, w) in enumerate(boxes):
-        out[j] = F.resized_crop(images[j], t, l, h, w, list(size), antialias=antialias)
+        out[j] = resized_crop_one(images[j], t, l, h, w, size, antialias=antialias, kernel=kernel)
     return out
+
+
+def resized_crop_one(image: torch.Tensor, top: int, left: int, height: int, width: int, size: Sequence[int], *,
+                     antialias: bool, kernel: str = "v2") -> torch.Tensor:
+    """One (C, H, W) image's box resized to ``size``, bilinear, by torchvision's v2 kernel
+    (``F.resized_crop_image``: uint8 resampled with fixed-point weights) or its v1 kernel
+    (``torchvision.transforms.functional.resized_crop``: float32, rounded back), bit for bit."""
+    if kernel == "v1":
+        import torchvision.transforms.functional as F1
+
+        return F1.resized_crop(image, top, left, height, width, list(size), antialias=antialias)
+    from torchvision.transforms.v2 import functional as F
+
+    return F.resized_crop_image(image, top, left, height, width, list(size), antialias=antialias)
 
 
 def resized_crop_matmul(images: torch.Tensor, top: torch.Tensor, left: torch.Tensor, height: torch.Tensor,

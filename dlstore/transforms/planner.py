@@ -1,96 +1,143 @@
 """The transform planner every read path calls: what of a read-time transform runs, and where.
 
-A read-time ``transform`` (a torchvision pipeline, a :class:`HybridTransform`, dlstore
-batch transforms or any callable) meets a store that already holds the output of its
-static ops. :func:`plan` decides once, for every path:
+A read-time ``transform`` (a torchvision pipeline v1 or v2, a preset object holding one in
+``.transforms``, ``weights.transforms()``, timm's ``create_transform``, a :class:`HybridTransform`,
+dlstore batch transforms or any callable) meets a store that already holds the output of its
+static ops. :func:`plan` decides once, in ONE list of ops (``Plan.ops``), for every path:
 
-* what is already applied: the leading ops of a whole pipeline that the store's static
-  spec stands for (``strip_static_prefix``), and a hybrid's static part checked
-  against the store's;
-* what runs per sample and what per batch (``Plan.split``: ``StoreDataset.get_batch``);
-* the host stage and the device stage (``Plan.stages``: ``dlstore.loader(device=...)``);
-* the batch steps of a loader whose samples already sit in one tensor (``Plan.steps``:
-  the GPU loader): each op as its batch equivalent where it has one, else
-  :class:`PerSample`, at its place in the sequence.
-
-Only torchvision ops are read by name (:func:`is_torchvision`); any other callable runs
-as given, whole.
+* what is already applied: the leading ops the store's static spec stands for
+  (``prefix.match_static``), a hybrid's static part checked against the store's; a leading
+  deterministic op that differs from the store's static stage is refused (StaticMismatchError)
+  unless the caller passes ``static_mismatch="allow"``;
+* how each op runs on a uint8 sample (``placement.place``): conversions dropped or replaced by
+  their exact arithmetic, an op that needs a PIL image given one;
+* per sample (``Plan.sample_transform``: ``ds[i]``), per sample then per batch (``Plan.split``:
+  ``get_batch``, every loader back-end), host and device stage (``Plan.stages``), the batch
+  steps of a loader whose samples already sit in one tensor (``Plan.steps``: the GPU loader).
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
+import types
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from ..errors import StaticMismatchError, TransformSpecError
+from ..errors import TransformSpecError
 from .batch import BatchCompose, BatchTransform
-from .equivalents import batch_plan, batch_steps
-from .hybrid import (
-    HybridTransform,
-    flatten,
-    is_torchvision,
-    split_stages,
-    strip_static_prefix,
-)
-from .static import describe, parse_static
+from .equivalents import batch_plan, batch_step, batch_steps
+from .hybrid import HybridTransform, split_stages, strip_static_prefix
+from .placement import place
+from .prefix import check_mismatch_argument, hybrid_mismatch, leading_static, match_static
+from .recognise import conversion, is_torchvision, library, short_repr, unwrap
+from .static import StaticSpec, describe, parse_static
+from .wrappers import Pipeline, PerSample, WholeBatch
+
+__all__ = ["PerSample", "Plan", "WholeBatch", "accepts_generator", "draws_per_sample", "is_torchvision", "plan",
+           "stages", "strip_static_prefix"]
 
 
 @dataclass
 class Plan:
-    """What runs of a read-time transform on a store (see the module doc).
+    """The one plan of a read-time transform on a store (see the module doc).
 
     Attributes:
-        transform: what runs per sample: the transform as given, or the dynamic part
-            (one ``v2.Compose``, or None) of a hybrid or of a pipeline whose static ops
-            the store already applied.
-        hybrid: that hybrid (the one given, or the plan of such a pipeline), else None.
-        already_applied: the leading ops of a whole pipeline the store's static spec
-            stands for, so they do not run (empty when none).
+        given: the transform as given.
+        ops: what runs, in order: the normalised dynamic part, each op a per-sample callable on a
+            uint8 (C, H, W) tensor (torchvision ops, dlstore ops and the planner's wrappers).
+        static: the store's recorded static spec (canonical), or None for a source that is not a
+            store (nothing checked or skipped).
+        stripped: (op, why) of each op of the transform that does not run.
+        already_applied: the leading ops of the transform the store's static spec stands for.
+        hybrid: the hybrid given, or (when ops were taken as applied) the plan as a hybrid whose
+            static part is the store's; else None.
+        mismatch: when ``static_mismatch="allow"`` let a static mismatch through, what it was.
+        notes: how the transform was opened up and each op placed, and why.
     """
 
-    transform: Any
-    hybrid: HybridTransform | None = None
+    given: Any
+    ops: list[Any] = field(default_factory=list)
+    static: StaticSpec | None = None
+    stripped: list[tuple[Any, str]] = field(default_factory=list)
     already_applied: list[Any] = field(default_factory=list)
+    hybrid: HybridTransform | None = None
+    mismatch: str | None = None
+    notes: list[str] = field(default_factory=list)
 
     @property
-    def ops(self) -> list[Any]:
-        """The dynamic part as a flat list: a hybrid's ops, a torchvision pipeline's, else the callable."""
-        if self.hybrid is not None:
-            return list(self.hybrid.dynamic_ops)
-        if self.transform is not None and is_torchvision(self.transform):
-            return flatten(self.transform)
-        return [] if self.transform is None else [self.transform]
+    def sample_transform(self) -> Pipeline | None:
+        """The whole read-time part as one callable on one uint8 (C, H, W) sample (what ``ds[i]`` runs),
+        or None when nothing runs."""
+        return Pipeline(self.ops) if self.ops else None
 
-    def split(self, *, fixed_shape: bool) -> tuple[list[Any], list[BatchTransform]]:
-        """(per-sample ops, batch transforms) of the dynamic part (``batch_plan``)."""
+    @property
+    def transform(self) -> Pipeline | None:
+        """Same as ``sample_transform``."""
+        return self.sample_transform
+
+    def split(self, *, fixed_shape: bool) -> tuple[list[Any], list[Any]]:
+        """(per-sample ops, batch steps): the ops to run on each sample before the batch is stacked,
+        then the steps on the batch, each called ``step(images, generator)`` (``batch_plan``)."""
         return batch_plan(self.ops, fixed_shape=fixed_shape)
 
+    def python_ops(self, *, fixed_shape: bool) -> list[Any]:
+        """The ops that ``split`` runs sample by sample in Python: its per-sample ops, and those
+        inside its per-sample batch steps. They hold the GIL between small kernels: a loader runs
+        a pipeline with any in worker processes rather than threads."""
+        head, tail = self.split(fixed_shape=fixed_shape)
+        return head + [step.op for step in tail if isinstance(step, (PerSample, WholeBatch))]
+
     def stages(self) -> tuple[list[Any], list[Any]]:
-        """(host ops, device ops); see :func:`stages`."""
-        return stages(self.hybrid if self.hybrid is not None else self.transform)
+        """(host ops, device ops): ``ops`` cut at the first float-producing op (``split_stages``)."""
+        return split_stages(self.ops)
+
+    def host_plan(self) -> Plan:
+        """This plan without its device stage: what a dataset gives a loader with ``device=``."""
+        host, _ = self.stages()
+        return Plan(self.given, host, self.static, self.stripped, self.already_applied, None, self.mismatch,
+                    self.notes)
+
+    def device_steps(self) -> list[Any]:
+        """The device stage as batch steps (``steps`` of its ops)."""
+        return _steps(self.stages()[1])
 
     def steps(self) -> list[Any]:
-        """The dynamic part as batch steps, in order: torchvision ops replaced by their batch
-        equivalents (a ``ToDtype`` + ``Normalize`` run as one), those without one by
-        :class:`PerSample`; dlstore batch transforms and other callables as given."""
-        steps: list[Any] = []
-        run: list[Any] = []    # consecutive torchvision ops: mapped together (ToDtype + Normalize merge)
-        for a in _atoms(self.hybrid if self.hybrid is not None else self.transform) + [None]:
-            if a is not None and is_torchvision(a):
-                run.append(a)
-                continue
-            steps += [PerSample(s) if is_torchvision(s) else s for s in batch_steps(run)]
-            run = []
-            if a is not None:
-                steps.append(a)
-        return steps
+        """``ops`` as batch steps, in order: each op's batch equivalent (a ``ToDtype`` + ``Normalize``
+        run as one), timm's RandomErasing on the whole batch, other ops of known libraries and the
+        planner's wrappers :class:`PerSample` (seeded from the loader's generator); dlstore batch
+        transforms and other callables as given (called on the batch)."""
+        return _steps(self.ops)
+
+    def describe(self, *, fixed_shape: bool | None = None) -> str:
+        """What runs where: the static stage recorded, the ops not run, per sample, per batch (given
+        ``fixed_shape``: whether the store's samples share one shape), and the device stage."""
+        lines = [f"transform plan of {_name(self.given)}:"]
+        if self.static is not None:
+            lines.append(f"  static, recorded in the store (not run): {describe(self.static)}")
+        if self.mismatch:
+            lines.append(f"  STATIC MISMATCH ALLOWED (static_mismatch='allow'): {self.mismatch}")
+        reasons: dict[str, list[str]] = {}
+        for t, why in self.stripped:
+            reasons.setdefault(why, []).append(_short(t))
+        lines += [f"  not run: {', '.join(names)}: {why}" for why, names in reasons.items()]
+        if fixed_shape is None:
+            lines.append(f"  runs: {_listing(self.ops)}")
+        else:
+            head, tail = self.split(fixed_shape=fixed_shape)
+            lines.append(f"  per sample: {_listing(head)}")
+            lines.append(f"  per batch: {_listing(tail)}")
+        lines.append(f"  device stage, with loader(device=...): {_listing(self.stages()[1])}")
+        lines += [f"  - {n}" for n in self.notes]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return self.describe()
 
 
-def plan(transform: Any, stored: Any = None, *, where: Any = "the store") -> Plan:
+def plan(transform: Any, stored: Any = None, *, where: Any = "the store", static_mismatch: str = "error") -> Plan:
     """The plan of ``transform`` read from a store converted with static spec ``stored``.
 
     Args:
@@ -98,108 +145,113 @@ def plan(transform: Any, stored: Any = None, *, where: Any = "the store") -> Pla
         stored: the store's static spec (``manifest["static"]``, ``[]`` for none), or None
             for a source that is not a store (nothing is checked or skipped).
         where: the store, named in errors.
+        static_mismatch: ``"error"`` (default) refuses a transform whose leading deterministic ops
+            differ from the store's static stage; ``"allow"`` runs it on the stored samples as
+            given, and the plan says so (``Plan.mismatch``, ``describe``).
 
     Raises:
-        StaticMismatchError: a hybrid's static part is not the store's, or a pipeline begins
-            with some of the store's static ops but not all, or with one under other settings.
+        StaticMismatchError: a hybrid's static part is not the store's, or a pipeline's leading
+            deterministic ops are not the store's static ops (another size, another crop, only
+            some of them, or one under other settings).
+        TransformSpecError: an op of the transform is not callable, or cannot get the input it needs
+            (a PIL-only op after the conversion to float; a pipeline ending on a PIL image).
+        ArgumentError: ``static_mismatch`` is not one of "error", "allow".
     """
-    if stored is None:
-        return Plan(transform)
-    skipped: list[Any] = []
-    planned = strip_static_prefix(transform, stored, where=where)
-    if planned is not None:
-        transform, skipped = planned
+    check_mismatch_argument(static_mismatch)
+    spec = None if stored is None else parse_static(stored)
     if isinstance(transform, HybridTransform):
-        check_static(where, stored, transform)
-        return Plan(transform.dynamic, transform, skipped)
-    return Plan(transform, None, skipped)
+        error = hybrid_mismatch(where, spec, transform.static_spec) if spec is not None else None
+        if error is not None and static_mismatch == "error":
+            raise error
+        return Plan(transform, list(transform.dynamic_ops), spec, hybrid=transform, notes=list(transform.notes),
+                    mismatch=_mismatch_note(error, transform.static_spec, spec))
+    ops, notes = unwrap(transform)
+    for op in ops:
+        if not callable(op):
+            raise TransformSpecError(f"a transform must be callable (a torchvision transform or pipeline, a "
+                                     f"HybridTransform, a dlstore batch transform or a function), got "
+                                     f"{type(op).__name__} {op!r}")
+    taken, error = match_static(ops, spec, where) if spec else (0, None)
+    if error is not None and static_mismatch == "error":
+        raise error
+    reason = f"not run again (the store holds the output of its static transforms {describe(spec or [])})"
+    placed = place(ops, taken=taken, taken_reason=reason)
+    if spec and not taken:
+        _warn_if_opaque(ops, spec, where)
+    already = list(ops[:taken])
+    hybrid = None
+    if taken:
+        stripped_notes = [f"{type(t).__name__}: {why}" for t, why in placed.stripped[:taken]]
+        hybrid = HybridTransform(spec, placed.ops, notes=stripped_notes + placed.notes)
+    return Plan(transform, placed.ops, spec, placed.stripped, already, hybrid,
+                _mismatch_note(error, leading_static(ops)[0], spec), notes + placed.notes)
 
 
-def check_static(where: Any, stored: Any, hybrid: HybridTransform) -> None:
-    """Raise StaticMismatchError unless ``hybrid``'s static part is the store's (``stored``)."""
-    stored = parse_static(stored or [])
-    wanted = hybrid.static_spec
-    if stored == wanted:
+def _mismatch_note(error: Exception | None, theirs: StaticSpec, spec: StaticSpec | None) -> str | None:
+    if error is None:
+        return None
+    first = f" ({describe(theirs)})" if theirs else ""
+    return (f"the transform's deterministic ops{first} run on samples that already went through the store's "
+            f"static transforms {describe(spec or [])}")
+
+
+def _warn_if_opaque(ops: list[Any], spec: StaticSpec, where: Any) -> None:
+    """A store with static ops read through an object dlstore cannot see into: say what to pass."""
+    first = next((op for op in ops if conversion(op) != "uint8"), None)
+    if first is None or library(first) or isinstance(first, (types.FunctionType, types.BuiltinFunctionType,
+                                                             types.MethodType, functools.partial)):
         return
-    detail = ""
-    if describe(stored) == describe(wanted):  # differ in a field describe() leaves out
-        detail = f"\n  store:     {stored}\n  transform: {wanted}"
-    raise StaticMismatchError(
-        f"{where}: the store was converted with static transforms {describe(stored)!r}, but the hybrid "
-        f"transform's static part is {describe(wanted)!r}{detail}. Training on it would not see the data "
-        f"the pipeline describes. Convert again with dlstore.convert(src, {str(where)!r}, static=hybrid, "
-        f"overwrite=True), or open it with a hybrid whose static part is {describe(stored)!r}.")
+    name = type(first).__name__
+    warnings.warn(
+        f"{where}: the store's samples already went through its static transforms {describe(spec)!r}, and "
+        f"dlstore cannot see inside {name}, so it runs as given on them (uint8 CHW tensors). If {name} holds a "
+        f"torchvision pipeline, pass that pipeline (for example transform=obj.transforms): the store's static ops "
+        f"are then not run again and PILToTensor / ToTensor are handled; if it resizes or crops, pass only the "
+        f"ops after those", UserWarning, stacklevel=3)
+
+
+def _steps(ops: list[Any]) -> list[Any]:
+    def wrap(op: Any) -> Any:
+        if isinstance(op, BatchTransform) or not library(op):
+            return op
+        step = batch_step(op)
+        return step if step is not None else PerSample(op)
+
+    out: list[Any] = []
+    for op in ops:   # a BatchCompose given runs as its steps
+        out += list(op.transforms) if isinstance(op, BatchCompose) else [op]
+    return batch_steps(out, wrap=wrap)
 
 
 def stages(transform: Any) -> tuple[list[Any], list[Any]]:
-    """(host ops, device ops) of a read-time transform: a hybrid's own stages; a torchvision
-    pipeline cut at its first float-producing op (``split_stages``); any other callable is
-    one op, kept whole on the host (returned as neither)."""
+    """(host ops, device ops) of a read-time transform: a hybrid's own stages; a pipeline placed
+    (``plan``) and cut at its first float-producing op (``split_stages``); any other callable
+    is one op, kept whole on the host (returned as neither)."""
     if isinstance(transform, HybridTransform):
         return list(transform.host_ops), list(transform.device_ops)
-    if transform is not None and is_torchvision(transform):
-        return split_stages(flatten(transform))
-    return [], []
+    if transform is None or not library(transform) and not _opens_up(transform):
+        return [], []
+    return plan(transform).stages()
 
 
-def _atoms(transform: Any) -> list[Any]:
-    """``transform`` as a flat list of ops: torchvision ops, batch transforms, other callables."""
-    if transform is None:
-        return []
-    if isinstance(transform, HybridTransform):
-        return list(transform.dynamic_ops)
-    if isinstance(transform, BatchCompose):
-        return [a for t in transform.transforms for a in _atoms(t)]
-    if isinstance(transform, (list, tuple)):
-        return [a for t in transform for a in _atoms(t)]
-    if is_torchvision(transform):
-        return flatten(transform)
-    if isinstance(transform, torch.nn.Sequential):
-        return [a for t in transform for a in _atoms(t)]
-    if not callable(transform):
-        raise TransformSpecError(f"the GPU loader's transform must be callable (a torchvision transform or "
-                                 f"pipeline, a HybridTransform, a dlstore batch transform or a function), got "
-                                 f"{type(transform).__name__} {transform!r}")
-    return [transform]
+def _opens_up(transform: Any) -> bool:
+    ops, _ = unwrap(transform)
+    return len(ops) != 1 or ops[0] is not transform
 
 
-class PerSample:
-    """A torchvision op without a batch equivalent, run on each sample of a batch in turn.
+def _name(t: Any) -> str:
+    if t is None:
+        return "no transform"
+    ops, _ = unwrap(t)
+    return f"{type(t).__name__} ({len(ops)} ops)" if len(ops) != 1 or ops[0] is not t else type(t).__name__
 
-    It draws from torch's global generators, as torchvision does; ``sample`` draws
-    one seed for them from the loader's generator, and ``apply`` runs the op on
-    every sample with the global generators so seeded (restoring them after):
-    draws reproducible from the loader's seed, independent per sample.
-    """
 
-    def __init__(self, op: Any):
-        self.op = op
+def _short(t: Any) -> str:
+    return short_repr(t, 200) if library(t) else type(t).__name__
 
-    def sample(self, shape: Any, *, generator: torch.Generator | None = None,
-               device: Any = "cpu") -> dict[str, torch.Tensor]:
-        return {"seed": torch.randint(0, 2**62, (), generator=generator, device=device)}
 
-    def apply(self, images: torch.Tensor, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        seed = int(params["seed"])
-        device = images.device
-        cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
-            if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=cuda):
-            torch.default_generator.manual_seed(seed)
-            if cuda:
-                torch.cuda.default_generators[cuda[0]].manual_seed(seed)
-            out = [self.op(x) for x in images]
-        shapes = sorted({tuple(x.shape) for x in out})
-        if len(shapes) > 1:
-            raise TransformSpecError(f"{self.op!r} gave samples of different shapes {shapes[:4]}; the GPU loader "
-                                     f"stacks every batch into one tensor")
-        return torch.stack(out)
-
-    def __call__(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
-        return self.apply(images, self.sample(images.shape, generator=generator, device=images.device))
-
-    def __repr__(self) -> str:
-        return f"PerSample({self.op!r})"
+def _listing(ops: list[Any]) -> str:
+    return "[" + ", ".join(_short(op) for op in ops) + "]" if ops else "none"
 
 
 def draws_per_sample(step: Any) -> bool:
@@ -208,7 +260,7 @@ def draws_per_sample(step: Any) -> bool:
     the random stream."""
     if isinstance(step, BatchCompose):
         return all(draws_per_sample(t) for t in step.transforms)
-    return isinstance(step, (BatchTransform, PerSample))
+    return isinstance(step, (BatchTransform, PerSample, WholeBatch))
 
 
 def accepts_generator(transform: Callable[..., Any]) -> bool:
@@ -220,3 +272,4 @@ def accepts_generator(transform: Callable[..., Any]) -> bool:
         return False
     p = params.get("generator")
     return p is not None and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+

@@ -37,6 +37,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import TransformSpecError
+from .opening import unwrap
 
 StaticSpec = list[dict[str, Any]]
 
@@ -255,11 +256,13 @@ def _parse_size(text: str, single_ok: bool = False) -> int | list[int]:
 def parse_static(spec: Any) -> StaticSpec:
     """Normalise any accepted form of a static spec to its canonical list of dicts.
 
-    Accepts ``None``, a CLI string, a list of dicts, a torchvision transform or
-    ``Compose``, or an object with a ``static`` attribute (a hybrid transform).
+    Accepts ``None``, a CLI string, a list of dicts, a torchvision transform or ``Compose``
+    (also inside a preset object's ``.transforms``, or torchvision's ``ImageClassification``),
+    or an object with a ``static_spec`` attribute (a hybrid transform).
 
     Raises:
-        TransformSpecError: unknown op, bad field, or a random / float op.
+        TransformSpecError: unknown op, bad field, or a random / float op (for a whole
+            pipeline, the message says to pass ``split_transforms(pipeline)``, its static part).
     """
     if spec is None:
         return []
@@ -267,15 +270,21 @@ def parse_static(spec: Any) -> StaticSpec:
         return parse_static(spec.static_spec)
     if isinstance(spec, str):
         spec = _parse_string(spec)
-    if isinstance(spec, (list, tuple)):
-        out: StaticSpec = []
-        for entry in spec:
-            if isinstance(entry, dict):
-                out.append(_canonical_op(entry))
-            else:
-                out.extend(_from_torchvision(entry))
-        return out
-    return _from_torchvision(spec)
+    if isinstance(spec, (list, tuple)) and all(isinstance(entry, dict) for entry in spec):
+        return [_canonical_op(entry) for entry in spec]
+    ops, _ = unwrap(spec)
+    out: StaticSpec = []
+    for entry in ops:
+        try:
+            out.extend(_canonical_op(entry) if isinstance(entry, dict) else _from_torchvision(entry))
+        except TransformSpecError as exc:
+            if len(ops) == 1:
+                raise
+            raise TransformSpecError(
+                f"{exc} To store the static part of a whole pipeline ({describe(out)} here), pass "
+                f"static=dlstore.split_transforms(pipeline): its leading deterministic ops run at conversion, "
+                f"the rest at read time") from exc
+    return out
 
 
 def output_shape(spec: StaticSpec) -> tuple[int, int, int] | None:

@@ -8,11 +8,12 @@ SIGKILL (``kill -9``, the OOM killer) or SIGTERM (to a script: Python's default,
 The workers, orphaned, are re-parented to the harness, which reaps them and so learns how each
 one ended. It then reads the conversion's pipes to their end (a process still holding one
 would make the caller hang) and looks in ``/proc`` for any process holding the lock file.
-Then ``--resume`` (``resume=True``) must give a store byte-identical to an uninterrupted run
-(shards, HDF5). An LMDB store is compared key by key, with lmdb: its file is byte-identical too
-unless the kill fell between a transaction's commit and its checkpoint, after which the resume
-deletes the samples committed past the checkpoint and LMDB reuses the freed pages in another
-order (docs/robustness.md).
+Then ``--resume`` (``resume=True``) must give a store byte-identical to an uninterrupted run,
+every file of it (an LMDB store's ``data.mdb`` included, but for the unused space inside its pages,
+``test_lmdb_resume_layout``; its ``lock.mdb`` holds the readers' table, not data), and for LMDB every
+key's value read with lmdb too. A kill between a
+transaction's commit and its checkpoint leaves samples past the checkpoint: the resume keeps and
+checks them rather than deleting them, so the file is laid out as the uninterrupted run's.
 
 Decoding is slowed (each image open sleeps ``SLOW_S`` in the workers) so that the run lasts a
 few seconds whatever the machine, and the random delay lands inside it.
@@ -37,6 +38,7 @@ import lmdb
 import pytest
 
 import dlstore
+from test_lmdb_resume_layout import lmdb_pages
 from dlstore.sources.demo import make_image_folder
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(not sys.platform.startswith("linux"),
@@ -151,16 +153,17 @@ def clean(folder, tmp_path_factory):
 
 def contents(store: Path) -> dict[str, str]:
     """sha256 of every file of a store (a folder's files by name, or the one file); of an LMDB
-    store, of every key's value, read with lmdb."""
+    store, of every key's value, read with lmdb, and of its data file."""
     if store.is_file():
         return {store.suffix: hashlib.sha256(store.read_bytes()).hexdigest()}
     if store.suffix == ".lmdb":
         env = lmdb.open(str(store), readonly=True, lock=False)
         try:
             with env.begin() as txn:
-                return {key.decode(): hashlib.sha256(value).hexdigest() for key, value in txn.cursor()}
+                values = {key.decode(): hashlib.sha256(value).hexdigest() for key, value in txn.cursor()}
         finally:
             env.close()
+        return {**values, "file data.mdb": hashlib.sha256(b"".join(lmdb_pages(store))).hexdigest()}
     return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(store.iterdir())}
 
 

@@ -11,9 +11,6 @@ import torch
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data.loaders.dataloader import StoreDataLoader
-from dlstore.data.loaders.shm_ring import ShmRingLoader
-from dlstore.data.loaders.threads import ThreadLoader
 from dlstore.errors import ArgumentError
 from dlstore.sources.demo import make_image_folder
 
@@ -30,23 +27,27 @@ def stores(tmp_path_factory):
 
 
 @pytest.mark.parametrize(("options", "kind"), [
-    ({}, ThreadLoader),
-    ({"backend": "threads", "threads": 3}, ThreadLoader),
-    ({"backend": "ring", "num_workers": 1}, ShmRingLoader),
-    ({"num_workers": 1}, ShmRingLoader),
-    ({"backend": "dataloader"}, StoreDataLoader),
-    ({"backend": "dataloader", "num_workers": 1}, StoreDataLoader),
+    ({}, "threads"),
+    ({"backend": "threads", "num_threads": 3}, "threads"),
+    ({"num_threads": 3}, "threads"),
+    ({"backend": "ring", "num_workers": 1}, "ring"),
+    ({"num_workers": 1}, "ring"),
+    ({"backend": "dataloader"}, "dataloader"),
+    ({"backend": "dataloader", "num_workers": 1}, "dataloader"),
+    ({"device": "cpu"}, "threads"),
+    ({"device": "cpu", "num_workers": 1}, "ring"),
 ])
-def test_each_backend_builds_its_loader(stores, options, kind):
+def test_each_backend_is_one_loader_class(stores, options, kind):
     dl = dlstore.loader(dlstore.open_dataset(stores[0]), 4, **options)
-    assert type(dl) is kind
-    if "threads" in options:
-        assert dl.threads == options["threads"]
+    assert type(dl) is dlstore.Loader and dl.backend == kind
+    if "num_threads" in options:
+        assert dl.num_threads == options["num_threads"]
 
 
-def test_a_gpu_dataset_is_the_gpu_backend(stores):
+def test_a_gpu_dataset_is_the_resident_backend(stores):
     gpu = dlstore.GPUDataset(stores[0], device="cpu", dtype=torch.uint8)
-    assert type(dlstore.loader(gpu, 4, backend="gpu")) is type(dlstore.loader(gpu, 4)) is dlstore.data.GPULoader
+    for dl in (dlstore.loader(gpu, 4, backend="resident"), dlstore.loader(gpu, 4)):
+        assert type(dl) is dlstore.Loader and dl.backend == "resident"
 
 
 def test_threads_and_ring_give_the_same_batches(stores):
@@ -56,23 +57,23 @@ def test_threads_and_ring_give_the_same_batches(stores):
         dl = dlstore.loader(ds, 4, shuffle=True, generator=torch.Generator().manual_seed(5), **options)
         return [(x.clone(), y.clone()) for x, y in dl]
 
-    threads, ring = epoch(backend="threads", threads=2), epoch(backend="ring", num_workers=2)
-    assert len(threads) == len(ring) == 4
-    assert all(torch.equal(a, b) and torch.equal(u, w) for (a, u), (b, w) in zip(threads, ring))
+    threads = epoch(backend="threads", num_threads=2)
+    assert len(threads) == 4
+    for options in ({"backend": "ring", "num_workers": 2}, {"backend": "dataloader"},
+                    {"backend": "dataloader", "num_workers": 2}):
+        other = epoch(**options)
+        assert all(torch.equal(a, b) and torch.equal(u, w) for (a, u), (b, w) in zip(threads, other)), options
 
 
 CONFLICTS = [
     ({"backend": "threads", "num_workers": 2}, "backend='threads'", "num_workers=2"),
-    ({"backend": "threads", "threads": 0}, "backend='threads'", "threads=0"),
-    ({"backend": "threads", "shm_ring": True}, "backend='threads'", "shm_ring=True"),
-    ({"backend": "threads", "persistent_workers": True}, "backend='threads'", "persistent_workers="),
+    ({"backend": "threads", "num_workers": 1, "persistent_workers": True}, "backend='threads'", "num_workers=1"),
     ({"backend": "ring"}, "backend='ring'", "num_workers=0"),
-    ({"backend": "ring", "num_workers": 1, "threads": 2}, "backend='ring'", "threads=2"),
-    ({"backend": "ring", "num_workers": 1, "shm_ring": False}, "backend='ring'", "shm_ring=False"),
-    ({"backend": "dataloader", "threads": 2}, "backend='dataloader'", "threads=2"),
-    ({"backend": "dataloader", "num_workers": 1, "shm_ring": True}, "backend='dataloader'", "shm_ring=True"),
-    ({"backend": "gpu"}, "backend='gpu'", "ShardsDataset"),
-    ({"threads": 2, "worker_init_fn": print}, "threads=2", "worker_init_fn="),
+    ({"backend": "ring", "num_workers": 1, "num_threads": 2}, "backend='ring'", "num_threads=2"),
+    ({"backend": "dataloader", "num_threads": 2}, "backend='dataloader'", "num_threads=2"),
+    ({"backend": "resident"}, "backend='resident'", "ShardsDataset"),
+    ({"backend": "gpu"}, "backend='gpu'", "backend='resident'"),
+    ({"persistent_workers": True}, "persistent_workers=", "num_workers >= 1"),
     ({"backend": "process"}, "backend must be one of", "'ring'"),
 ]
 
@@ -85,9 +86,9 @@ def test_a_contradiction_names_both_arguments(stores, options, first, second):
 
 
 def test_the_ring_needs_one_batch_shape(stores):
-    with pytest.raises(ArgumentError, match=re.escape("backend='ring' needs a batch path of fixed output shape")):
+    with pytest.raises(ArgumentError, match=re.escape("backend='ring' needs batches of one fixed shape")):
         dlstore.loader(dlstore.open_dataset(stores[1]), 4, backend="ring", num_workers=1)
-    assert type(dlstore.loader(dlstore.open_dataset(stores[1]), 4, num_workers=1)) is StoreDataLoader
+    assert dlstore.loader(dlstore.open_dataset(stores[1]), 4, num_workers=1).backend == "dataloader"
 
 
 def test_a_gpu_dataset_refuses_a_host_backend(stores):

@@ -14,7 +14,6 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 import dlstore
-from dlstore.data.loaders.threads import ThreadLoader
 from dlstore.formats.encoding import decode_reduced, image_size, reduced_scale
 from dlstore.sources.demo import make_image_folder, synthetic_image
 from dlstore.transforms import BatchRandomResizedCrop
@@ -68,9 +67,9 @@ def test_loader_batches_equal_torchvision_resized_crop_with_the_drawn_boxes(jpeg
     ds = dlstore.open_dataset(jpeg_store, transform=v2.Compose([v2.RandomResizedCrop(24), v2.RandomHorizontalFlip()]))
     assert ds.shape is None and ds.decode_crop is not None and not ds.per_sample_ops
     loader = dlstore.loader(ds, 5, shuffle=True, generator=torch.Generator().manual_seed(0))
-    assert isinstance(loader, ThreadLoader)        # the default: threads, the crop drawn per batch
+    assert loader.backend == "threads"           # the default: threads, the crop drawn per batch
     batches = list(loader)
-    again = list(dlstore.loader(ds, 5, shuffle=True, threads=1, generator=torch.Generator().manual_seed(0)))
+    again = list(dlstore.loader(ds, 5, shuffle=True, backend="threads", num_threads=1, generator=torch.Generator().manual_seed(0)))
     assert all(torch.equal(a, b) for (a, _), (b, _) in zip(batches, again))   # whatever the thread count
     # each batch: torchvision's kernel on PIL's pixels with the boxes its generator draws first, then the flip
     idx = [2, 7, 0, 11, 5]

@@ -15,7 +15,6 @@ from torchvision.transforms.v2 import functional as F
 
 import dlstore
 from dlstore.data.device_decode import DeviceDecode, EncodedBatch
-from dlstore.data.loaders.device import DeviceLoader, host_stage
 
 CPU = torch.device("cpu")
 
@@ -37,17 +36,21 @@ def test_device_decode_gives_the_host_paths_batches(jpeg_store, normalise, seed)
     """Same generator, same batches as the host path (decode + crop on the loader's threads), for
     two epochs of a shuffled order; the host batches handed over hold no pixels."""
     ds = dlstore.open_dataset(jpeg_store, transform=_pipeline(normalise))
-    host_ds, steps = host_stage(ds, records_to=CPU)
+    host_ds, steps = ds.host_stage(records_to=CPU)
     assert isinstance(steps[0], DeviceDecode) and host_ds.records_out
     assert isinstance(host_ds.get_batch([0, 1], generator=torch.Generator().manual_seed(0))[0], EncodedBatch)
-    reference = dlstore.loader(ds, 4, shuffle=True, device="cpu", generator=torch.Generator().manual_seed(seed))
-    host = dlstore.loader(host_ds, 4, shuffle=True, backend="threads", threads=2,
-                          generator=torch.Generator().manual_seed(seed))
-    moved = DeviceLoader(host, "cpu", steps, generator=torch.Generator().manual_seed(seed))
-    for _epoch in range(2):
-        pairs = list(zip(reference, moved, strict=True))
+    reference = dlstore.loader(ds, 4, shuffle=True, device="cpu", seed=seed)   # on the CPU the host decodes
+    host = dlstore.loader(host_ds, 4, shuffle=True, backend="threads", num_threads=2, seed=seed)
+    for epoch in range(2):
+        reference.set_epoch(epoch)
+        host.set_epoch(epoch)
+        pairs = list(zip(reference, host, strict=True))
         assert len(pairs) == len(reference)
-        for (want, want_labels), (got, got_labels) in pairs:
+        for (want, want_labels), (records, got_labels) in pairs:
+            assert isinstance(records, EncodedBatch)
+            got = steps[0](records, CPU)
+            for step in steps[1:]:                      # deterministic (Normalize): no generator needed
+                got = step(got, None)
             assert got.dtype == want.dtype and got.shape == want.shape
             torch.testing.assert_close(got, want, rtol=0, atol=0)
             assert torch.equal(got_labels, want_labels)
@@ -55,7 +58,7 @@ def test_device_decode_gives_the_host_paths_batches(jpeg_store, normalise, seed)
 
 def test_each_crop_is_torchvisions_of_pils_decode_for_the_drawn_box(jpeg_store):
     ds = dlstore.open_dataset(jpeg_store, transform=_pipeline(False))
-    host_ds, steps = host_stage(ds, records_to=CPU)
+    host_ds, steps = ds.host_stage(records_to=CPU)
     idx = [3, 0, 11, 7, 7]
     batch, _ = host_ds.get_batch(idx, generator=torch.Generator().manual_seed(2))
     out = steps[0](batch, CPU)
@@ -72,23 +75,23 @@ def test_each_crop_is_torchvisions_of_pils_decode_for_the_drawn_box(jpeg_store):
 
 def test_only_an_exact_jpeg_crop_with_nothing_after_it_on_the_host_goes_as_records(tmp_path, jpeg_store):
     reduced = dlstore.open_dataset(jpeg_store, transform=_pipeline(True), reduced_decode=True)
-    assert not any(isinstance(s, DeviceDecode) for s in host_stage(reduced, records_to=CPU)[1])
+    assert not any(isinstance(s, DeviceDecode) for s in reduced.host_stage(records_to=CPU)[1])
     after = dlstore.open_dataset(jpeg_store, transform=v2.Compose([v2.RandomResizedCrop(24), v2.RandomCrop(20)]))
-    assert not any(isinstance(s, DeviceDecode) for s in host_stage(after, records_to=CPU)[1])
+    assert not any(isinstance(s, DeviceDecode) for s in after.host_stage(records_to=CPU)[1])
     raw = tmp_path / "raw.shards"
     images = np.random.default_rng(0).integers(0, 256, (6, 30, 30, 3), dtype=np.uint8)
     dlstore.convert((images, np.zeros(6, dtype=np.int64)), raw, workers=0, progress=False)
     plain = dlstore.open_dataset(raw, transform=_pipeline(True))
-    assert not any(isinstance(s, DeviceDecode) for s in host_stage(plain, records_to=CPU)[1])
+    assert not any(isinstance(s, DeviceDecode) for s in plain.host_stage(records_to=CPU)[1])
     # without a device to decode on, the host decodes, as before
     ds = dlstore.open_dataset(jpeg_store, transform=_pipeline(True))
-    host_ds, steps = host_stage(ds)
+    host_ds, steps = ds.host_stage()
     assert not host_ds.records_out and not any(isinstance(s, DeviceDecode) for s in steps)
 
 
 def test_the_host_stage_of_a_reduced_decode_keeps_it(jpeg_store):
     reduced = dlstore.open_dataset(jpeg_store, transform=_pipeline(True), reduced_decode=True)
-    host_ds, _ = host_stage(reduced)
+    host_ds, _ = reduced.host_stage()
     alone = dlstore.open_dataset(jpeg_store, transform=_pipeline(False), reduced_decode=True)
     exact = dlstore.open_dataset(jpeg_store, transform=_pipeline(False))
     idx = list(range(len(alone)))
@@ -103,7 +106,7 @@ def test_cuda_decode_is_within_its_bound_of_the_host_path(jpeg_store):
     rounding: a bound, not equality (scripts/gpu_check.py measures it on a bigger store)."""
     ds = dlstore.open_dataset(jpeg_store, transform=_pipeline(False))
     cuda = torch.device("cuda", torch.cuda.current_device())
-    host_ds, steps = host_stage(ds, records_to=cuda)
+    host_ds, steps = ds.host_stage(records_to=cuda)
     idx = list(range(len(ds)))
     want = ds.get_batch(idx, generator=torch.Generator().manual_seed(4))[0]
     got = steps[0](host_ds.get_batch(idx, generator=torch.Generator().manual_seed(4))[0], cuda)

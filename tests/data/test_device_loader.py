@@ -16,7 +16,7 @@ import torch
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data.loaders.device import DeviceLoader, _Ring, host_stage
+from dlstore.data.loaders.device import _Ring
 from dlstore.errors import ArgumentError
 from dlstore.transforms import (
     BatchCutout,
@@ -55,7 +55,7 @@ def stores(rgb_folder, tmp_path_factory):
 def test_host_stage_of_a_hybrid_stops_at_uint8(stores):
     hybrid = split_transforms(v2.Compose([v2.Resize(36), v2.CenterCrop(32), *_cifar().transforms]))
     ds = dlstore.open_dataset(stores["shards"], transform=hybrid)
-    host_ds, steps = host_stage(ds)
+    host_ds, steps = ds.host_stage()
     assert host_ds is not ds and host_ds.reader is ds.reader and type(host_ds) is type(ds)
     assert [type(s).__name__ for s in steps] == ["BatchNormalize"]
     assert steps[0].mean == MEAN and steps[0].dtype == torch.float32
@@ -67,9 +67,9 @@ def test_host_stage_of_a_hybrid_stops_at_uint8(stores):
 
 def test_host_stage_without_a_float_tail_is_the_dataset(stores):
     ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip())
-    assert host_stage(ds) == (ds, [])
+    assert ds.host_stage() == (ds, [])
     plain = dlstore.open_dataset(stores["shards"], transform=lambda x: x.flip(-1))
-    assert host_stage(plain) == (plain, [])
+    assert plain.host_stage() == (plain, [])
 
 
 def test_batch_transform_runs_after_the_float_tail_on_the_device(stores):
@@ -77,8 +77,8 @@ def test_batch_transform_runs_after_the_float_tail_on_the_device(stores):
     cut = BatchCutout(32, fill=0)          # the whole 32x32 image: deterministic
     ds = dlstore.open_dataset(stores["shards"], transform=v2.Compose([v2.ToDtype(torch.float32, scale=True)]),
                               batch_transform=cut)
-    host_ds, steps = host_stage(ds)
-    assert host_ds.batch_transform is None and len(steps) == 2
+    host_ds, steps = ds.host_stage()
+    assert host_ds.batch_transform is None and len(steps) == 2 and steps[-1] is cut
     (x, _), = list(dlstore.loader(ds, 24, device="cpu"))
     assert x.dtype == torch.float32 and not x.any()
 
@@ -102,10 +102,14 @@ def test_explicit_device_stage(stores):
 def test_host_loader_moves_uint8(stores, workers):
     ds = dlstore.open_dataset(stores["hdf5"], transform=_cifar())
     loader = dlstore.loader(ds, 8, num_workers=workers, device="cpu", generator=_gen(2))
-    host = [x for x, _ in loader.host_loader]
+    host_ds = loader.strategy.dataset
+    if workers:
+        assert loader.strategy.spec == ((3, 32, 32), torch.uint8)    # the ring's slots: uint8
+    host = [host_ds.get_batch(range(k, k + 8))[0] for k in range(0, 24, 8)]
     assert {x.dtype for x in host} == {torch.uint8} and sum(x.nbytes for x in host) == 24 * 3 * 32 * 32
     full = [x for x, _ in dlstore.loader(ds, 8, num_workers=workers, generator=_gen(2))]
     assert sum(x.nbytes for x in full) == 4 * sum(x.nbytes for x in host)
+    assert all(x.dtype == torch.float32 for x, _ in loader)
 
 
 # --- buffers handed out never change -----------------------------------------------------------
@@ -119,8 +123,8 @@ def test_batches_held_by_the_user_never_change(stores, transform, device):
     ds = dlstore.open_dataset(stores["shards"], transform=t)
     raw, _ = ds.read_batch(range(24))
     ref = raw.flip(-1) if transform == "uint8" else _to_float(raw.flip(-1))
-    for threads in (0, 2):
-        held = list(dlstore.loader(ds, 2, device=device, threads=threads))
+    for options in ({"backend": "dataloader"}, {"backend": "threads", "num_threads": 2}):
+        held = list(dlstore.loader(ds, 2, device=device, **options))
         assert len(held) == 12
         torch.testing.assert_close(torch.cat([x for x, _ in held]).cpu(), ref, rtol=0, atol=0)
 
@@ -145,10 +149,11 @@ def test_ring_reuses_slots_and_waits_for_their_copy():
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 def test_dtype_and_channels_last(stores, dtype, device):
     ds = dlstore.open_dataset(stores["shards"], transform=_cifar())
-    ref = [x for x, _ in dlstore.loader(ds, 10, generator=_gen(3), threads=2)]
-    loader = dlstore.loader(ds, 10, generator=_gen(3), threads=2, device=device, dtype=dtype, channels_last=True)
-    assert isinstance(loader, DeviceLoader) and isinstance(loader.steps[-1], BatchNormalize)
-    assert loader.steps[-1].dtype == dtype           # one kernel writes the dtype: no float32 intermediate
+    ref = [x for x, _ in dlstore.loader(ds, 10, generator=_gen(3), backend="threads", num_threads=2)]
+    loader = dlstore.loader(ds, 10, generator=_gen(3), backend="threads", num_threads=2, device=device, dtype=dtype, channels_last=True)
+    steps = loader.device_stage.steps
+    assert isinstance(steps[-1], BatchNormalize)
+    assert steps[-1].dtype == dtype                  # one kernel writes the dtype: no float32 intermediate
     got = list(loader)
     for x, r in zip([x for x, _ in got], ref):
         assert x.dtype == dtype and x.is_contiguous(memory_format=torch.channels_last)
@@ -158,20 +163,25 @@ def test_dtype_and_channels_last(stores, dtype, device):
 
 def test_epochs_len_and_set_epoch(stores):
     ds = dlstore.open_dataset(stores["shards"], transform=_cifar())
-    loader = dlstore.loader(ds, 5, shuffle=True, device="cpu", generator=_gen(4), threads=2)
-    assert len(loader) == 5 and loader.sampler is loader.host_loader.batch_sampler
+    loader = dlstore.loader(ds, 5, shuffle=True, device="cpu", generator=_gen(4), backend="threads", num_threads=2)
+    assert len(loader) == 5 and loader.batch_sampler.sampler is loader.sampler
     first = torch.cat([y for _, y in loader])
     second = torch.cat([y for _, y in loader])
     assert sorted(first.tolist()) == sorted(second.tolist()) == sorted(ds.targets)
     assert not torch.equal(first, second)            # a new order each pass
     loader.set_epoch(3)
-    assert loader.host_loader.epoch == 3
+    assert loader.epoch == 3
+    seeded = dlstore.loader(ds, 5, shuffle=True, device="cpu", seed=4, backend="threads", num_threads=2)
+    seeded.set_epoch(3)
+    third = [x for x, _ in seeded]
+    seeded.set_epoch(3)
+    assert all(torch.equal(a, b) for a, b in zip(third, [x for x, _ in seeded]))   # with a seed: epoch 3 again
 
 
 def test_device_loader_pickles_nothing_it_cannot(stores):
     """The host dataset goes to spawned workers: it must pickle (its reader reopens there)."""
     ds = dlstore.open_dataset(stores["lmdb"], transform=_cifar())
-    host_ds, _ = host_stage(ds)
+    host_ds, _ = ds.host_stage()
     again = pickle.loads(pickle.dumps(host_ds))
     assert torch.equal(again.get_batch([0, 5], generator=_gen(0))[0], host_ds.get_batch([0, 5], generator=_gen(0))[0])
 

@@ -1,4 +1,4 @@
-"""The GPU loader's fused gather and resident padding, on device="cpu" (the CUDA code path).
+"""The resident back-end's fused gather and resident padding, on device="cpu" (the CUDA code path).
 
 Differential: the fused path (asserted fused) against the unfused one (itself held to
 torchvision per sample by tests/fidelity), bit for bit, and a padded resident copy against
@@ -17,7 +17,6 @@ from torchvision.transforms.v2 import functional as F
 
 import dlstore
 from dlstore import GPUDataset
-from dlstore.data import GPULoader
 from dlstore.sources.demo import make_image_folder
 from dlstore.transforms import (
     BatchCompose,
@@ -72,6 +71,13 @@ def sets(store):
     return get
 
 
+def _loader(ds, batch_size, transform=None, **options):
+    """``dlstore.loader(ds, ...)`` running ``transform``: the datasets of ``sets`` are shared, so each
+    loader sets the pipeline it runs (planned on assignment; a loader keeps the steps it was made with)."""
+    ds.transform = transform
+    return dlstore.loader(ds, batch_size, **options)
+
+
 def _epoch(loader):
     images, labels = zip(*loader)
     return torch.cat(images), torch.cat(labels)
@@ -89,8 +95,8 @@ def _refused_alike_when_fused(ds, batch_size, kw, exc):
     """What the unfused path refuses (``exc``), the fused gather refuses too, with the same error
     class; the loader must really be fused (``fused=None`` would take the unfused path again)."""
     with pytest.raises(type(exc)):
-        fused = GPULoader(ds, batch_size, fused=True, **kw)
-        assert fused.fused, fused.fused_reason   # an AssertionError is not type(exc): it escapes
+        fused = _loader(ds, batch_size, fused=True, **kw)
+        assert fused.strategy.fused, fused.strategy.fused_reason   # an AssertionError is not type(exc): it escapes
         list(fused)
 
 
@@ -113,12 +119,12 @@ def test_fused_equals_unfused_bit_for_bit(sets, residency, crop, p, flip_first, 
     ops = [BatchRandomHorizontalFlip(p), crop] if flip_first else [crop, BatchRandomHorizontalFlip(p)]
     kw = {"transform": BatchCompose(ops), "seed": seed, "channels_last": channels_last, "shuffle": shuffle}
     try:
-        want = list(GPULoader(ds, batch_size, fused=False, **kw))
+        want = list(_loader(ds, batch_size, fused=False, **kw))
     except (RuntimeError, ValueError) as exc:   # reflect padding wider than the image: refused alike
         _refused_alike_when_fused(ds, batch_size, kw, exc)
         return
-    fused = GPULoader(ds, batch_size, fused=True, **kw)
-    assert fused.fused, fused.fused_reason
+    fused = _loader(ds, batch_size, fused=True, **kw)
+    assert fused.strategy.fused, fused.strategy.fused_reason
     _same(list(fused), want)
 
 
@@ -131,7 +137,7 @@ def test_padding_wider_than_the_image_is_refused_fused_as_unfused(sets, residenc
     kw = {"transform": BatchCompose([BatchRandomCrop(8, padding=padding, padding_mode=mode),
                                      BatchRandomHorizontalFlip()]), "seed": 1}
     with pytest.raises((RuntimeError, ValueError, IndexError)) as info:
-        list(GPULoader(ds, 4, fused=False, **kw))
+        list(_loader(ds, 4, fused=False, **kw))
     _refused_alike_when_fused(ds, 4, kw, info.value)
 
 
@@ -147,10 +153,10 @@ def test_torchvision_pipelines_on_uint8_data_fuse_the_conversion(sets, raw, out,
     if normalize:
         ops.append(v2.Normalize(MEAN, STD))
     kw = {"transform": v2.Compose(ops), "seed": seed, "channels_last": channels_last, "shuffle": True}
-    fused = GPULoader(ds, batch_size, fused=True, **kw)
-    assert fused.fused, fused.fused_reason
+    fused = _loader(ds, batch_size, fused=True, **kw)
+    assert fused.strategy.fused, fused.strategy.fused_reason
     got = list(fused)
-    _same(got, list(GPULoader(ds, batch_size, fused=False, **kw)))
+    _same(got, list(_loader(ds, batch_size, fused=False, **kw)))
     assert got[0][0].dtype == out
     assert got[0][0].is_contiguous(memory_format=torch.channels_last if channels_last else torch.contiguous_format)
 
@@ -159,10 +165,10 @@ def test_fused_is_torchvision_per_sample(sets, raw):
     """Directly against torchvision: every sample is F.pad + F.crop (+ F.horizontal_flip) of its stored
     sample for some window torchvision's RandomCrop can draw, then ToDtype + Normalize rounded once."""
     ds = sets("held-uint8-fp16")
-    loader = GPULoader(ds, N, transform=BatchCompose([BatchRandomCrop((9, 8), padding=[1, 2, 3, 4], fill=(10, 200, 77)),
+    loader = _loader(ds, N, transform=BatchCompose([BatchRandomCrop((9, 8), padding=[1, 2, 3, 4], fill=(10, 200, 77)),
                                                   BatchRandomHorizontalFlip()]),
                        seed=5, channels_last=True, fused=True)
-    assert loader.fused
+    assert loader.strategy.fused
     (got, labels), = list(loader)
     pipeline = [v2.RandomCrop((9, 8), padding=[1, 2, 3, 4], fill=[10, 200, 77]), v2.RandomHorizontalFlip(),
                 v2.ToDtype(torch.float32, scale=True), v2.Normalize(MEAN, STD)]
@@ -202,12 +208,12 @@ def test_fused_equals_torchvision_through_the_fidelity_harness(sets, raw, reside
     except (RuntimeError, ValueError):   # reflect padding wider than the image: refused at preload too
         return
     ops = [BatchRandomHorizontalFlip(p), crop] if flip_first else [crop, BatchRandomHorizontalFlip(p)]
-    loader = GPULoader(ds, batch_size, transform=BatchCompose(ops), seed=seed, channels_last=channels_last,
-                       shuffle=True, fused=True)
-    assert loader.fused and loader._fused.resident == bool(extra)
+    order = torch.randperm(N, generator=torch.Generator().manual_seed(seed)).tolist()   # the sampler's order
+    loader = _loader(ds, batch_size, transform=BatchCompose(ops), seed=seed, channels_last=channels_last,
+                     sampler=order, fused=True)
+    assert loader.strategy.fused and loader.strategy.gather.resident == bool(extra)
     got = torch.cat([x for x, _ in loader])
-    order = raw[loader.indices(0).cpu()]      # shuffled: the epoch's order, as the loader reports it
-    h.check_path(ops, order, got, finish=lambda x: h.convert(x, ds.dtype, ds.normalize), what=f"{residency} {crop!r}")
+    h.check_path(ops, raw[order], got, finish=lambda x: h.convert(x, ds.dtype, ds.normalize), what=f"{residency} {crop!r}")
 
 
 @pytest.mark.parametrize("transform, reason", [
@@ -218,31 +224,31 @@ def test_fused_equals_torchvision_through_the_fidelity_harness(sets, raw, reside
 ])
 def test_what_does_not_fuse_keeps_the_unfused_path_and_says_why(sets, transform, reason):
     ds = sets("uint8")
-    assert not GPULoader(ds, 4, transform=transform, seed=0, fused=False).fused
+    assert not _loader(ds, 4, transform=transform, seed=0, fused=False).strategy.fused
     with pytest.raises(ValueError, match=f"fused=True.*{reason}"):
-        GPULoader(ds, 4, transform=transform, fused=True)
+        _loader(ds, 4, transform=transform, fused=True)
 
 
 def test_default_fuses_only_compiled_on_cuda(sets):
     """fused=None: eager, the unfused path (measured faster); compile=True on CPU does not fuse either."""
     ds = sets("held-uint8-fp16")
     for kw in ({}, {"compile": True}):
-        loader = GPULoader(ds, 4, transform=BatchRandomCrop(8, padding=1), **kw)
-        assert not loader.fused and "compile=True on CUDA" in loader.fused_reason
-    assert GPULoader(ds, 4, transform=BatchRandomCrop(8, padding=1), fused=True).fused
+        loader = _loader(ds, 4, transform=BatchRandomCrop(8, padding=1), **kw)
+        assert not loader.strategy.fused and "compile=True on CUDA" in loader.strategy.fused_reason
+    assert _loader(ds, 4, transform=BatchRandomCrop(8, padding=1), fused=True).strategy.fused
 
 
 def test_stream_mode_does_not_fuse(store):
     ds = GPUDataset(store, CPU, torch.uint8, max_memory=1000, on_overflow="stream")
     with pytest.raises(ValueError, match="stream"):
-        GPULoader(ds, 4, transform=BatchRandomCrop(8), fused=True)
+        _loader(ds, 4, transform=BatchRandomCrop(8), fused=True)
 
 
 def test_no_transform_fuses_conversion_and_channels_last(sets):
     ds = sets("held-uint8-fp16")
-    a = GPULoader(ds, 5, shuffle=True, seed=1, channels_last=True, fused=True)
-    assert a.fused
-    _same(list(a), list(GPULoader(ds, 5, shuffle=True, seed=1, channels_last=True, fused=False)))
+    a = _loader(ds, 5, shuffle=True, seed=1, channels_last=True, fused=True)
+    assert a.strategy.fused
+    _same(list(a), list(_loader(ds, 5, shuffle=True, seed=1, channels_last=True, fused=False)))
 
 
 def test_hold_uint8_serves_what_the_fp16_dataset_serves(sets):
@@ -251,7 +257,7 @@ def test_hold_uint8_serves_what_the_fp16_dataset_serves(sets):
     assert held.mode == "uint8" and held.data.dtype == torch.uint8 and held.nbytes < ref.nbytes
     assert held.needed_bytes == N * 3 * H * W + 8 * N
     t = BatchCompose([BatchRandomCrop((H, W), padding=2), BatchRandomHorizontalFlip()])
-    _same(list(GPULoader(held, 4, transform=t, seed=3)), list(GPULoader(ref, 4, transform=t, seed=3)))
+    _same(list(_loader(held, 4, transform=t, seed=3)), list(_loader(ref, 4, transform=t, seed=3)))
     with pytest.raises(ValueError, match="hold"):
         GPUDataset(held.source, CPU, hold="int8")
 
@@ -286,12 +292,12 @@ def test_padded_copy_gives_the_pixels_of_padding_per_batch(sets, residency, pad,
     ops = [BatchRandomCrop((H, W), padding=pad, padding_mode=mode, fill=fill)]
     ops += [BatchRandomHorizontalFlip()] if flip else []
     kw = {"transform": BatchCompose(ops), "seed": seed, "channels_last": channels_last, "shuffle": True}
-    loader = GPULoader(padded, batch_size, fused=fused, **kw)
-    assert loader.fused == fused
-    assert loader._held is padded.data    # the crop reads the padded copy
+    loader = _loader(padded, batch_size, fused=fused, **kw)
+    assert loader.strategy.fused == fused
+    assert loader.strategy.held is padded.data    # the crop reads the padded copy
     if fused:
-        assert loader._fused.resident
-    _same(list(loader), list(GPULoader(plain, batch_size, fused=False, **kw)))
+        assert loader.strategy.gather.resident
+    _same(list(loader), list(_loader(plain, batch_size, fused=False, **kw)))
 
 
 def test_padded_copy_with_another_crop_or_no_crop_serves_the_samples(sets):
@@ -301,7 +307,7 @@ def test_padded_copy_with_another_crop_or_no_crop_serves_the_samples(sets):
                       BatchCompose([BatchRandomHorizontalFlip(), BatchRandomCrop(8, padding=4)])):
         for fused in (False, True):
             kw = {"transform": transform, "seed": 2, "shuffle": True}
-            _same(list(GPULoader(padded, 6, fused=fused, **kw)), list(GPULoader(plain, 6, fused=False, **kw)))
+            _same(list(_loader(padded, 6, fused=fused, **kw)), list(_loader(plain, 6, fused=False, **kw)))
 
 
 def test_padding_options_are_checked(store):
@@ -345,21 +351,22 @@ def test_compiled_gather_equals_eager(sets):
     for residency, transform, channels_last in cases:
         ds = sets(residency)
         kw = {"transform": transform, "seed": 7, "channels_last": channels_last, "shuffle": True}
-        compiled = GPULoader(ds, 5, compile=True, fused=True, **kw)
+        compiled = _loader(ds, 5, compile=True, fused=True, **kw)
         got = [list(compiled) for _ in range(2)]   # two epochs: a full group and the last, smaller one
-        assert compiled._fused.compiled, "the compiled kernel fell back to eager"
-        eager = GPULoader(ds, 5, fused=True, **kw)
-        assert eager.fused and not eager._fused.compiled
+        assert compiled.strategy.gather.compiled, "the compiled kernel fell back to eager"
+        eager = _loader(ds, 5, fused=True, **kw)
+        assert eager.strategy.fused and not eager.strategy.gather.compiled
         for epoch in got:
             _same(epoch, list(eager))
 
 
 # --- CUDA (skipped without a GPU): the same properties where the default fuses ---------------
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@cuda
+@pytest.mark.cuda
+@needs_cuda
 @settings(max_examples=40, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(residency=st.sampled_from(list(RESIDENCIES)), crop=crops, p=st.sampled_from([0.0, 0.5, 1.0]),
        flip_first=st.booleans(), batch_size=st.integers(1, 9), seed=st.integers(0, 2**40),
@@ -369,30 +376,32 @@ def test_cuda_fused_equals_unfused(sets, residency, crop, p, flip_first, batch_s
     ops = [BatchRandomHorizontalFlip(p), crop] if flip_first else [crop, BatchRandomHorizontalFlip(p)]
     kw = {"transform": BatchCompose(ops), "seed": seed, "channels_last": channels_last, "shuffle": True}
     try:
-        want = list(GPULoader(ds, batch_size, fused=False, **kw))
+        want = list(_loader(ds, batch_size, fused=False, **kw))
     except (RuntimeError, ValueError) as exc:
         _refused_alike_when_fused(ds, batch_size, kw, exc)
         return
-    fused = GPULoader(ds, batch_size, fused=True, **kw)
-    assert fused.fused, fused.fused_reason
+    fused = _loader(ds, batch_size, fused=True, **kw)
+    assert fused.strategy.fused, fused.strategy.fused_reason
     got = list(fused)
     assert got[0][0].is_cuda
     _same(got, want)
 
 
-@cuda
+@pytest.mark.cuda
+@needs_cuda
 def test_cuda_padded_copy_equals_padding_per_batch(sets):
     padded = sets("held-uint8-fp16", "cuda", padding=4, padding_mode="constant", padding_fill=0)
     plain = sets("held-uint8-fp16", "cuda")
     cpu = sets("held-uint8-fp16", CPU, padding=4, padding_mode="constant", padding_fill=0)
     assert torch.equal(padded.data.cpu(), cpu.data)
     t = BatchCompose([BatchRandomCrop((H, W), padding=4), BatchRandomHorizontalFlip()])
-    loader = GPULoader(padded, 5, transform=t, seed=1, channels_last=True, fused=True)
-    assert loader.fused and loader._fused.resident
-    _same(list(loader), list(GPULoader(plain, 5, transform=t, seed=1, channels_last=True, fused=False)))
+    loader = _loader(padded, 5, transform=t, seed=1, channels_last=True, fused=True)
+    assert loader.strategy.fused and loader.strategy.gather.resident
+    _same(list(loader), list(_loader(plain, 5, transform=t, seed=1, channels_last=True, fused=False)))
 
 
-@cuda
+@pytest.mark.cuda
+@needs_cuda
 @pytest.mark.slow
 def test_cuda_compiled_gather_equals_eager(sets):
     reason = _compiles()
@@ -404,9 +413,9 @@ def test_cuda_compiled_gather_equals_eager(sets):
                                                         BatchRandomHorizontalFlip()]))):
         ds = sets(residency, "cuda")
         kw = {"transform": transform, "seed": 7, "channels_last": True, "shuffle": True}
-        compiled = GPULoader(ds, 5, compile=True, **kw)      # fused=None with compile=True on CUDA: fused
+        compiled = _loader(ds, 5, compile=True, **kw)      # fused=None with compile=True on CUDA: fused
         got = [list(compiled) for _ in range(2)]
-        assert compiled.fused and compiled._fused.compiled, "the compiled kernel fell back to eager"
-        eager = GPULoader(ds, 5, fused=True, **kw)
+        assert compiled.strategy.fused and compiled.strategy.gather.compiled, "the compiled kernel fell back to eager"
+        eager = _loader(ds, 5, fused=True, **kw)
         for epoch in got:
             _same(epoch, list(eager))

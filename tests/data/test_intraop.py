@@ -73,7 +73,7 @@ def _same_batches_on_torchs_pool(loader, monkeypatch, dtype):
 def test_loader_threads_build_on_one_intra_op_thread_and_leave_the_callers_count(store, two_threads):
     record = Record()
     ds = dlstore.open_dataset(store, batch_transform=record)
-    batches = list(dlstore.loader(ds, 8, threads=2))
+    batches = list(dlstore.loader(ds, 8, backend="threads", num_threads=2))
     assert len(batches) > 1 and record.seen and set(record.seen) == {1}
     assert torch.get_num_threads() == 2          # the caller's thread
     assert _in_new_thread() == 2                 # and torch's default for threads started later
@@ -82,7 +82,7 @@ def test_loader_threads_build_on_one_intra_op_thread_and_leave_the_callers_count
 def test_dataloader_back_end_in_the_callers_thread_builds_on_one_and_restores(store, two_threads):
     record = Record()
     ds = dlstore.open_dataset(store, batch_transform=record)
-    loader = dlstore.loader(ds, 8, threads=0)
+    loader = dlstore.loader(ds, 8, backend="dataloader")
     seen_between = []
     for _ in loader:
         seen_between.append(torch.get_num_threads())   # the user's code between batches
@@ -98,21 +98,22 @@ def test_one_thread_restores_the_count_even_when_the_block_raises(two_threads):
     assert torch.get_num_threads() == 2
 
 
-@pytest.mark.parametrize("threads", [2, 0])
-def test_batches_equal_those_built_on_torchs_pool(store, two_threads, monkeypatch, threads):
+@pytest.mark.parametrize("options", [{"backend": "threads", "num_threads": 2}, {"backend": "dataloader"}],
+                         ids=["threads", "dataloader"])
+def test_batches_equal_those_built_on_torchs_pool(store, two_threads, monkeypatch, options):
     # float ops and a resize: kernels torch splits over its pool; one thread must not change a bit
     pipeline = BatchCompose([BatchRandomResizedCrop(24), BatchNormalize([0.5, 0.4, 0.3], [0.2, 0.25, 0.3])])
     ds = dlstore.open_dataset(store, batch_transform=pipeline)
     _same_batches_on_torchs_pool(
-        lambda: dlstore.loader(ds, 8, shuffle=True, threads=threads, generator=torch.Generator().manual_seed(3)),
+        lambda: dlstore.loader(ds, 8, shuffle=True, generator=torch.Generator().manual_seed(3), **options),
         monkeypatch, torch.float32)
 
 
 def test_gpu_dataset_on_cpu_builds_its_groups_on_one_thread_and_restores(store, two_threads):
     record = Record()
-    gpu = dlstore.GPUDataset(store, device="cpu", dtype=torch.uint8)
+    gpu = dlstore.GPUDataset(store, device="cpu", dtype=torch.uint8, transform=record)
     seen_between = []
-    for _ in dlstore.loader(gpu, 8, shuffle=True, seed=0, batch_transform=record):
+    for _ in dlstore.loader(gpu, 8, shuffle=True, seed=0):
         seen_between.append(torch.get_num_threads())
     assert len(record.seen) > 1 and set(record.seen) == {1}
     assert set(seen_between) == {2} and torch.get_num_threads() == 2
@@ -124,8 +125,8 @@ def test_gpu_dataset_on_cpu_batches_equal_those_built_on_torchs_pool(store, two_
     # crop with padding + flip, then the conversion to float16 with normalisation (float math)
     from dlstore.transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip
 
-    gpu = dlstore.GPUDataset(store, device="cpu", dtype=torch.float16, hold="uint8",
-                             normalize=([0.5, 0.4, 0.3], [0.2, 0.25, 0.3]))
     aug = BatchCompose([BatchRandomCrop(28, padding=3), BatchRandomHorizontalFlip()])
-    _same_batches_on_torchs_pool(lambda: dlstore.loader(gpu, 8, shuffle=True, seed=3, batch_transform=aug, fused=fused),
+    gpu = dlstore.GPUDataset(store, device="cpu", dtype=torch.float16, hold="uint8",
+                             normalize=([0.5, 0.4, 0.3], [0.2, 0.25, 0.3]), transform=aug)
+    _same_batches_on_torchs_pool(lambda: dlstore.loader(gpu, 8, shuffle=True, seed=3, fused=fused),
                                  monkeypatch, torch.float16)

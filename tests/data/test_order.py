@@ -194,7 +194,7 @@ def test_memory_limit_reads_the_process_cgroup_not_the_root(tmp_path):
     assert _system.memory_limit_bytes(cg, proc) == 7000000
 
 
-@pytest.mark.parametrize("options", [{"backend": "threads", "threads": 2}, {"backend": "ring", "num_workers": 2},
+@pytest.mark.parametrize("options", [{"backend": "threads", "num_threads": 2}, {"backend": "ring", "num_workers": 2},
                                      {"backend": "dataloader"}, {"backend": "dataloader", "num_workers": 1}],
                          ids=["threads", "ring", "dataloader-0", "dataloader-1"])
 def test_loader_reads_in_the_samplers_order(store, options):

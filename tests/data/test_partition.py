@@ -1,8 +1,9 @@
-"""GPUDataset(shard=True): each rank holds only its share; the partition and the per-rank epoch order.
+"""GPUDataset(shard=True): each rank holds only its share; the partition and the order of a share.
 
-The partition functions are checked as properties over sizes and world sizes;
-the sharded dataset in a real 2-process gloo group, its data against the store
-read by numpy from the shard files.
+The partition functions and ``ShareSampler`` (the order ``dlstore.loader`` gives a
+sharded dataset) are checked as properties over sizes and world sizes; the sharded
+dataset in a real 2-process gloo group, its data against the store read by numpy
+from the shard files.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import dlstore
-from dlstore.data import GPULoader
-from dlstore.data.gpu.partition import epoch_order, per_rank, rank_share
+from dlstore.data.gpu.partition import ShareSampler, per_rank, rank_share
 from dlstore.errors import ArgumentError
 
 N = 23
@@ -66,25 +66,36 @@ def test_bad_rank_and_world_size():
             rank_share(10, rank, world)
 
 
+def _generator(seed):
+    return torch.Generator().manual_seed(seed)
+
+
 @settings(max_examples=100, deadline=None)
-@given(local=st.integers(1, 60), extra=st.integers(0, 1), seed=st.integers(0, 2**40),
-       epoch=st.integers(0, 50), rank=st.integers(0, 7), shuffle=st.booleans())
-def test_epoch_order_covers_the_share_and_pads_by_wrapping(local, extra, seed, epoch, rank, shuffle):
+@given(local=st.integers(1, 60), extra=st.integers(0, 1), seed=st.integers(0, 2**40), shuffle=st.booleans())
+def test_share_sampler_covers_the_share_and_pads_by_wrapping(local, extra, seed, shuffle):
     count = local + extra
-    order = epoch_order(local, count, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank)
-    assert len(order) == count
-    assert sorted(order[:local].tolist()) == list(range(local))
-    assert order[local:].tolist() == order[:count - local].tolist()
-    again = epoch_order(local, count, shuffle=shuffle, seed=seed, epoch=epoch, rank=rank)
-    assert torch.equal(order, again)
+    sampler = ShareSampler(local, count, shuffle=shuffle, generator=_generator(seed))
+    order = list(sampler)
+    assert len(order) == len(sampler) == count
+    assert sorted(order[:local]) == list(range(local))
+    assert order[local:] == order[:count - local]
+    assert order == list(ShareSampler(local, count, shuffle=shuffle, generator=_generator(seed)))
     if not shuffle:
-        assert order[:local].tolist() == list(range(local))
+        assert order[:local] == list(range(local))
 
 
-def test_epoch_order_differs_per_epoch_and_rank():
-    a = epoch_order(50, 50, shuffle=True, seed=1, epoch=0, rank=0)
-    assert not torch.equal(a, epoch_order(50, 50, shuffle=True, seed=1, epoch=1, rank=0))
-    assert not torch.equal(a, epoch_order(50, 50, shuffle=True, seed=1, epoch=0, rank=1))
+def test_share_sampler_draws_each_pass_from_its_generator():
+    sampler = ShareSampler(50, 50, shuffle=True, generator=_generator(1))
+    first, second = list(sampler), list(sampler)
+    assert first != second and sorted(first) == sorted(second) == list(range(50))
+    assert list(ShareSampler(50, 50, shuffle=True, generator=_generator(2))) != first
+    torch.manual_seed(3)                      # no generator: a seed drawn from torch's, as RandomSampler
+    unseeded = list(ShareSampler(50, 50, shuffle=True))
+    torch.manual_seed(3)
+    assert list(ShareSampler(50, 50, shuffle=True)) == unseeded
+    for local, count in ((0, 1), (5, 4)):
+        with pytest.raises(ArgumentError, match="1 <= local <= count"):
+            ShareSampler(local, count, shuffle=True)
 
 
 def test_sharded_dataset_without_a_group_holds_its_share(store):
@@ -96,11 +107,41 @@ def test_sharded_dataset_without_a_group_holds_its_share(store):
         assert len(ds) == len(share) and ds.sharded
         assert np.array_equal(ds.data.numpy(), images[share])
         assert ds.targets == labels[share].tolist()
-        loader = GPULoader(ds, 4, shuffle=True, seed=3)
+        loader = dlstore.loader(ds, 4, shuffle=True, seed=3)
+        assert isinstance(loader.sampler, ShareSampler) and len(loader.sampler) == per_rank(N, 3)
         assert len(loader) == -(-per_rank(N, 3) // 4)  # every rank the same number of batches
-        served = torch.cat([labels for _, labels in loader])
-        assert len(served) == per_rank(N, 3)
-        assert loader.rank == rank and loader.world_size == 3
+        served = _positions(ds, loader)
+        assert len(served) == per_rank(N, 3) and set(served) == set(range(len(ds)))
+        assert _positions(ds, dlstore.loader(ds, 4)) == list(range(len(ds))) + [0] * (per_rank(N, 3) - len(ds))
+
+
+def _positions(ds, loader):
+    """The positions in ``ds`` (its held samples) of what one pass of ``loader`` serves, in order."""
+    held = ds.data.flatten(1)
+    return [int((held == img.flatten()).all(1).nonzero()) for images, _ in loader for img in images]
+
+
+def test_a_sharded_epoch_is_a_function_of_the_seed_and_the_epoch(store):
+    ds = dlstore.GPUDataset(store, "cpu", torch.uint8, shard=True, rank=1, world_size=3)
+    loader = dlstore.loader(ds, 4, shuffle=True, seed=3)
+    orders = [_positions(ds, loader) for _ in range(3)]
+    assert len({tuple(o) for o in orders}) == 3
+    again = dlstore.loader(ds, 4, shuffle=True, seed=3)
+    again.set_epoch(2)
+    assert _positions(ds, again) == orders[2]
+    with pytest.raises(ArgumentError, match="sampler=.*one rank.s share"):
+        dlstore.loader(ds, 4, sampler=[0, 1])
+
+
+def test_sharded_ranks_draw_their_own_order(store):
+    """Ranks 0-2 of 4 hold 6 samples each: with one seed on every rank (as a job passes it), each must
+    still permute its share its own way, or the global batch takes the same positions of every share
+    (sorted shares of a class-ordered store: samples of the same few classes)."""
+    orders = []
+    for rank in range(3):
+        ds = dlstore.GPUDataset(store, "cpu", torch.uint8, shard=True, rank=rank, world_size=4)
+        orders.append(_positions(ds, dlstore.loader(ds, 3, shuffle=True, seed=11)))
+    assert len({tuple(o) for o in orders}) == 3
 
 
 def test_sharded_dataset_holds_a_fraction_of_the_memory(store):
@@ -132,10 +173,15 @@ for epoch in (0, 1):
             assert hits, "served a sample that this rank does not hold"
             served.append(int(ds.store_indices[hits[0]]))
     epochs.append({"served": served, "batches": len(batches), "len": len(loader)})
+try:
+    dlstore.loader(ds, 4, shuffle=True, distributed=True)
+    refused = ""
+except dlstore.ArgumentError as exc:
+    refused = str(exc)
 gathered = [None, None]
 dist.all_gather_object(gathered, ds.store_indices.tolist())
 result = {"rank": ds.rank, "world": ds.world_size, "share": ds.store_indices.tolist(), "all": gathered,
-          "epochs": epochs, "data": ds.data.numpy().tolist(), "targets": ds.targets}
+          "epochs": epochs, "data": ds.data.numpy().tolist(), "targets": ds.targets, "refused": refused}
 """
 
 
@@ -154,3 +200,4 @@ def test_two_process_gloo_group_each_rank_holds_and_serves_its_share(store, tmp_
             assert e["batches"] == e["len"] == 3  # 12 samples per rank (23 padded to 24), batch 4
             assert len(e["served"]) == 12 and set(e["served"]) == set(r["share"])
         assert r["epochs"][0]["served"] != r["epochs"][1]["served"]  # a new order each epoch
+        assert "holds one rank's share" in r["refused"]   # distributed=True would split the share again

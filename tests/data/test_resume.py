@@ -37,26 +37,27 @@ def store(tmp_path_factory):
 
 # back-end -> (transform of the dataset, loader keywords); each a dlstore.loader configuration
 CONFIGS = {
-    "threads-1": (CROP_FLIP, {"threads": 1}),
-    "threads-2": (CROP_FLIP, {"threads": 2}),
+    "threads-1": (CROP_FLIP, {"num_threads": 1}),
+    "threads-2": (CROP_FLIP, {"num_threads": 2}),
     "ring-1": (CROP_FLIP, {"num_workers": 1}),
     "ring-2": (CROP_FLIP, {"num_workers": 2}),
     "ring-2-per-sample": (PER_SAMPLE, {"num_workers": 2}),
-    "dataloader-0": (CROP_FLIP, {"threads": 0}),
-    "dataloader-2": (CROP_FLIP, {"num_workers": 2, "shm_ring": False}),
-    "dataloader-2-per-sample": (PER_SAMPLE, {"num_workers": 2, "shm_ring": False}),
-    "device-threads": (CROP_FLIP + FLOAT_TAIL, {"threads": 2, "device": "cpu"}),
+    "dataloader-0": (CROP_FLIP, {"backend": "dataloader"}),
+    "dataloader-0-per-sample": (PER_SAMPLE, {"backend": "dataloader"}),
+    "dataloader-2": (CROP_FLIP, {"num_workers": 2, "backend": "dataloader"}),
+    "dataloader-2-per-sample": (PER_SAMPLE, {"num_workers": 2, "backend": "dataloader"}),
+    "device-threads": (CROP_FLIP + FLOAT_TAIL, {"num_threads": 2, "device": "cpu"}),
     "device-ring": (CROP_FLIP + FLOAT_TAIL, {"num_workers": 2, "device": "cpu"}),
 }
-EXPECTED_TYPE = {"threads": "ThreadLoader", "ring": "ShmRingLoader", "dataloader": "StoreDataLoader",
-                 "device": "DeviceLoader"}
+EXPECTED_BACKEND = {"threads": "threads", "ring": "ring", "dataloader": "dataloader", "device": None}
 
 
 def _make(store, config: str, seed: int):
     transform, options = CONFIGS[config]
     ds = dlstore.open_dataset(store, transform=v2.Compose(transform))
     loader = dlstore.loader(ds, BATCH, shuffle=True, generator=torch.Generator().manual_seed(seed), **options)
-    assert type(loader).__name__ == EXPECTED_TYPE[config.split("-")[0]]
+    expected = EXPECTED_BACKEND[config.split("-")[0]]
+    assert loader.backend == (expected or config.split("-")[1]) and type(loader) is dlstore.Loader
     return loader
 
 
@@ -115,13 +116,15 @@ def test_a_block_shuffle_sampler_resumes(store, config, seeded):
     assert _same(got0, want0) and _same(got1, want1)
 
 
+@pytest.mark.parametrize("seeded", [True, False], ids=["seed", "loader-generator"])
 @pytest.mark.parametrize("fused", [False, True])
-def test_gpu_dataset_loader_resumes(store, fused):
-    ds = dlstore.GPUDataset(store, device="cpu", dtype=torch.uint8)
+def test_gpu_dataset_loader_resumes(store, fused, seeded):
+    ds = dlstore.GPUDataset(store, device="cpu", dtype=torch.uint8, transform=v2.Compose(CROP_FLIP))
 
-    def make(seed):   # seed=None draws one: the state must carry the seed
-        return dlstore.loader(ds, BATCH, shuffle=True, seed=5 if seed == 7 else None,
-                              batch_transform=v2.Compose(CROP_FLIP), fused=fused)
+    def make(seed):   # with a generator, another seed: the state must carry the one that matters
+        if seeded:
+            return dlstore.loader(ds, BATCH, shuffle=True, seed=5, fused=fused)
+        return dlstore.loader(ds, BATCH, shuffle=True, generator=torch.Generator().manual_seed(seed), fused=fused)
 
     uninterrupted = make(7)
     want0, want1 = _epoch(uninterrupted, 0), _epoch(uninterrupted, 1)
@@ -145,10 +148,12 @@ def test_state_between_epochs_resumes_the_next_epoch(store):
 
 def test_a_damaged_state_is_refused(store):
     loader = _make(store, "threads-1", seed=0)
-    for bad in ({}, {"version": 1, "epoch": 0, "batches": 99, "generator": torch.Generator().get_state()},
-                {"version": 1, "epoch": "0", "batches": 0, "generator": torch.Generator().get_state()}, [1]):
+    good = loader.state_dict()
+    for bad in ({}, [1], {**good, "version": 1}, {**good, "batches": 99}, {**good, "epoch": "0"},
+                {**good, "generator": None}, {**good, "fit": None}):
         with pytest.raises(ArgumentError, match="load_state_dict"):
             loader.load_state_dict(bad)
+    loader.load_state_dict(good)
 
 
 SCRIPT = textwrap.dedent("""
@@ -184,7 +189,7 @@ def _digests(store, options, seed: int) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("options", [{"threads": 2}, {"num_workers": 2}], ids=["threads", "ring"])
+@pytest.mark.parametrize("options", [{"num_threads": 2}, {"num_workers": 2}], ids=["threads", "ring"])
 def test_a_process_killed_mid_epoch_resumes_from_its_saved_state(store, tmp_path, options):
     """SIGKILL after batch 3 (the state saved after each batch, as a training loop checkpoints);
     a new process with another generator seed loads it and finishes the epoch: the 7 batches are

@@ -1,4 +1,4 @@
-"""The shared-memory ring (``dlstore.loader(..., num_workers=N, shm_ring=True)``, issue 17).
+"""The shared-memory ring (``dlstore.loader(..., num_workers=N, backend="ring")``, issue 17).
 
 Worker processes build batches into a ring of shared-memory slots. The batches must equal
 the ThreadLoader's for the same generator (same per-batch seeds, sampler order) whatever
@@ -22,7 +22,6 @@ import torch
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data.loaders.shm_ring import ShmRingLoader
 from dlstore.errors import ArgumentError, UsageError, WorkerError
 from dlstore.transforms.batch import BatchCompose, BatchCutout, BatchRandomCrop
 
@@ -49,9 +48,9 @@ def _random(path, **options):
                                                            v2.RandomHorizontalFlip()]), **options)
 
 
-def _ring(ds, batch_size, workers=2, **options) -> ShmRingLoader:
-    dl = dlstore.loader(ds, batch_size, num_workers=workers, shm_ring=True, **options)
-    assert isinstance(dl, ShmRingLoader)
+def _ring(ds, batch_size, workers=2, **options) -> dlstore.Loader:
+    dl = dlstore.loader(ds, batch_size, num_workers=workers, backend="ring", **options)
+    assert dl.backend == "ring"
     return dl
 
 
@@ -98,14 +97,14 @@ def _die(worker_id: int) -> None:
 @pytest.mark.parametrize("fmt", ["shards", "lmdb", "hdf5"])
 def test_batches_equal_the_thread_loaders(fmt, workers, stores):
     ds = _random(stores[fmt])          # random crop (padding 4) + flip, fused into the gather
-    threads = dlstore.loader(ds, 5, shuffle=True, generator=_gen(4), threads=1)
+    threads = dlstore.loader(ds, 5, shuffle=True, generator=_gen(4), backend="threads", num_threads=1)
     dl = _ring(ds, 5, workers, shuffle=True, generator=_gen(4))
     first = _epoch(threads)
     assert _same(_epoch(dl), first)
     assert [len(y) for _, y in first] == [5, 5, 5, 5, 4]
     assert _same(_epoch(dl), _epoch(threads))        # the next pass: a new base seed, drawn alike
     # later epochs too: set_epoch enters the seeds, as with threads
-    threads = dlstore.loader(ds, 5, shuffle=True, generator=_gen(9), threads=2)
+    threads = dlstore.loader(ds, 5, shuffle=True, generator=_gen(9), backend="threads", num_threads=2)
     dl = _ring(ds, 5, workers, shuffle=True, generator=_gen(9), persistent_workers=True)
     for epoch in range(3):
         threads.set_epoch(epoch)
@@ -118,12 +117,12 @@ def test_batch_transforms_and_per_sample_ops_do_not_depend_on_the_worker_count(s
     # a batch transform that returns a new tensor (copied into the slot)
     ds = dlstore.open_dataset(stores["shards"], batch_transform=BatchCompose([BatchRandomCrop(32, padding=2),
                                                                              BatchCutout(8)]))
-    threads = _epoch(dlstore.loader(ds, 4, shuffle=True, generator=_gen(1), threads=2))
+    threads = _epoch(dlstore.loader(ds, 4, shuffle=True, generator=_gen(1), backend="threads", num_threads=2))
     assert _same(_epoch(_ring(ds, 4, 1, shuffle=True, generator=_gen(1))), threads)
     assert _same(_epoch(_ring(ds, 4, 2, shuffle=True, generator=_gen(1))), threads)
     # a per-sample op (draws from torch's global generator, seeded per batch in the worker)
     ds = dlstore.open_dataset(stores["shards"], transform=v2.Compose([v2.RandomErasing(p=0.5)]))
-    assert ds.per_sample_ops
+    assert ds.plan.python_ops(fixed_shape=True)   # per sample, in Python, inside the batch
     one = _epoch(_ring(ds, 4, 1, shuffle=True, generator=_gen(2)))
     assert _same(one, _epoch(_ring(ds, 4, 2, shuffle=True, generator=_gen(2))))
     assert not _same(one, _epoch(_ring(ds, 4, 2, shuffle=True, generator=_gen(3))))
@@ -135,21 +134,22 @@ def test_float_batches_and_the_device_stage(dtype, stores):
     ds = dlstore.open_dataset(stores["shards"], transform=v2.Compose([v2.RandomHorizontalFlip(),
                                                                       v2.ToDtype(dtype, scale=True)]))
     dl = _ring(ds, 5, 2, shuffle=True, generator=_gen(3))
-    assert dl.spec == ((3, 32, 32), dtype)
+    assert dl.strategy.spec == ((3, 32, 32), dtype)
     got = _epoch(dl)
     assert got[0][0].dtype == dtype
-    assert _same(got, _epoch(dlstore.loader(ds, 5, shuffle=True, generator=_gen(3), threads=1)))
+    assert _same(got, _epoch(dlstore.loader(ds, 5, shuffle=True, generator=_gen(3), backend="threads", num_threads=1)))
     # device=: the ring carries the host stage (uint8), the float tail runs after it
-    dl = dlstore.loader(ds, 5, shuffle=True, generator=_gen(3), num_workers=2, shm_ring=True, device="cpu")
-    assert isinstance(dl.host_loader, ShmRingLoader)
-    assert _same(_epoch(dl), _epoch(dlstore.loader(ds, 5, shuffle=True, generator=_gen(3), threads=1,
+    dl = dlstore.loader(ds, 5, shuffle=True, generator=_gen(3), num_workers=2, backend="ring", device="cpu")
+    assert dl.backend == "ring" and dl.device == torch.device("cpu")
+    assert _same(_epoch(dl), _epoch(dlstore.loader(ds, 5, shuffle=True, generator=_gen(3), backend="threads", num_threads=1,
                                                    device="cpu")))
 
 
 def test_static_batches_equal_the_dataloader_paths(stores):
     ds = dlstore.open_dataset(stores["lmdb"])
     for workers in (1, 2):
-        dataloader = _epoch(dlstore.loader(ds, 7, shuffle=True, num_workers=workers, generator=_gen(5)))
+        dataloader = _epoch(dlstore.loader(ds, 7, shuffle=True, num_workers=workers, generator=_gen(5),
+                                           backend="dataloader"))
         assert _same(_epoch(_ring(ds, 7, workers, shuffle=True, generator=_gen(5))), dataloader)
     raw, labels = ds.read_batch(range(len(ds)))
     batches = _epoch(_ring(ds, 7, 2, drop_last=True))
@@ -161,7 +161,7 @@ def test_static_batches_equal_the_dataloader_paths(stores):
 @pytest.mark.slow
 def test_spawn_context(stores):
     ds = _random(stores["shards"])
-    threads = _epoch(dlstore.loader(ds, 6, shuffle=True, generator=_gen(7), threads=1))
+    threads = _epoch(dlstore.loader(ds, 6, shuffle=True, generator=_gen(7), backend="threads", num_threads=1))
     dl = _ring(ds, 6, 2, shuffle=True, generator=_gen(7), multiprocessing_context="spawn")
     assert _same(_epoch(dl), threads)
     assert not _children()
@@ -218,13 +218,13 @@ def test_slots_are_recycled_when_let_go(stores):
     ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip(1.0))
     raw = ds.read_batch(range(len(ds)))[0].flip(-1)
     dl = _ring(ds, 2, 2, prefetch_factor=1, persistent_workers=True)
-    slots = {s.data_ptr() for s in dl._start()[0].slots}
-    ring = dl._ring
+    slots = {s.data_ptr() for s in dl.strategy._start()[0].slots}
+    ring = dl.strategy._ring
     for _ in range(4):
         for k, (x, y) in enumerate(dl):
             assert torch.equal(x, raw[2 * k: 2 * k + 2])
             assert x.data_ptr() in slots            # handed out, not copied
-    assert dl._ring is ring                          # 4 epochs x 12 batches in the same slots
+    assert dl.strategy._ring is ring                 # 4 epochs x 12 batches in the same slots
     dl.close()
 
 
@@ -272,10 +272,10 @@ def test_a_dead_worker_raises(stores):
     with pytest.raises(WorkerError, match="exited with code -9"):
         for k, _ in enumerate(dl):
             if k == 2:
-                os.kill(dl._pool.procs[0].pid, signal.SIGKILL)
-                dl._pool.procs[0].join()
+                os.kill(dl.strategy._pool.procs[0].pid, signal.SIGKILL)
+                dl.strategy._pool.procs[0].join()
     # persistent workers, one of them dead: the next pass starts fresh ones (it raised again before)
-    assert _same(_epoch(dl), _epoch(dlstore.loader(dlstore.open_dataset(stores["shards"]), 1, threads=1)))
+    assert _same(_epoch(dl), _epoch(dlstore.loader(dlstore.open_dataset(stores["shards"]), 1, backend="threads", num_threads=1)))
     dl.close()
     assert not _children()
 
@@ -291,7 +291,7 @@ def _np_noise(images, generator=None):
 def test_a_batch_transform_returning_a_view_of_the_slot_in_another_layout_is_copied(stores):
     """Square samples transposed: the same shape and memory as the slot, other strides (was: the raw pixels)."""
     ds = dlstore.open_dataset(stores["hdf5"], batch_transform=_transpose)
-    reference = _epoch(dlstore.loader(ds, 5, threads=1))
+    reference = _epoch(dlstore.loader(ds, 5, backend="threads", num_threads=1))
     assert not torch.equal(reference[0][0], reference[0][0].transpose(2, 3))   # a transpose changes pixels
     assert _same(_epoch(_ring(ds, 5, 2)), reference)
 
@@ -309,7 +309,7 @@ def test_workers_seed_numpy_per_batch(stores):
 @pytest.mark.parametrize("persistent", [False, True])
 def test_break_mid_epoch_then_a_new_epoch(persistent, stores):
     ds = _random(stores["lmdb"])
-    threads = dlstore.loader(ds, 3, shuffle=True, generator=_gen(8), threads=2)
+    threads = dlstore.loader(ds, 3, shuffle=True, generator=_gen(8), backend="threads", num_threads=2)
     dl = _ring(ds, 3, 2, shuffle=True, generator=_gen(8), persistent_workers=persistent)
     for epoch in range(3):
         # the threads break at the same batch: a pass left early draws less from the generator
@@ -348,7 +348,7 @@ def test_an_iterator_dropped_before_its_first_batch_stops_its_workers(persistent
     for p in multiprocessing.active_children():
         p.join(timeout=5)
     assert len(_children()) == (2 if persistent else 0)
-    expected = _epoch(dlstore.loader(ds, 3, shuffle=True, generator=_gen(3), threads=2))
+    expected = _epoch(dlstore.loader(ds, 3, shuffle=True, generator=_gen(3), backend="threads", num_threads=2))
     assert _same(_epoch(dl), expected)       # the next pass starts workers again and reads the same batches
     dl.close()
     assert not _children()
@@ -359,9 +359,9 @@ def test_an_unstarted_iterator_collected_as_the_next_pass_starts_leaves_that_pas
     runs: here right after the next pass took the workers (it stopped them under that pass: "handle
     is closed")."""
     ds = _random(stores["lmdb"])
-    expected = _epoch(dlstore.loader(ds, 3, shuffle=True, generator=_gen(4), threads=2))
+    expected = _epoch(dlstore.loader(ds, 3, shuffle=True, generator=_gen(4), backend="threads", num_threads=2))
     dl = _ring(ds, 3, 2, shuffle=True, generator=_gen(4))
-    real_start, calls = dl._start, []
+    real_start, calls = dl.strategy._start, []
 
     def start():
         got = real_start()
@@ -369,7 +369,7 @@ def test_an_unstarted_iterator_collected_as_the_next_pass_starts_leaves_that_pas
         if len(calls) == 3:           # the next pass's own _start (the stale's iter(), its iter())
             gc.collect()
         return got
-    monkeypatch.setattr(dl, "_start", start)
+    monkeypatch.setattr(dl.strategy, "_start", start)
     gc.disable()                      # the collector runs exactly there, not at some allocation before
     try:
         stale = [iter(dl)]
@@ -427,29 +427,28 @@ def test_pin_memory(stores):
 def test_bad_arguments(stores, varsize_folder, tmp_path):
     ds = dlstore.open_dataset(stores["shards"])
     with pytest.raises(ArgumentError, match="num_workers >= 1"):
-        dlstore.loader(ds, 4, shm_ring=True)
-    with pytest.raises(TypeError, match="shm_ring must be"):
-        dlstore.loader(ds, 4, num_workers=1, shm_ring="yes")
-    with pytest.raises(TypeError, match="shm_ring must be"):
-        dlstore.loader(ds, 4, num_workers=1, shm_ring=1)
+        dlstore.loader(ds, 4, backend="ring")
+    with pytest.raises(ArgumentError, match="shm_ring= is gone since 0.3; use backend='ring'"):
+        dlstore.loader(ds, 4, num_workers=1, shm_ring=True)
     variable = dlstore.open_dataset(dlstore.convert(varsize_folder, tmp_path / "v.shards", workers=0,
                                                     progress=False).path)
-    with pytest.raises(ArgumentError, match="fixed output shape"):
-        dlstore.loader(variable, 4, num_workers=1, shm_ring=True)
-    assert isinstance(dlstore.loader(ds, 4, num_workers=1), ShmRingLoader)   # the default for workers
-    assert not isinstance(dlstore.loader(ds, 4, num_workers=1, shm_ring=False), ShmRingLoader)
-    assert not isinstance(dlstore.loader(variable, 4, num_workers=1), ShmRingLoader)   # variable shapes
+    with pytest.raises(ArgumentError, match="batches of one fixed shape"):
+        dlstore.loader(variable, 4, num_workers=1, backend="ring")
+    assert dlstore.loader(ds, 4, num_workers=1).backend == "ring"   # the default for workers
+    assert dlstore.loader(ds, 4, num_workers=1, backend="dataloader").backend == "dataloader"
+    assert dlstore.loader(variable, 4, num_workers=1).backend == "dataloader"   # variable shapes
 
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_a_second_pass_started_mid_pass_takes_over(persistent, stores):
     ds = _random(stores["shards"])
-    expected = _epoch(dlstore.loader(ds, 2, shuffle=True, generator=_gen(6), threads=1))
+    expected = _epoch(dlstore.loader(ds, 2, shuffle=True, generator=_gen(6), backend="threads", num_threads=1))
     dl = _ring(ds, 2, 2, shuffle=True, generator=_gen(6), persistent_workers=persistent)
     first = iter(dl)
     x, _ = next(first)                              # a pass left suspended, with batches in flight
     assert torch.equal(x, expected[0][0])
     dl.generator.manual_seed(6)
+    dl.set_epoch(0)                                 # (each pass is the next epoch)
     assert _same(_epoch(dl), expected)             # the new pass has every slot it needs
     with pytest.raises(UsageError, match="another pass over this loader started"):
         next(first)
@@ -462,28 +461,26 @@ _SMALL_SHM = r"""
 import sys, warnings
 import numpy as np
 import dlstore
-from torch.utils.data import DataLoader
-from dlstore.data.loaders.shm_ring import ShmRingLoader
 from dlstore.errors import SharedMemoryError
 
 images = np.random.default_rng(0).integers(0, 256, (40, 64, 64, 3), dtype=np.uint8)
 ds = dlstore.open_dataset(dlstore.convert((images, np.arange(40) % 2), sys.argv[1], workers=0, progress=False).path)
 try:   # asked for: 7 slots of 64x3x64x64 (5.5 MiB) in a 4 MiB /dev/shm
-    next(iter(dlstore.loader(ds, 64, num_workers=2, shm_ring=True)))
+    next(iter(dlstore.loader(ds, 64, num_workers=2, backend="ring")))
     print("no error")
 except SharedMemoryError as exc:
     print("error:", exc)
 with warnings.catch_warnings(record=True) as caught:   # chosen: not the ring, and a warning says why
     warnings.simplefilter("always")
     chosen = dlstore.loader(ds, 64, num_workers=2)
-print("chosen:", type(chosen).__name__, "|", "; ".join(str(w.message) for w in caught))
+print("chosen:", chosen.backend, "|", "; ".join(str(w.message) for w in caught))
 # three loaders made up front (train/val/test), each fitting alone (5 slots of 24x3x64x64: 1.4 MiB), not
 # together: the one that finds no room when it starts takes the DataLoader path, with a warning
 loaders = [dlstore.loader(ds, 24, num_workers=1) for _ in range(3)]
 with warnings.catch_warnings(record=True) as caught:
     warnings.simplefilter("always")
     counts = [sum(len(y) for _, y in dl) for dl in loaders]
-print("three:", [type(dl).__name__ for dl in loaders], counts, sum("DataLoader path" in str(w.message) for w in caught))
+print("three:", [dl.backend for dl in loaders], counts, sum("DataLoader path" in str(w.message) for w in caught))
 """
 
 
@@ -501,7 +498,8 @@ def test_a_ring_that_does_not_fit_in_dev_shm_is_a_clear_error_or_not_chosen(tmp_
         pytest.skip(f"cannot mount a private /dev/shm here (needs root): {proc.stderr.strip()[-200:]}")
     assert proc.returncode == 0, proc.stderr
     error, chosen, three = proc.stdout.strip().splitlines()[-3:]
-    assert three == "three: ['ShmRingLoader', 'ShmRingLoader', 'ShmRingLoader'] [40, 40, 40] 1"
+    assert three.startswith("three: [") and three.count("'ring'") == 2 and three.count("'dataloader'") == 1
+    assert three.endswith("[40, 40, 40] 1")
     assert error.startswith("error: the loader's ring of batches needs 5.2 MiB of shared memory and /dev/shm has")
     assert "--shm-size" in error and "num_workers=0" in error
-    assert chosen.startswith("chosen: StoreDataLoader | dlstore.loader: not using worker processes' shared-memory ring")
+    assert chosen.startswith("chosen: dataloader | dlstore.loader: not using worker processes' shared-memory ring")

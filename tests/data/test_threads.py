@@ -1,4 +1,4 @@
-"""The thread loader (``dlstore.loader(..., threads=N)``) and StoreDataset.get_batch under threads.
+"""The threads back-end (``dlstore.loader(..., backend="threads", num_threads=N)``) and get_batch under threads.
 
 Every format is read from several threads at once and compared with a
 single-threaded read: a deterministic crop + flip (the output is the flipped
@@ -19,14 +19,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DistributedSampler
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data import dataset as dataset_module
-from dlstore.data.loaders.factory import threads_apply
-from dlstore.data.loaders.shm_ring import ShmRingLoader
-from dlstore.data.loaders.threads import ThreadLoader, batch_seed
+from dlstore.data import batch_path as batch_path_module
+from dlstore.data.loaders.seeds import batch_seed
 from dlstore.errors import ArgumentError
 
 # torchvision 0.29 deprecates its image decoders (for TorchCodec) and warns on every call
@@ -76,13 +74,12 @@ def _concurrently(ds, tasks, threads: int) -> list[torch.Tensor]:
 @pytest.mark.parametrize("kernel", ["windows", "loop"])
 @pytest.mark.parametrize("fmt", FORMATS + ["jpeg"])
 def test_get_batch_from_threads_equals_single_thread(fmt, kernel, stores, monkeypatch):
-    if kernel == "loop":     # the per-sample kernel, into recycled batch buffers (the pool)
-        monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
-        monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
+    if kernel == "loop":     # the per-sample kernel
+        monkeypatch.setattr(batch_path_module, "VECTORISED_MAX_PIXELS", 0)
     # deterministic: a crop the size of the image and a certain flip give the mirrored sample
     fixed = dlstore.open_dataset(stores[fmt], transform=v2.Compose([v2.RandomCrop(32),
                                                                     v2.RandomHorizontalFlip(1.0)]))
-    assert fixed._fused_crop is not None and fixed._fused_flip is not None
+    assert fixed.batch_path.crop is not None and fixed.batch_path.flip is not None
     # random: padded crop and a coin flip, drawn from each batch's own generator
     random = dlstore.open_dataset(stores[fmt], transform=v2.Compose([v2.RandomCrop(32, padding=(3, 1, 5, 2)),
                                                                      v2.RandomHorizontalFlip()]))
@@ -100,9 +97,10 @@ def test_dataset_pickles_without_thread_state(stores):
     import pickle
 
     ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip(1.0))
-    ds.get_batch([0, 1])
+    before = len(pickle.dumps(ds))
+    ds.get_batch([0, 1])                       # makes this thread's scratch buffer of the fused crop
+    assert len(pickle.dumps(ds)) == before     # which stays behind
     copy = pickle.loads(pickle.dumps(ds))
-    assert copy._pool == [] and not hasattr(copy._local, "scratch")
     assert torch.equal(copy.get_batch([0, 1])[0], ds.get_batch([0, 1])[0])
 
 
@@ -166,7 +164,7 @@ def test_a_shard_file_is_mapped_and_checked_once_by_racing_threads(stores, monke
     ds = dlstore.open_dataset(stores["shards"], check="open")
     calls: list[int] = []
     _slowed(monkeypatch, ShardReader, "_check_file", calls)
-    got = torch.cat([x for x, _ in dlstore.loader(ds, 4, threads=4)])
+    got = torch.cat([x for x, _ in dlstore.loader(ds, 4, backend="threads", num_threads=4)])
     assert torch.equal(got, expected)
     assert len(calls) == len(ds.reader.files)
 
@@ -284,7 +282,7 @@ def _same(a, b) -> bool:
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_batches_do_not_depend_on_the_thread_count(fmt, stores):
     ds = _random(stores[fmt])
-    runs = {t: list(dlstore.loader(ds, 5, shuffle=True, generator=_gen(4), threads=t)) for t in (1, 2, 4)}
+    runs = {t: list(dlstore.loader(ds, 5, shuffle=True, generator=_gen(4), backend="threads", num_threads=t)) for t in (1, 2, 4)}
     assert _same(runs[1], runs[2]) and _same(runs[1], runs[4])
     assert [len(y) for _, y in runs[1]] == [5, 5, 5, 5, 4]
     assert sorted(torch.cat([y for _, y in runs[1]]).tolist()) == sorted(ds.targets)
@@ -293,7 +291,7 @@ def test_batches_do_not_depend_on_the_thread_count(fmt, stores):
 def test_batch_seeds_follow_the_documented_scheme(stores):
     ds = _random(stores["shards"])
     g = _gen(11)
-    got = list(dlstore.loader(ds, 6, shuffle=True, generator=g, threads=3))
+    got = list(dlstore.loader(ds, 6, shuffle=True, generator=g, backend="threads", num_threads=3))
     # what the loader drew: the base seed, then the order from the same generator
     g = _gen(11)
     base = int(torch.empty((), dtype=torch.int64).random_(generator=g))
@@ -306,7 +304,7 @@ def test_batch_seeds_follow_the_documented_scheme(stores):
 
 def test_in_order_and_equal_to_a_plain_read(stores):
     ds = dlstore.open_dataset(stores["lmdb"])
-    batches = list(dlstore.loader(ds, 7, threads=3, prefetch_factor=3))
+    batches = list(dlstore.loader(ds, 7, backend="threads", num_threads=3, prefetch_factor=3))
     raw, labels = ds.read_batch(range(len(ds)))
     assert torch.equal(torch.cat([x for x, _ in batches]), raw)
     assert torch.equal(torch.cat([y for _, y in batches]), labels)
@@ -314,38 +312,51 @@ def test_in_order_and_equal_to_a_plain_read(stores):
 
 def test_epochs_reseed(stores):
     ds = _random(stores["shards"])
-    dl = dlstore.loader(ds, 8, shuffle=True, generator=_gen(0), threads=2)
+    dl = dlstore.loader(ds, 8, shuffle=True, generator=_gen(0), backend="threads", num_threads=2)
     first, second = list(dl), list(dl)
     assert not _same(first, second)                      # the generator moved on
-    assert _same(first, list(dlstore.loader(ds, 8, shuffle=True, generator=_gen(0), threads=2)))
+    assert _same(first, list(dlstore.loader(ds, 8, shuffle=True, generator=_gen(0), backend="threads", num_threads=2)))
     # the epoch enters the seeds: same generator, another epoch, other draws
-    epoch0 = list(dlstore.loader(ds, 8, generator=_gen(0), threads=2))
-    dl = dlstore.loader(ds, 8, generator=_gen(0), threads=2)
+    epoch0 = list(dlstore.loader(ds, 8, generator=_gen(0), backend="threads", num_threads=2))
+    dl = dlstore.loader(ds, 8, generator=_gen(0), backend="threads", num_threads=2)
     dl.set_epoch(1)
     epoch1 = list(dl)
     assert not _same(epoch0, epoch1)
-    dl = dlstore.loader(ds, 8, generator=_gen(0), threads=1)
-    dl.sampler.set_epoch(1)                              # the DataLoader path's idiom works too
-    assert _same(list(dl), epoch1)
+    assert _same(list(dlstore.loader(ds, 8, generator=_gen(0), backend="threads", num_threads=2)), epoch0)
+
+
+def test_sampler_set_epoch_counts_as_set_epoch(stores):
+    # DataLoader's idiom: loader.sampler.set_epoch(e) on a DistributedSampler
+    ds = _random(stores["shards"])
+
+    def make():
+        sampler = DistributedSampler(ds, num_replicas=1, rank=0, shuffle=True, seed=5)
+        return dlstore.loader(ds, 8, sampler=sampler, seed=2, backend="threads", num_threads=2)
+    dl = make()
+    dl.set_epoch(3)
+    want = list(dl)
+    dl = make()
+    dl.sampler.set_epoch(3)
+    assert _same(list(dl), want)
+    assert not _same(list(make()), want)
 
 
 def test_len_and_drop_last(stores):
     ds = dlstore.open_dataset(stores["hdf5"])
-    assert len(dlstore.loader(ds, 5, threads=2)) == 5 == len(list(dlstore.loader(ds, 5, threads=2)))
-    dl = dlstore.loader(ds, 5, threads=2, drop_last=True)
+    assert len(dlstore.loader(ds, 5, backend="threads", num_threads=2)) == 5 == len(list(dlstore.loader(ds, 5, backend="threads", num_threads=2)))
+    dl = dlstore.loader(ds, 5, backend="threads", num_threads=2, drop_last=True)
     assert len(dl) == 4 == len(list(dl))
 
 
 @pytest.mark.parametrize("hold", ["batches", "views"])
 def test_held_batches_are_never_overwritten(hold, stores, monkeypatch):
-    # every batch goes through the recycled buffers (the pool), with the per-sample kernel
-    monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
-    monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
+    # every batch goes through the loader's recycled buffers, with the per-sample kernel
+    monkeypatch.setattr(batch_path_module, "VECTORISED_MAX_PIXELS", 0)
     ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip(1.0))
     raw = ds.read_batch(range(len(ds)))[0].flip(-1)
     for _ in range(3):
         held = []
-        for x, _ in dlstore.loader(ds, 2, threads=3, prefetch_factor=2):
+        for x, _ in dlstore.loader(ds, 2, backend="threads", num_threads=3, prefetch_factor=2):
             held.append(x if hold == "batches" else x[1:])    # a view keeps the memory too
         if hold == "views":
             assert all(torch.equal(v, raw[2 * k + 1: 2 * k + 2]) for k, v in enumerate(held))
@@ -354,40 +365,33 @@ def test_held_batches_are_never_overwritten(hold, stores, monkeypatch):
 
 
 def test_buffers_are_recycled_when_let_go(stores, monkeypatch):
-    monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
-    monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
+    monkeypatch.setattr(batch_path_module, "VECTORISED_MAX_PIXELS", 0)
     ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip(1.0))
     raw = ds.read_batch(range(len(ds)))[0].flip(-1)
     pointers = set()
+    loader = dlstore.loader(ds, 2, backend="threads", num_threads=2, prefetch_factor=1)
     for _ in range(4):
-        loader = dlstore.loader(ds, 2, threads=2, prefetch_factor=1)
         for k, (x, _) in enumerate(loader):
             assert torch.equal(x, raw[2 * k: 2 * k + 2])
             pointers.add(x.data_ptr())
             del x
-        assert ds._pool_size == dataset_module._POOL_SIZE, "the loader gives the dataset its pool size back"
-    # 4 epochs x 12 batches served from no more buffers than the loader keeps in flight
-    assert len(pointers) <= loader.prefetch + 4
+    # 4 epochs x 12 batches served from no more buffers than the loader keeps: those in flight, the one
+    # the user holds, the one before it and one spare
+    assert len(pointers) <= loader.strategy.prefetch + 3
 
 
-def test_overlapping_passes_each_keep_their_buffers(stores):
-    # Each pass used to save the pool size, raise it and put the saved value back at its end:
-    # two passes at once (stepped in turn here) undid each other. The first to end shrank the
-    # pool under the other's live pass; the last left it raised for good.
+def test_two_loaders_of_one_dataset_stepped_in_turn_keep_their_batches(stores, monkeypatch):
+    # each loader owns its buffers: two passes over one dataset at once never write into each other's
+    monkeypatch.setattr(batch_path_module, "VECTORISED_MAX_PIXELS", 0)
     ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip(1.0))
-    small = dlstore.loader(ds, 2, threads=1, prefetch_factor=1)
-    large = dlstore.loader(ds, 2, threads=4, prefetch_factor=2)
-    assert large.prefetch > small.prefetch
-    a, b = iter(small), iter(large)
-    next(a)
-    next(b)
-    assert ds._pool_size == large.prefetch + 4
-    for _ in a:                           # the small pass ends while the large one is live
-        pass
-    assert ds._pool_size == large.prefetch + 4
-    for _ in b:
-        pass
-    assert ds._pool_size == dataset_module._POOL_SIZE
+    raw = ds.read_batch(range(len(ds)))[0].flip(-1)
+    small = dlstore.loader(ds, 2, backend="threads", num_threads=1, prefetch_factor=1)
+    large = dlstore.loader(ds, 2, backend="threads", num_threads=4, prefetch_factor=2)
+    held = {"small": [], "large": []}
+    for (a, _), (b, _) in zip(small, large):
+        held["small"].append(a)
+        held["large"].append(b)
+    assert torch.equal(torch.cat(held["small"]), raw) and torch.equal(torch.cat(held["large"]), raw)
 
 
 def test_errors_in_a_thread_reach_the_caller_and_threads_end(stores):
@@ -396,9 +400,9 @@ def test_errors_in_a_thread_reach_the_caller_and_threads_end(stores):
 
     ds = dlstore.open_dataset(stores["shards"], batch_transform=boom)
     with pytest.raises(RuntimeError, match="boom"):
-        list(dlstore.loader(ds, 4, threads=2))
+        list(dlstore.loader(ds, 4, backend="threads", num_threads=2))
     ds = dlstore.open_dataset(stores["shards"])
-    it = iter(dlstore.loader(ds, 2, threads=3))
+    it = iter(dlstore.loader(ds, 2, backend="threads", num_threads=3))
     next(it)
     it.close()                                            # an epoch left early
     assert not [t for t in threading.enumerate() if t.name.startswith("dlstore-loader")]
@@ -406,23 +410,32 @@ def test_errors_in_a_thread_reach_the_caller_and_threads_end(stores):
 
 def test_default_chooses_threads_where_they_apply(stores):
     ds = dlstore.open_dataset(stores["shards"], transform=v2.RandomHorizontalFlip())
-    assert threads_apply(ds)
-    assert isinstance(dlstore.loader(ds, 4), ThreadLoader)
-    assert isinstance(dlstore.loader(ds, 4, threads=0), DataLoader)
-    assert isinstance(dlstore.loader(ds, 4, num_workers=1), ShmRingLoader)   # fixed-shape batches: the ring
-    assert isinstance(dlstore.loader(ds, 4, num_workers=1, shm_ring=False), DataLoader)
-    assert isinstance(dlstore.loader(dlstore.open_dataset(stores["jpeg"]), 4), ThreadLoader)
+    assert ds.threads_apply
+    assert dlstore.loader(ds, 4).backend == "threads"
+    assert dlstore.loader(ds, 4, backend="dataloader").backend == "dataloader"
+    assert dlstore.loader(ds, 4, num_workers=1).backend == "ring"     # fixed-shape batches: the ring
+    assert dlstore.loader(ds, 4, num_workers=1, backend="dataloader").backend == "dataloader"
+    assert dlstore.loader(dlstore.open_dataset(stores["jpeg"]), 4).backend == "threads"
+    assert dlstore.loader(ds, 4, num_threads=3).num_threads == 3       # a thread count asks for threads
     per_sample = dlstore.open_dataset(stores["shards"], transform=v2.Compose([v2.RandomErasing(p=1.0)]))
-    assert per_sample.per_sample_ops and not threads_apply(per_sample)
-    assert isinstance(dlstore.loader(per_sample, 4), DataLoader)
-    assert isinstance(dlstore.loader(per_sample, 4, threads=2), ThreadLoader)   # asked for explicitly
+    assert per_sample.plan.python_ops(fixed_shape=True) and not per_sample.threads_apply
+    assert dlstore.loader(per_sample, 4).backend == "dataloader"
+    assert dlstore.loader(per_sample, 4, backend="threads", num_threads=2).backend == "threads"   # asked for
+    kinds = {type(dlstore.loader(d, 4, **kw)) for d, kw in ((ds, {}), (ds, {"num_workers": 1}),
+                                                           (per_sample, {}), (ds, {"device": "cpu"}))}
+    assert kinds == {dlstore.Loader}
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    ({"threads": 2, "num_workers": 2}, "either by threads"),
-    ({"threads": -1}, "threads must be"),
-    ({"threads": 1.5}, "threads must be"),
-    ({"threads": 2, "prefetch_factor": 0}, "prefetch_factor"),
+    ({"backend": "threads", "num_workers": 2}, "threads build batches in this process"),
+    ({"num_threads": 2, "num_workers": 2}, "threads build batches in this process"),
+    ({"num_threads": 2, "backend": "ring", "num_workers": 1}, "num_threads is the thread count"),
+    ({"num_threads": -1}, "num_threads must be"),
+    ({"num_threads": 1.5}, "num_threads must be"),
+    ({"num_threads": 2, "prefetch_factor": 0}, "prefetch_factor"),
+    ({"threads": 2}, "threads= is gone since 0.3; use backend='threads'"),
+    ({"shm_ring": True}, "shm_ring= is gone since 0.3; use backend='ring'"),
+    ({"num_thread": 2}, "did you mean num_threads="),
 ])
 def test_bad_arguments(kwargs, match, stores):
     with pytest.raises(ArgumentError, match=match):
@@ -440,8 +453,8 @@ def test_distributed_splits_by_rank(stores, monkeypatch):
     seen = []
     for rank in (0, 1):
         monkeypatch.setattr(dist, "get_rank", lambda group=None, rank=rank: rank)
-        dl = dlstore.loader(ds, 5, shuffle=True, distributed=True, seed=3, threads=2)
-        assert isinstance(dl, ThreadLoader) and len(dl) == 3          # 12 samples per rank
+        dl = dlstore.loader(ds, 5, shuffle=True, distributed=True, seed=3, backend="threads", num_threads=2)
+        assert dl.backend == "threads" and len(dl) == 3          # 12 samples per rank
         dl.sampler.set_epoch(1)
         seen.append([lookup[bytes(x.numpy().tobytes())] for images, _ in dl for x in images])
     assert sorted(seen[0] + seen[1]) == list(range(len(ds)))
@@ -451,22 +464,15 @@ def test_pin_memory(stores):
     ds = dlstore.open_dataset(stores["shards"])
     if not torch.cuda.is_available():
         with pytest.warns(UserWarning, match="CUDA is not available"):
-            dl = dlstore.loader(ds, 4, threads=2, pin_memory=True)
+            dl = dlstore.loader(ds, 4, backend="threads", num_threads=2, pin_memory=True)
         x, _ = next(iter(dl))
         assert not x.is_pinned()
         return
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        dl = dlstore.loader(ds, 4, threads=2, pin_memory=True)
+        dl = dlstore.loader(ds, 4, backend="threads", num_threads=2, pin_memory=True)
     for x, y in dl:
         assert x.is_pinned() and y.is_pinned()
-
-
-def test_thread_loader_arguments():
-    with pytest.raises(ArgumentError, match="threads"):
-        ThreadLoader(None, [], threads=0, prefetch=1)
-    with pytest.raises(ArgumentError, match="prefetch"):
-        ThreadLoader(None, [], threads=1, prefetch=0)
 
 
 # --- JPEG stores: batches decoded by torchvision.io.decode_jpeg, pixels as PIL's ------------------
@@ -481,7 +487,7 @@ def test_jpeg_batches_decode_to_pils_pixels(stores):
     pil = [decode(r) for r in reader.raw.get_many(idx)]
     assert all(a.flags.c_contiguous and np.array_equal(a, b) for a, b in zip(got, pil))
     assert np.array_equal(reader.get_batch(np.array(idx)), np.stack(pil))
-    threaded = torch.cat([x for x, _ in dlstore.loader(ds, 5, threads=3)])
+    threaded = torch.cat([x for x, _ in dlstore.loader(ds, 5, backend="threads", num_threads=3)])
     assert torch.equal(threaded, torch.from_numpy(np.stack(pil)))
 
 
@@ -521,7 +527,7 @@ def test_jpeg_batches_keep_to_pil_when_threads_check_at_once(stores, monkeypatch
 
     monkeypatch.setattr(torchvision.io, "decode_jpeg", differing)
     ds = dlstore.open_dataset(stores["jpeg"])
-    got = torch.cat([x for x, _ in dlstore.loader(ds, 4, threads=2)])
+    got = torch.cat([x for x, _ in dlstore.loader(ds, 4, backend="threads", num_threads=2)])
     raw = ds.reader.raw
     pil = np.stack([decode(r) for r in raw.get_many(list(range(len(raw))))])
     assert ds.reader._batch_jpeg is False and len(calls) >= 2
@@ -535,7 +541,7 @@ def test_jpeg_batch_with_a_damaged_record_names_it(stores):
     good = dlstore.open_dataset(stores["jpeg"]).reader.raw
 
     class Damaged:
-        manifest, labels, count, path = good.manifest, good.labels, good.count, good.path
+        manifest, labels, targets, count, path = good.manifest, good.labels, good.targets, good.count, good.path
 
         def get_many(self, indices):
             records = good.get_many(indices)
@@ -559,17 +565,18 @@ path = dlstore.convert(folder, root + "/s.lmdb", static=hybrid, workers=0, progr
 ds = dlstore.open_dataset(path, transform=hybrid)
 per_sample = dlstore.open_dataset(path, transform=lambda x: x.flip(-1))
 loaders = {
-    "threads": dlstore.loader(ds, 4, threads=2),
-    "device threads": dlstore.loader(ds, 4, threads=2, device="cpu"),
+    "threads": dlstore.loader(ds, 4, backend="threads", num_threads=2),
+    "device threads": dlstore.loader(ds, 4, backend="threads", num_threads=2, device="cpu"),
     "ring": dlstore.loader(per_sample, 4, num_workers=2),
     "device ring": dlstore.loader(per_sample, 4, num_workers=2, device="cpu"),
-    "dataloader": dlstore.loader(per_sample, 4, num_workers=2, shm_ring=False),
+    "dataloader": dlstore.loader(per_sample, 4, num_workers=2, backend="dataloader"),
     "gpu": dlstore.loader(dlstore.GPUDataset(path, device="cpu"), 4),
     "gpu stream": dlstore.loader(dlstore.GPUDataset(path, device="cpu", max_memory=1, headroom=0,
                                                     on_overflow="stream"), 4),
 }
-kinds = sorted({type(dl).__name__ for dl in loaders.values()})
-assert kinds == ["DeviceLoader", "GPULoader", "ShmRingLoader", "StoreDataLoader", "ThreadLoader"], kinds
+kinds = sorted({dl.backend for dl in loaders.values()})
+assert kinds == ["dataloader", "resident", "ring", "threads"], kinds
+assert {type(dl) for dl in loaders.values()} == {dlstore.Loader}
 zipped = zip(loaders["threads"], loaders["device threads"])
 next(zipped)
 alive = {name: iter(dl) for name, dl in loaders.items()}
@@ -590,7 +597,7 @@ def test_iterators_alive_at_exit_end_quietly(rgb_folder, tmp_path):
     assert (proc.returncode, proc.stdout, proc.stderr) == (0, "exiting\n", "")
 
 
-@pytest.mark.parametrize("backend", [{"backend": "threads", "threads": 1}, {"backend": "ring", "num_workers": 1}],
+@pytest.mark.parametrize("backend", [{"backend": "threads", "num_threads": 1}, {"backend": "ring", "num_workers": 1}],
                          ids=["threads", "ring"])
 @pytest.mark.parametrize("suffix", [".shards", ".lmdb"])
 def test_with_willneed_the_loader_advises_batches_ahead_of_their_build(tmp_path, suffix, backend):
@@ -628,7 +635,7 @@ def test_a_bad_index_ahead_fails_its_own_batch_not_the_ones_before(tmp_path):
     dst = tmp_path / "s.shards"
     dlstore.convert((np.zeros((6, 8, 8, 3), np.uint8), np.arange(6) % 2), dst, workers=0, progress=False)
     ds = dlstore.open_dataset(dst, reader_options={"willneed": True})
-    loader = dlstore.loader(ds, 2, sampler=[0, 1, 2, 3, 99], backend="threads", threads=1)
+    loader = dlstore.loader(ds, 2, sampler=[0, 1, 2, 3, 99], backend="threads", num_threads=1)
     it = iter(loader)
     assert [len(next(it)[0]), len(next(it)[0])] == [2, 2]
     with pytest.raises(SampleIndexError, match="99"):
@@ -647,7 +654,7 @@ def test_batches_advised_ahead_are_not_advised_again_by_their_builder(tmp_path, 
     real = reader_module.advise
     monkeypatch.setattr(reader_module, "advise",
                         lambda extents, **options: (seen.append(threading.current_thread().name), real(extents, **options)))
-    assert sum(len(x) for x, _ in dlstore.loader(ds, 3, backend="threads", threads=2)) == 12
+    assert sum(len(x) for x, _ in dlstore.loader(ds, 3, backend="threads", num_threads=2)) == 12
     assert seen == [threading.current_thread().name] * 4
     ds.reader.get_batch([0, 1])                  # outside the loader the reader still advises its batch
     assert len(seen) == 5

@@ -22,14 +22,17 @@ reference never asks dlstore which parameters it drew. Two ways instead:
 
 The ops are torchvision v2 transforms (``RandomCrop``, ``RandomHorizontalFlip``,
 ``RandomResizedCrop``, ``RandomErasing``, ``ToImage``, ``ToDtype``, ``Normalize``:
-the pipeline a user wrote) or dlstore's batch ops, read as the torchvision
-transform each documents itself equal to:
+the pipeline a user wrote), torchvision v1 transforms (the same, and ``ConvertImageDtype``,
+each read with v1's own kernels: ``torchvision.transforms.functional``), timm's
+``RandomResizedCropAndInterpolation`` (bilinear: v1's kernel, which it calls), or dlstore's
+batch ops, read as the torchvision transform each documents itself equal to:
 
     BatchRandomCrop            F.pad(fill, padding_mode) + F.crop
     BatchRandomHorizontalFlip  F.horizontal_flip
-    BatchRandomResizedCrop     F.resized_crop
+    BatchRandomResizedCrop     F.resized_crop (kernel="v1": v1's resized_crop)
     BatchCutout                F.erase
-    BatchNormalize             F.to_dtype(scale) + F.normalize   (float32)
+    BatchNormalize             F.to_dtype(scale) + F.normalize   (float32; divide=True: v1's
+                               convert_image_dtype + normalize)
     _PerSample(op)             op itself (a torchvision transform)
 
 then the GPU dataset's conversion where the path has one (``convert``), and
@@ -64,6 +67,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torchvision.transforms as v1
+import torchvision.transforms.functional as F1
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
@@ -121,13 +126,38 @@ def _fill(fill: Any) -> Any:
     return list(fill) if isinstance(fill, tuple) else fill
 
 
-DETERMINISTIC = (v2.ToImage, v2.ToPureTensor, v2.ToDtype, v2.Normalize)
+DETERMINISTIC = (v2.ToImage, v2.ToPureTensor, v2.ToDtype, v2.Normalize, v1.ConvertImageDtype, v1.Normalize)
+
+
+def _is_v1(op: Any) -> bool:
+    return type(op).__module__.startswith("torchvision.transforms.") and ".v2" not in type(op).__module__
+
+
+def _rrc_kernel(op: Any) -> str:
+    if isinstance(op, BatchRandomResizedCrop):
+        return op.kernel
+    return "v1" if _is_v1(op) or type(op).__module__.startswith("timm.") else "v2"
+
+
+def v1_padded(op: Any, x: torch.Tensor) -> torch.Tensor:
+    """What torchvision v1's ``RandomCrop.forward`` pads ``x`` to before it draws the window: its
+    ``padding``, then ``pad_if_needed``'s width and height pads, one after the other (v1's kernels)."""
+    if op.padding is not None:
+        x = F1.pad(x, op.padding, op.fill, op.padding_mode)
+    h, w = x.shape[-2:]
+    if op.pad_if_needed and w < op.size[1]:
+        x = F1.pad(x, [op.size[1] - w, 0], op.fill, op.padding_mode)
+    if op.pad_if_needed and h < op.size[0]:
+        x = F1.pad(x, [0, op.size[0] - h], op.fill, op.padding_mode)
+    return x
 
 
 def _spec(op: Any, c: int, h: int, w: int) -> dict[str, Any]:
     """What ``op`` does to a (c, h, w) sample, in torchvision's terms (its kernel and arguments)."""
     if isinstance(op, _PerSample):
         op = op.op
+    if isinstance(op, v1.RandomCrop):
+        return {"kind": "crop", "v1": op, "size": tuple(op.size)}
     if isinstance(op, (BatchRandomCrop, v2.RandomCrop)):
         # the padding torchvision's RandomCrop applies (padding, then pad_if_needed): its own make_params
         tv = as_torchvision(op) if isinstance(op, BatchRandomCrop) else op
@@ -135,21 +165,27 @@ def _spec(op: Any, c: int, h: int, w: int) -> dict[str, Any]:
             padding = tv.make_params([torch.empty((c, h, w), dtype=torch.uint8)])["padding"]
         return {"kind": "crop", "padding": list(padding), "fill": _fill(tv.fill), "mode": tv.padding_mode,
                 "size": tuple(tv.size)}
-    if isinstance(op, (BatchRandomHorizontalFlip, v2.RandomHorizontalFlip)):
-        return {"kind": "flip", "p": float(op.p)}
-    if isinstance(op, (BatchRandomResizedCrop, v2.RandomResizedCrop)):
-        if isinstance(op, v2.RandomResizedCrop):
+    if isinstance(op, (BatchRandomHorizontalFlip, v2.RandomHorizontalFlip, v1.RandomHorizontalFlip)):
+        return {"kind": "flip", "p": float(op.p), "v1": _is_v1(op)}
+    if isinstance(op, (BatchRandomResizedCrop, v2.RandomResizedCrop, v1.RandomResizedCrop)) \
+            or type(op).__name__ == "RandomResizedCropAndInterpolation":
+        if not isinstance(op, BatchRandomResizedCrop):
             assert getattr(op.interpolation, "value", op.interpolation) in ("bilinear", 2), op
-        return {"kind": "rrc", "size": list(op.size), "antialias": bool(op.antialias)}
+        antialias = True if getattr(op, "antialias", None) is None else bool(op.antialias)
+        return {"kind": "rrc", "size": list(op.size), "antialias": antialias, "kernel": _rrc_kernel(op)}
     if isinstance(op, BatchCutout):
         return {"kind": "erase", "size": op.size, "p": 1.0,
                 "v": torch.tensor(op.fill, dtype=torch.float32).reshape(-1, 1, 1)}
-    if isinstance(op, v2.RandomErasing):
-        assert op.value is not None, "random-valued erasing has no pixels to recover"
-        return {"kind": "erase", "size": None, "p": float(op.p), "v": torch.tensor(op.value)[:, None, None]}
+    if isinstance(op, (v2.RandomErasing, v1.RandomErasing)):
+        assert op.value is not None and op.value != "random", "random-valued erasing has no pixels to recover"
+        value = op.value if isinstance(op.value, (list, tuple)) else [op.value]
+        return {"kind": "erase", "size": None, "p": float(op.p), "v": torch.tensor(value)[:, None, None]}
     if isinstance(op, BatchNormalize):
         def normalise(x: torch.Tensor) -> torch.Tensor:
-            x = F.to_dtype(x, torch.float32, scale=op.scale)
+            if op.divide:      # torchvision v1's ConvertImageDtype / ToTensor: x.to(float) / 255
+                x = F1.convert_image_dtype(x, torch.float32)
+            else:
+                x = F.to_dtype(x, torch.float32, scale=op.scale)
             return F.normalize(x, op.mean, op.std) if op.mean is not None else x
         return {"kind": "det", "fn": normalise}
     if isinstance(op, DETERMINISTIC):
@@ -196,15 +232,18 @@ def tv_draw(ops: Sequence[Any], shape: Sequence[int], seed: int) -> list[dict[st
 def _apply(spec: dict[str, Any], p: dict[str, Any], x: torch.Tensor) -> torch.Tensor:
     """torchvision's kernel of ``spec`` on ``x`` (a sample, or a stack of candidates) with parameters ``p``."""
     kind = spec["kind"]
+    if kind == "crop" and "v1" in spec:
+        return F1.crop(v1_padded(spec["v1"], x), int(p["top"]), int(p["left"]), *spec["size"])
     if kind == "crop":
         if any(spec["padding"]):
             x = F.pad(x, spec["padding"], fill=spec["fill"], padding_mode=spec["mode"])
         return F.crop(x, int(p["top"]), int(p["left"]), *spec["size"])
     if kind == "flip":
-        return F.horizontal_flip(x) if bool(p["flip"]) else x
+        return (F1.hflip(x) if spec["v1"] else F.horizontal_flip(x)) if bool(p["flip"]) else x
     if kind == "rrc":
         box = [int(p[k]) for k in ("top", "left", "height", "width")]
-        return F.resized_crop(x, *box, spec["size"], antialias=spec["antialias"])
+        resized_crop = F1.resized_crop if spec["kernel"] == "v1" else F.resized_crop
+        return resized_crop(x, *box, spec["size"], antialias=spec["antialias"])
     if kind == "erase":
         if not bool(p.get("erased", True)):
             return x
@@ -249,7 +288,8 @@ def _expand(spec: dict[str, Any], cands: torch.Tensor, plist: list[tuple]) -> tu
         made.extend(pp + (p,) for pp in plist)
 
     if kind == "crop":
-        padded = F.pad(cands, spec["padding"], fill=spec["fill"], padding_mode=spec["mode"]) \
+        padded = v1_padded(spec["v1"], cands) if "v1" in spec else \
+            F.pad(cands, spec["padding"], fill=spec["fill"], padding_mode=spec["mode"]) \
             if any(spec["padding"]) else cands
         th, tw = spec["size"]
         for top in range(padded.shape[-2] - th + 1):
@@ -257,12 +297,14 @@ def _expand(spec: dict[str, Any], cands: torch.Tensor, plist: list[tuple]) -> tu
                 add(padded[..., top:top + th, left:left + tw], {"top": top, "left": left})
     elif kind == "flip":
         for flip in ([False] if spec["p"] == 0 else [True] if spec["p"] == 1 else [False, True]):
-            add(F.horizontal_flip(cands) if flip else cands, {"flip": flip})
+            flipped = F1.hflip(cands) if spec["v1"] else F.horizontal_flip(cands)
+            add(flipped if flip else cands, {"flip": flip})
     elif kind == "rrc":
         for bh, bw in _boxes(h, w):
             at = [(t, l) for t in range(h - bh + 1) for l in range(w - bw + 1)]
             windows = torch.cat([cands[..., t:t + bh, l:l + bw] for t, l in at])
-            resized = F.resize(windows, spec["size"], antialias=spec["antialias"])
+            resize = F1.resize if spec["kernel"] == "v1" else F.resize
+            resized = resize(windows, spec["size"], antialias=spec["antialias"])
             for k, (t, l) in enumerate(at):
                 add(resized[k * len(cands):(k + 1) * len(cands)], {"top": t, "left": l, "height": bh, "width": bw})
     elif kind == "erase":

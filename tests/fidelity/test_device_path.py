@@ -27,7 +27,8 @@ from torchvision.transforms import v2
 
 import dlstore
 
-DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.cuda,
+                                                pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA")])]
 DTYPES = [None, torch.float32, torch.float16, torch.bfloat16]
 # batch_transform= cases (cutout) run their random draws in the device stage: covered in
 # tests/data/test_device_loader.py, not against the host draws modelled here
@@ -50,12 +51,16 @@ def stores(tmp_path_factory):
 def check_device_loader(ops, ds, batch_size: int, seed: int, *, device: str, dtype=None, workers: int = 0,
                         threads: int = 0, context=None) -> None:
     """``ds`` opened with ``v2.Compose(ops)``: each batch is torchvision's ``ops`` per sample, rounded
-    once to ``dtype``, and the batch of the same loader with ``device=None``."""
+    once to ``dtype``, and the batch of the same loader with ``device=None``. The host stage runs in
+    ``threads`` loader threads (``backend="threads"``), else in a torch DataLoader with ``workers``."""
     n = len(ds)
     bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
     raw_all, labels_all = ds.read_batch(range(n))
-    options = {"num_workers": workers, "threads": threads, "multiprocessing_context": context}
-    got = list(dlstore.loader(ds, batch_size, generator=gen(seed), device=device, dtype=dtype, **options))
+    options = {"num_workers": workers, "multiprocessing_context": context,
+               "backend": "threads" if threads else "dataloader", "num_threads": threads or None}
+    loader = dlstore.loader(ds, batch_size, generator=gen(seed), device=device, dtype=dtype, **options)
+    assert loader.backend == options["backend"] and loader.device == torch.device(device)
+    got = list(loader)
     cpu = list(dlstore.loader(ds, batch_size, generator=gen(seed), **options))
     assert len(got) == len(cpu) == len(bounds)
     for (s, e), (x, y), (xc, yc) in zip(bounds, got, cpu):
@@ -80,7 +85,8 @@ def test_device_loader_forked_workers(stores, case, device):
     """Two real DataLoader workers run the host stage; only uint8 crosses to the main process."""
     ds = _open(stores("hdf5"), case)
     check_device_loader(CASES[case], ds, 4, seed=5, workers=2, context="fork", device=device, dtype=torch.float16)
-    host = dlstore.loader(ds, 4, num_workers=2, multiprocessing_context="fork", device=device).host_loader
+    host_ds, _ = ds.host_stage()     # what the workers of a device= loader run
+    host = dlstore.loader(host_ds, 4, num_workers=2, multiprocessing_context="fork", backend="dataloader")
     assert {x.dtype for x, _ in host} == {torch.uint8}
 
 

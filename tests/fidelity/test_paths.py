@@ -76,9 +76,7 @@ from hypothesis import strategies as st
 from torchvision.transforms import v2
 
 import dlstore
-from dlstore.data import GPULoader
-import dlstore.data.dataset as dataset_module
-from dlstore.data.loaders.shm_ring import ShmRingLoader
+import dlstore.data.batch_path as dataset_module
 from dlstore.errors import TransformSpecError
 from dlstore.transforms import (
     BatchCompose,
@@ -267,7 +265,8 @@ def test_fused_crop_flip_kernels_equal_torchvision(h, w, b, padding, grow, fill,
     a = x.numpy()
     ref = ref[torch.from_numpy(idx)]
     tops, lefts, fl = tops[idx], lefts[idx], fl[idx]
-    windows, _ = crop_flip_windows(lambda i: a[i], idx, (3, h, w), (th, tw), tops, lefts, fl, crop.padding, fill)
+    windows, _ = crop_flip_windows(a[idx[~fl]] if (~fl).any() else None, a[idx[fl]] if fl.any() else None,
+                                   (3, h, w), (th, tw), tops, lefts, fl, crop.padding, fill)
     assert_same(windows, ref, what="crop_flip_windows")
     out = torch.empty((b, 3, th, tw), dtype=torch.uint8)
     crop_flip_loop((a[i] for i in idx), out.numpy(), tops, lefts, fl, crop.padding, fill)
@@ -305,7 +304,7 @@ def test_get_batch_tiny_images_pad_if_needed(stores, size, crop, kernel):
     path = stores("shards", size)
     ops = [v2.RandomCrop(crop, padding=[0, 1, 0, 0], pad_if_needed=True, fill=9), v2.RandomHorizontalFlip()]
     ds = dlstore.open_dataset(path, transform=v2.Compose(ops))
-    assert ds._fused_crop is not None and ds._fused_flip is not None
+    assert ds.batch_path.crop is not None and ds.batch_path.flip is not None
     idx = list(range(12))
     raw_batch, _ = ds.read_batch(idx)
     for seed in range(3):
@@ -336,27 +335,29 @@ def test_get_batch_any_padding_and_batch(stores, padding, p, grow, fill, idx, se
 
 
 def _check_loader(case: str, ds, batch_size: int, seed: int, *, workers: int = 0, threads: int = 0, context=None,
-                  shm_ring: bool | None = None) -> None:
+                  backend: str = "auto") -> None:
     n = len(ds)
     bounds = [(s, min(s + batch_size, n)) for s in range(0, n, batch_size)]
     raw_all, labels_all = ds.read_batch(range(n))
-    loader = dlstore.loader(ds, batch_size, num_workers=workers, generator=gen(seed),
-                            multiprocessing_context=context, threads=threads, shm_ring=shm_ring)
-    ring = isinstance(loader, ShmRingLoader)
-    assert ring == (workers > 0 and shm_ring is not False)   # the ring is the default for workers
+    options = {"num_threads": threads} if threads else {}
+    loader = dlstore.loader(ds, batch_size, num_workers=workers, generator=gen(seed), multiprocessing_context=context,
+                            backend=backend, **options)
+    ring = loader.backend == "ring"
+    assert ring == (workers > 0 and backend != "dataloader")   # the ring is the default for workers
     batches = list(loader)
     assert len(batches) == len(bounds)
     for (s, e), (x, y) in zip(bounds, batches):
         check_path(_reference_ops(case), raw_all[s:e], x,
-                   what=f"{case} batch {s}:{e}, {workers} workers ({'ring' if ring else 'DataLoader'}), {threads} threads")
+                   what=f"{case} batch {s}:{e}, {workers} workers ({loader.backend}), {threads} threads")
         assert torch.equal(y, labels_all[s:e])
-    if threads or ring:   # documented: the threads' batches, whatever the thread or worker count
-        one = list(dlstore.loader(ds, batch_size, generator=gen(seed), threads=1))
-        assert all(torch.equal(x, x1) for (x, _), (x1, _) in zip(batches, one))
+    # documented: every back-end builds the threads' batches, whatever the thread or worker count
+    one = list(dlstore.loader(ds, batch_size, generator=gen(seed), backend="threads", num_threads=1))
+    assert all(torch.equal(x, x1) for (x, _), (x1, _) in zip(batches, one))
 
 
-# RandomErasing runs per sample with torch's global generator: its draws are torchvision's own
-LOADER_CASES = [c for c in CASES if c != "random-erasing"]
+# RandomErasing runs per sample inside the batch, torchvision's own draws from the global generators
+# seeded from the loader's generator (wrappers.PerSample): the same batches whatever the thread count
+LOADER_CASES = list(CASES)
 WORKER_CASES = ["crop-4-padding-asym", "crop-asym+flip-p0.5", "crop-pad-if-needed", "crop-symmetric",
                 "resized-crop", "cutout-fill", "pipeline"]
 
@@ -371,14 +372,14 @@ def test_loader_threads_equal_torchvision(stores, case):
     _check_loader(case, _open(stores("lmdb"), case), 5, seed=4, threads=2)
 
 
-@pytest.mark.parametrize("shm_ring", [None, False], ids=["ring", "dataloader"])
+@pytest.mark.parametrize("backend", ["auto", "dataloader"], ids=["ring", "dataloader"])
 @pytest.mark.parametrize("case,kernel", [(c, "windows") for c in WORKER_CASES]
                          + [("crop-asym+flip-p0.5", k) for k in ("loop", "compiled")]
                          + [("pipeline", k) for k in ("loop", "compiled")])
-def test_loader_forked_workers_equal_torchvision(stores, case, kernel, shm_ring):
+def test_loader_forked_workers_equal_torchvision(stores, case, kernel, backend):
     with kernel_selected(kernel):       # set before the fork: the workers inherit it
         _check_loader(case, _open(stores({"loop": "lmdb", "compiled": "hdf5"}.get(kernel, "shards")), case), 4,
-                      seed=5, workers=2, context="fork", shm_ring=shm_ring)
+                      seed=5, workers=2, context="fork", backend=backend)
 
 
 @pytest.mark.slow
@@ -428,9 +429,10 @@ def test_gpu_loader_equals_torchvision(gpu_sets, raw, case, residency, device):
     transform = v2.Compose(CASES[case]) if _torchvision(case) else CASES[case]
     if _refused(case, residency):
         with pytest.raises(TransformSpecError, match="Normalize|RandomErasing"):
-            GPULoader(ds, 5, transform=transform, seed=2)
+            ds.transform = transform
         return
-    loader = GPULoader(ds, 5, transform=transform, seed=2)
+    ds.transform = transform
+    loader = dlstore.loader(ds, 5, seed=2)
     ops = _reference_ops(case)
     got = torch.cat([x for x, _ in loader])
     what = f"{case} {residency} {device}"
@@ -457,7 +459,8 @@ def test_gpu_loader_any_padding_batch_and_seed(gpu_sets, raw, residency, padding
     ops = [BatchRandomCrop((H, W), padding=padding, fill=fill), BatchRandomHorizontalFlip(p)]
     if cutout:
         ops.append(BatchCutout(3, fill=255 - fill))
-    loader = GPULoader(ds, batch_size, transform=BatchCompose(ops), seed=seed)
+    ds.transform = BatchCompose(ops)
+    loader = dlstore.loader(ds, batch_size, seed=seed)
     got = torch.cat([x for x, _ in loader])
     check_path(ops, raw, got, finish=lambda x: convert(x, ds.dtype, ds.normalize), what=residency)
 
@@ -466,7 +469,8 @@ def test_gpu_loader_takes_plain_modules_and_calls_generator_only_by_name(gpu_set
     """nn.Identity / nn.Sequential forward **kwargs: they must not get generator=."""
     ds = gpu_sets("uint8", "cpu")
     for t in (torch.nn.Identity(), torch.nn.Sequential(), torch.nn.Sequential(v2.RandomHorizontalFlip(1.0))):
-        x, _ = next(iter(GPULoader(ds, 8, transform=t)))
+        ds.transform = t
+        x, _ = next(iter(dlstore.loader(ds, 8)))
         assert x.shape == (8, 3, H, W)
     seen = []
 
@@ -474,14 +478,16 @@ def test_gpu_loader_takes_plain_modules_and_calls_generator_only_by_name(gpu_set
         seen.append(kwargs)
         return images
 
-    next(iter(GPULoader(ds, 4, transform=kw_only)))
+    ds.transform = kw_only
+    next(iter(dlstore.loader(ds, 4)))
     assert seen == [{}]
 
 
 def test_gpu_loader_random_crop_draws_per_sample(gpu_sets, raw):
     """A plain v2.RandomCrop(12) is mapped to a batch op: every sample its own offset."""
     ds = gpu_sets("uint8", "cpu")
-    x, _ = next(iter(GPULoader(ds, 12, transform=v2.RandomCrop((9, 7)), seed=0)))
+    ds.transform = v2.RandomCrop((9, 7))
+    x, _ = next(iter(dlstore.loader(ds, 12, seed=0)))
     offsets = set()
     for j in range(12):
         hits = [(t, l) for t in range(H - 9 + 1) for l in range(W - 7 + 1)

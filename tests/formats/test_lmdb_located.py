@@ -47,7 +47,7 @@ def test_located_reads_equal_the_source_in_any_order(stores, name, data):
     paths, images = stores
     n = len(images[name])
     order = data.draw(st.lists(st.integers(0, n - 1), min_size=1, max_size=3 * n))
-    reader = dlstore.open_dataset(paths[name]).format_reader
+    reader = dlstore.open_dataset(paths[name]).reader
     expected = [images[name][i].transpose(2, 0, 1) for i in order]
     for got, want in zip(reader.get_many(order), expected):
         np.testing.assert_array_equal(got, want)
@@ -58,7 +58,7 @@ def test_located_reads_equal_the_source_in_any_order(stores, name, data):
 @pytest.mark.parametrize("name", ["variable", "fixed", "small"])
 def test_a_located_batch_is_read_without_lookups(stores, name):
     paths, images = stores
-    reader = dlstore.open_dataset(paths[name]).format_reader
+    reader = dlstore.open_dataset(paths[name]).reader
     n = len(images[name])
     reader.get_many(list(range(n)))                 # finds every value's place
     reader._env = _NoLookups()                      # the map stays open: the reader's _mapped holds it
@@ -81,7 +81,7 @@ def test_a_value_of_the_wrong_size_is_looked_up_and_named(stores, tmp_path, name
     shutil.copytree(paths[name], dst)
     with lmdb.open(str(dst), subdir=True) as env, env.begin(write=True) as txn:
         txn.put(sample_key(3), txn.get(sample_key(3))[:-1])
-    reader = dlstore.open_dataset(dst).format_reader
+    reader = dlstore.open_dataset(dst).reader
     with pytest.raises(StoreCorruptError, match=r"sample 3 .* bytes, expected"):
         reader.get_many([1, 3])
     if name == "fixed":

@@ -11,6 +11,7 @@ from click.testing import CliRunner
 
 from dlstore.cli import main
 from dlstore.conversion.job import disk_usage
+from dlstore.errors import ArgumentError, SourceError
 from dlstore.tools.bench import BenchReport, Variant, parse_variants, run_bench
 from dlstore.tools.bench.options import WARM_RESIDENT_MIN
 from dlstore.tools.bench.probes import (
@@ -20,7 +21,7 @@ from dlstore.tools.bench.probes import (
     resident_fraction,
     store_files,
 )
-from dlstore.tools.bench.reading import _read_once
+from dlstore.tools.bench.reading import read_once
 
 STATIC = "resize=32,center_crop=32"
 ALL = ["imagefolder", "shards", "lmdb", "hdf5", "shards+jpeg"]
@@ -220,7 +221,7 @@ def _store_and_files(rgb_folder, tmp_path):
 
 
 def _one_run(opener, files, cache: str) -> dict:
-    return _read_once(opener, files, store=True, cache=cache, order="random", workers=0, batch_size=8, seed=0,
+    return read_once(opener, files, store=True, cache=cache, order="random", workers=0, batch_size=8, seed=0,
                       drop_caches=False)
 
 
@@ -277,6 +278,55 @@ def test_worker_processes_and_removal(rgb_folder, tmp_path):
     assert [(r["format"], r["workers"]) for r in report.reads] == [("imagefolder", 1), ("lmdb", 1)]
     assert all(r["samples"] == 16 and r["startup_s"]["median"] > 0 for r in report.reads)
     assert not list(tmp_path.iterdir())
+    # backend="auto": the store's batches came from worker processes (the ring, or DataLoader's where
+    # /dev/shm cannot hold it), and the header says which; ImageFolder is always torch's DataLoader
+    built = report.cell("lmdb", "random", 1, "cold")["backend"]
+    assert built in ("ring", "dataloader") and report.cell("imagefolder", "random", 1, "cold")["backend"] is None
+    assert report.settings["backend"] == "auto" and f"backend auto ({built} at num_workers=1)" in report.table()
+
+
+@pytest.mark.parametrize("backend, workers", [("dataloader", "0"), ("threads", "0"), ("ring", "1")])
+def test_the_stores_are_read_with_the_backend_asked_for(rgb_folder, tmp_path, backend, workers):
+    report = run_bench(rgb_folder, workdir=tmp_path, formats="imagefolder,shards", static=STATIC, workers=workers,
+                       backend=backend, cache="warm", orders="random", batch_size=8, samples=16, repeats=1,
+                       disk_test_bytes=1 << 20, progress=False)
+    assert {r["format"]: r["backend"] for r in report.reads} == {"imagefolder": None, "shards": backend}
+    assert report.settings["backend"] == backend and f"backend={backend!r}" in report.settings["reader"]["stores"]
+    header = next(line for line in report.table().splitlines() if line.startswith("settings"))
+    assert f"stores read with backend {backend}," in header
+    assert json.loads(json.dumps(report.to_json()))["settings"]["backend"] == backend
+
+
+@pytest.mark.parametrize("options, said", [
+    ({"backend": "threads", "workers": "0,2"}, "measure it with workers=0 (--num-workers 0), got 0,2"),
+    ({"backend": "ring", "workers": "0,2"}, "measure workers=2 (--num-workers 2), got 0,2"),
+    ({"backend": "ring", "workers": 0}, "measure workers=2 (--num-workers 2), got 0"),
+    ({"backend": "resident"}, "backend must be one of 'auto', 'threads', 'ring', 'dataloader'"),
+])
+def test_a_backend_the_worker_counts_cannot_use_is_refused_before_anything_is_written(rgb_folder, tmp_path,
+                                                                                        options, said):
+    with pytest.raises(ArgumentError) as caught:
+        run_bench(rgb_folder, workdir=tmp_path, static=STATIC, progress=False, **options)
+    assert said in str(caught.value)
+    assert not list(tmp_path.iterdir())
+
+
+def test_a_store_as_src_says_what_bench_takes_from_python_too(rgb_folder, tmp_path):
+    """run_bench given a store (or nothing) says what the CLI says, before writing anything."""
+    from dlstore import convert
+
+    store = tmp_path / "s.lmdb"
+    convert(rgb_folder, store, static=STATIC, workers=0, progress=False)
+    disk = tmp_path / "disk"
+    with pytest.raises(ArgumentError) as caught:
+        run_bench(store, workdir=disk, static=STATIC, batch_size=16, progress=False)
+    said = str(caught.value)
+    assert said.startswith(f"{store} is a dlstore lmdb store; bench takes an image folder")
+    assert f"pass the folder it was converted from ({Path(rgb_folder).resolve()})" in said
+    assert f"dlstore profile {store} -b 16" in said
+    with pytest.raises(SourceError, match="no such folder; bench takes an image folder"):
+        run_bench(tmp_path / "missing", workdir=disk, static=STATIC, progress=False)
+    assert not disk.exists()
 
 
 def test_cli_bench(rgb_folder, tmp_path):
@@ -304,6 +354,11 @@ def test_cli_bench_reports_bad_settings(tmp_path):
     result = CliRunner().invoke(main, ["bench", "--dir", str(tmp_path), "--formats", "shards,zarr"])
     assert result.exit_code == 2
     assert "unknown format 'zarr'" in result.output
+    result = CliRunner().invoke(main, ["bench", "--dir", str(tmp_path), "--backend", "threads", "--num-workers", "0,2"])
+    assert result.exit_code == 2 and result.output.count("error: ") == 1
+    assert "--backend threads builds batches in threads of this process" in result.output
+    assert "measure it with --num-workers 0, got 0,2" in result.output
+    assert not list(tmp_path.iterdir())
 
 
 @pytest.mark.slow

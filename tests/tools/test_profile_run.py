@@ -34,33 +34,77 @@ def _profile(store, *args):
     return json.loads(result.stdout)
 
 
-@pytest.mark.parametrize("args, built", [
-    (["-b", "4"], "ThreadLoader"),                                               # dlstore.loader's own choice
-    (["-b", "4", "--threads", "2"], "ThreadLoader"),
-    (["-b", "4", "--num-workers", "1", "--shm-ring"], "ShmRingLoader"),
-    (["-b", "4", "--num-workers", "1", "--threads", "0", "--no-shm-ring"], "StoreDataLoader"),
-    (["-b", "4", "--loader", "dataloader", "--num-workers", "0"], "DataLoader(dataset, "),
+@pytest.mark.parametrize("args, built, parallel", [
+    (["-b", "4"], "-> backend='threads', num_threads=", None),                  # dlstore.loader's own choice
+    (["-b", "4", "--num-threads", "2"], "num_threads=2, shuffle=True) -> backend='threads', num_threads=2", 2),
+    (["-b", "4", "--backend", "threads", "--num-threads", "3"], "-> backend='threads', num_threads=3", 3),
+    (["-b", "4", "--num-workers", "1"], "-> backend='ring', num_workers=1", 1),
+    (["-b", "4", "--num-workers", "2", "--backend", "ring"], "-> backend='ring', num_workers=2", 2),
+    (["-b", "4", "--backend", "dataloader"], "-> backend='dataloader'", 0),
+    (["-b", "4", "--num-workers", "1", "--backend", "dataloader"], "-> backend='dataloader', num_workers=1", 1),
+    (["-b", "4", "--loader", "dataloader", "--num-workers", "0"], "DataLoader(dataset, ", 0),
 ])
-def test_profile_builds_every_loader_the_api_builds(store, args, built):
+def test_profile_builds_every_loader_the_api_builds(store, args, built, parallel):
     data = _profile(store, *args)
     assert built in data["loader"] and data["report"]["steps"] == 5
+    assert data["backend"] == (None if "--loader" in args else built.split("backend='")[1].split("'")[0])
+    if parallel is not None:
+        assert data["parallel"] == parallel                                     # threads or workers beside the loop
     assert (data["dataset_latency"] is not None) == ("--loader" in args)   # TimedDataset on a plain DataLoader
 
 
+@pytest.mark.parametrize("old, fix", [
+    (["--threads", "2"], "--backend threads --num-threads 2"),
+    (["--threads", "0"], "--backend dataloader"),
+    (["--shm-ring"], "--backend ring"),
+    (["--no-shm-ring"], "--backend dataloader"),
+])
+def test_profile_names_the_backend_flag_for_the_0_2_flags(store, old, fix):
+    result = CliRunner().invoke(main, ["profile", str(store / "p.shards"), "-b", "4", *old])
+    errors = [line for line in result.output.splitlines() if line.startswith("Error: ")]
+    assert result.exit_code == 2 and len(errors) == 1 and fix in errors[0] and "gone since 0.3" in errors[0]
+    assert old[0] not in CliRunner().invoke(main, ["profile", "--help"]).output
+
+
 @pytest.mark.parametrize("kwargs, built", [
-    ({"batch_size": 4, "num_workers": 0, "pin_memory": False, "threads": 2}, "ThreadLoader"),
+    ({"batch_size": 4, "num_workers": 0, "pin_memory": False, "backend": "threads", "num_threads": 2},
+     "-> backend='threads', num_threads=2"),
     ({"batch_size": 4, "num_workers": 1, "pin_memory": False, "prefetch_factor": 2, "persistent_workers": True,
-      "shm_ring": True}, "ShmRingLoader"),
+      "backend": "ring"}, "-> backend='ring', num_workers=1"),
     ({"batch_size": 4, "num_workers": 0, "pin_memory": False}, "DataLoader(dataset, batch_size=4, num_workers=0"),
 ])
 def test_profile_measures_what_tune_recommends(store, tmp_path, kwargs, built):
-    """tune's kwargs mean dlstore.loader when they name threads or the ring, else DataLoader
+    """tune's kwargs mean dlstore.loader when they name a backend, else DataLoader
     (TuneResult.call()); --from-tune takes tune's JSON and builds the same."""
     (tmp_path / "tune.json").write_text(json.dumps({"kwargs": kwargs, "speedup_vs_workers0": 2.0}))
     data = _profile(store, "--from-tune", str(tmp_path / "tune.json"))
     assert built in data["loader"] and data["kwargs"] == kwargs
     override = _profile(store, "--from-tune", str(tmp_path / "tune.json"), "-b", "3")
     assert override["kwargs"]["batch_size"] == 3
+
+
+def test_profile_from_tune_overrides_the_backend_given_beside_it(store, tmp_path):
+    """A --backend given beside tune's threads recommendation replaces it, tune's thread count with it."""
+    kwargs = {"batch_size": 4, "num_workers": 0, "pin_memory": False, "backend": "threads", "num_threads": 2}
+    (tmp_path / "tune.json").write_text(json.dumps({"kwargs": kwargs}))
+    data = _profile(store, "--from-tune", str(tmp_path / "tune.json"), "--backend", "dataloader")
+    assert data["backend"] == "dataloader"
+    assert data["kwargs"] == {"batch_size": 4, "num_workers": 0, "pin_memory": False, "backend": "dataloader"}
+    mine = _profile(store, "--from-tune", str(tmp_path / "tune.json"), "--num-threads", "3")
+    assert mine["kwargs"]["num_threads"] == 3 and mine["loader"].endswith("-> backend='threads', num_threads=3")
+
+
+@pytest.mark.parametrize("old, fix", [
+    ({"threads": 2}, "backend='threads', num_threads=2"),
+    ({"threads": 0, "shm_ring": False}, "backend='dataloader'"),
+    ({"num_workers": 2, "shm_ring": True}, "backend='ring'"),
+])
+def test_profile_from_tune_names_the_fix_for_a_0_2_file(store, tmp_path, old, fix):
+    (tmp_path / "tune.json").write_text(json.dumps({"kwargs": dict({"batch_size": 4}, **old)}))
+    result = CliRunner().invoke(main, ["profile", str(store / "p.shards"), "--from-tune", str(tmp_path / "tune.json")])
+    errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+    assert result.exit_code == 2 and len(errors) == 1, result.output
+    assert fix in errors[0] and "dlstore tune --json" in errors[0] and str(tmp_path / "tune.json") in errors[0]
 
 
 def test_profile_from_tune_refuses_other_json(store, tmp_path):
@@ -128,3 +172,14 @@ def test_a_wait_far_above_the_batch_cost_says_why():
     busy = _result(_report(0.2, 0.005), build_s=0.03, parallel=2,
                    check=ThreadCheck(threads=1, processes=1, usable=2, load=7.0)).explanation()
     assert "machine is busy" in busy and "barely keep up" in busy
+
+
+@pytest.mark.parametrize("backend, crosses", [(None, True), ("dataloader", True), ("ring", False),
+                                               ("threads", False)])
+def test_a_slow_wait_blames_pickling_only_where_batches_cross_from_a_worker(backend, crosses):
+    """torch's DataLoader and dlstore's DataLoader back-end pickle each batch out of a worker; the
+    ring's workers write into shared slots and threads hand batches over in this process."""
+    result = ProfileResult(loader="...", kwargs={"batch_size": 64, "num_workers": 2}, report=_report(0.2, 0.005),
+                           build_s=0.03, parallel=2, step_spec="sleep:5", device="cpu", backend=backend,
+                           thread_check=ThreadCheck(threads=1, processes=1, usable=2, load=0.2))
+    assert ("each batch crosses from a worker process" in result.explanation()) == crosses

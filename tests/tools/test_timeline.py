@@ -56,7 +56,7 @@ def test_trace_schedule_covers_the_steps():
 
 def test_profile_trace_has_dlstores_named_ranges(store, tmp_path):
     """Three epochs of 6 batches, so the builder threads build batches while the profiler records."""
-    result = CliRunner().invoke(main, ["profile", str(store / "p.shards"), "-b", "4", "--threads", "2",
+    result = CliRunner().invoke(main, ["profile", str(store / "p.shards"), "-b", "4", "--num-threads", "2",
                                        "--steps", "14", "--step", "sleep:1", "--trace", str(tmp_path / "tr")])
     assert result.exit_code == 0, result.output
     assert "timeline" in result.output and "waiting for data" in result.output
@@ -80,11 +80,16 @@ def test_compare_with_imagefolder_and_plot_both(store, tmp_path):
 
     png = tmp_path / "cmp.png"
     result = CliRunner().invoke(main, ["profile", str(store / "p.shards"), "-b", "4", "--num-workers", "0",
-                                       "--steps", "5", "--step", "sleep:1", "--json",
-                                       "--compare", f"imagefolder:{store / 'images'}", "--plot", str(png)])
+                                       "--backend", "threads", "--num-threads", "2", "--steps", "5", "--step",
+                                       "sleep:1", "--json", "--compare", f"imagefolder:{store / 'images'}",
+                                       "--plot", str(png)])
     assert result.exit_code == 0, result.output
     data = json.loads(result.stdout)
-    assert "ThreadLoader" in data["loader"] and data["compare"]["loader"].startswith("DataLoader(dataset, batch_size=4, num_workers=0")
+    assert data["loader"].endswith("-> backend='threads', num_threads=2") and data["backend"] == "threads"
+    # the current pipeline is a DataLoader: dlstore.loader's own arguments stay with dlstore's run
+    assert data["compare"]["backend"] is None and data["compare"]["kwargs"] == {
+        "batch_size": 4, "num_workers": 0, "pin_memory": False}
+    assert data["compare"]["loader"].startswith("DataLoader(dataset, batch_size=4, num_workers=0")
     assert data["compare"]["transform"] == "" and len(data["compare"]["timeline"]["steps"]) == 4
     assert data["compare"]["dataset_latency"]["__getitem__"]["calls"] >= 16   # decoded per sample: the folder
     assert png.stat().st_size > 1000 and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -159,7 +164,7 @@ def test_profile_on_cuda_reports_utilisation(store):
 def test_trace_names_every_stage_of_a_device_loader(store, tmp_path):
     """dlstore.loader(device=) on the CPU: the device stage's copy and transforms are ranges too."""
     loader = dlstore.loader(dlstore.open_dataset(store / "p.shards"), batch_size=4, shuffle=True, device="cpu",
-                            threads=2)
+                            backend="threads", num_threads=2)
     record_timeline(loader, lambda x, y: None, steps=14, trace_dir=tmp_path / "tr")
     (trace,) = (tmp_path / "tr").glob("*.pt.trace.json")
     names = {e.get("name") for e in json.loads(trace.read_text())["traceEvents"]}

@@ -281,8 +281,9 @@ def _sleepy_batches(images, generator=None):
 
 def test_measure_throughput_with_threads(small_store):
     ds = dlstore.open_dataset(small_store / "small.shards")
-    trial = measure_throughput(ds, {"batch_size": 8, "num_workers": 0, "threads": 2}, seconds=0.2)
-    assert trial.kwargs["threads"] == 2 and trial.num_workers == 0 and trial.batches_per_s > 0
+    trial = measure_throughput(ds, {"batch_size": 8, "num_workers": 0, "backend": "threads", "num_threads": 2},
+                               seconds=0.2)
+    assert trial.kwargs["num_threads"] == 2 and trial.num_workers == 0 and trial.batches_per_s > 0
 
 
 @pytest.mark.slow
@@ -294,15 +295,15 @@ def test_tune_measures_threads_against_processes(small_store):
     ds = dlstore.open_dataset(small_store / "small.shards", batch_transform=_sleepy_batches)
     cpus = dataclasses.replace(cpu_info(), usable=2)
     result = tune(ds, 8, budget=4.0, max_workers=2, cpus=cpus)
-    threaded = [t for t in result.trials if t.kwargs.get("threads")]   # the default (2) and the sweep's 1
-    assert sorted({t.kwargs["threads"] for t in threaded}) == [1, 2]
-    threaded = [t for t in threaded if t.kwargs["threads"] == 2]
+    threaded = [t for t in result.trials if t.kwargs.get("backend") == "threads"]   # the default (2), the sweep's 1
+    assert sorted({t.kwargs["num_threads"] for t in threaded}) == [1, 2]
+    threaded = [t for t in threaded if t.kwargs["num_threads"] == 2]
     # two threads overlap two sleeps: clearly faster than the in-process baseline
     assert result.rate(threaded[-1].kwargs) > 1.3 * result.rate(result.baseline.kwargs), result.table()
     # the winner overlaps batches too, by threads or by processes, and its call says which loader:
     # dlstore's for threads and for the shared-memory ring (which wins on a loaded machine)
-    assert result.get("threads", 0) >= 2 or result["num_workers"] >= 2, result.table()
-    if result.get("threads") or result.get("shm_ring"):
+    assert result.get("num_threads", 0) >= 2 or result["num_workers"] >= 2, result.table()
+    if "backend" in result:
         assert result.call().removeprefix("torch.set_num_threads(1); ").startswith("dlstore.loader(dataset, ")
         batches = list(dlstore.loader(ds, **result))
     else:
@@ -319,27 +320,25 @@ def test_tune_threads_only_for_stores(small_store):
     result = tune(ds, 8, budget=0.5, max_workers=1, threads=False)
     # (a probe that finds torch's pool oversubscribed on this machine puts its fix first)
     call = result.call().removeprefix("torch.set_num_threads(1); ")
-    assert not [t for t in result.trials if t.kwargs.get("threads")] and call.startswith("DataLoader(")
+    assert not [t for t in result.trials if "backend" in t.kwargs] and call.startswith("DataLoader(")
 
 
 def test_tune_measures_the_shared_memory_ring_for_stores(small_store):
     """Worker processes through dlstore.loader's ring join the sweep of a fixed-shape store; their
-    kwargs build a ShmRingLoader; a DataLoader-only tune (threads=False) measures none."""
-    from dlstore.data.loaders.shm_ring import ShmRingLoader
-
+    kwargs build the ring; a DataLoader-only tune (threads=False) measures none."""
     ds = dlstore.open_dataset(small_store / "small.shards")
     # the ring's trials come last in the sweep: a budget that a slow runner cannot spend before them
     result = tune(ds, 8, budget=6.0, max_workers=1)
     ring = [t for t in result.trials if t.stage == "ring"]
-    assert ring and all(t.kwargs["shm_ring"] and t.num_workers >= 1 for t in ring), result.table()
+    assert ring and all(t.kwargs["backend"] == "ring" and t.num_workers >= 1 for t in ring), result.table()
     assert "ring" in result.table()
     loader = dlstore.loader(ds, **ring[0].kwargs)
-    assert isinstance(loader, ShmRingLoader)
+    assert loader.backend == "ring"
     assert sum(len(y) for _, y in loader) == len(ds)
-    if result.get("shm_ring"):
+    if result.get("backend") == "ring":
         assert result.call().removeprefix("torch.set_num_threads(1); ").startswith("dlstore.loader(dataset, ")
     plain = tune(ds, 8, budget=0.5, max_workers=1, threads=False)
-    assert not [t for t in plain.trials if t.kwargs.get("shm_ring")]
+    assert not [t for t in plain.trials if t.kwargs.get("backend") == "ring"]
 
 
 @pytest.mark.parametrize("compiled_kernel", ["0", "1"])

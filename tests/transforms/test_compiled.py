@@ -135,8 +135,8 @@ def test_get_batch_takes_the_compiled_kernel_and_gives_torchvision_pixels(tmp_pa
     # crop_flip (views from get_many) ends in crop_flip_at; the in-place path calls only the latter
     assert calls == {"crop_flip": int(path_taken == "crop_flip"), "crop_flip_at": 1}
     g = torch.Generator().manual_seed(3)     # the draws get_batch made: crop's, then flip's
-    params = ds._fused_crop.sample((len(idx), 3, 13, 17), generator=g)
-    flips = ds._fused_flip.sample((len(idx),), generator=g)["flip"].numpy()
+    params = ds.batch_path.crop.sample((len(idx), 3, 13, 17), generator=g)
+    flips = ds.batch_path.flip.sample((len(idx),), generator=g)["flip"].numpy()
     ref = reference(chw[idx], params["top"].numpy(), params["left"].numpy(), flips, (3, 1, 2, 0), 9, 11, 17)
     np.testing.assert_array_equal(got.numpy(), ref)
     assert labels.tolist() == [i % 3 for i in idx]

@@ -10,10 +10,11 @@ from torchvision.datasets.folder import pil_loader
 from torchvision.transforms import v2
 
 import dlstore
-import dlstore.data.dataset as dataset_module
+import dlstore.data.batch_path as dataset_module
 from dlstore.errors import StaticMismatchError, TransformSpecError
 from dlstore.sources import scan
 from dlstore.sources.demo import make_image_folder
+from dlstore.transforms.planner import PerSample
 from dlstore.transforms import (
     BatchCompose,
     BatchNormalize,
@@ -89,8 +90,9 @@ def test_split_v1_pipeline_replaces_to_tensor():
     h = split_transforms(v1.Compose([v1.Resize(40), v1.CenterCrop(32), v1.RandomHorizontalFlip(), v1.ToTensor(),
                                      v1.Normalize(MEAN, STD)]))
     assert h.static_spec == parse_static("resize=40,center_crop=32")
-    assert _names(h.dynamic_ops) == ["RandomHorizontalFlip", "ToDtype", "Normalize"]
+    assert _names(h.dynamic_ops) == ["RandomHorizontalFlip", "ConvertImageDtype", "Normalize"]
     assert "ToTensor: replaced" in repr(h)
+    assert h.dynamic_ops[1].dtype == torch.float32 and type(h.dynamic_ops[1]) is v1.ConvertImageDtype
 
 
 class _PassThroughToTensor(v1.ToTensor):
@@ -104,10 +106,10 @@ def test_split_maps_to_tensor_subclasses_and_their_result_equals_torchvision(fol
     # A ToTensor subclass that passes tensors through would hand uint8 0..255 to Normalize.
     pipeline = [v1.CenterCrop(32), _PassThroughToTensor(), v1.Normalize(MEAN, STD)]
     h = split_transforms(pipeline)
-    assert _names(h.device_ops) == ["ToDtype", "Normalize"] and "_PassThroughToTensor: replaced" in repr(h)
+    assert _names(h.device_ops) == ["ConvertImageDtype", "Normalize"] and "_PassThroughToTensor: replaced" in repr(h)
     img = pil_loader(next(folder.rglob("*.jpg")))
-    want = v1.Compose(pipeline)(img)               # torchvision on the PIL image: ToTensor scales
-    assert torch.allclose(h(img), want, atol=1e-6)
+    want = v1.Compose(pipeline)(img)               # torchvision on the PIL image: ToTensor divides by 255
+    assert torch.equal(h(img), want)
 
 
 def test_split_has_three_stages_host_uint8_device_float():
@@ -210,8 +212,10 @@ def test_batch_ops_are_mapped_and_unmappable_ops_run_per_sample(cifar_store):
     jitter = HybridTransform(h.static_spec, [v2.RandomCrop(32, padding=4), v2.ColorJitter(0.3),
                                              v2.RandomHorizontalFlip(), v2.ToDtype(torch.float16, scale=True)])
     ds2 = dlstore.open_dataset(dst, transform=jitter)
-    assert _names(ds2.per_sample_ops) == ["RandomCrop", "ColorJitter"]
-    assert [type(t) for t in ds2.batch_ops] == [BatchRandomHorizontalFlip, BatchNormalize]
+    # ColorJitter keeps the size: it runs per sample inside the batch, the ops around it per batch
+    assert ds2.per_sample_ops == []
+    assert [type(t) for t in ds2.batch_ops] == [BatchRandomCrop, PerSample, BatchRandomHorizontalFlip, BatchNormalize]
+    assert type(ds2.batch_ops[1].op) is v2.ColorJitter
     images, labels = ds2.get_batch(range(6), generator=_gen(0))
     assert images.shape == (6, 3, 32, 32) and images.dtype == torch.float16
     assert labels.tolist() == ds2.targets[:6]
@@ -227,7 +231,7 @@ def test_fused_gather_equals_unfused_batch_ops(cifar_store, monkeypatch, crop, p
     ds = dlstore.open_dataset(dst, batch_transform=BatchCompose([c, f]))
     fused = dlstore.open_dataset(dst, transform=HybridTransform(
         h.static_spec, [v2.RandomCrop(crop, padding=padding, fill=fill), v2.RandomHorizontalFlip()]))
-    assert fused._fused_crop is not None and fused._fused_flip is not None and fused.batch_rest == []
+    assert fused.batch_path.crop is not None and fused.batch_path.flip is not None and fused.batch_rest == []
     idx = [5, 0, 23, 7, 7, 12, 3, 19, 2, 11]
     raw, _ = ds.read_batch(idx)
     for seed in range(3):
@@ -334,26 +338,36 @@ def test_loader_worker_batches_equal_in_process_batches(cifar_store, monkeypatch
 
 @pytest.mark.parametrize("kernel", ["plain", "loop"])
 def test_batch_buffers_are_reused_only_when_nothing_refers_to_them(cifar_store, monkeypatch, kernel):
+    """A loader's buffers (``BatchBuffers``), handed to get_batch as ``out=``."""
+    from dlstore.data.loaders.buffers import BatchBuffers
+
     dst, h = cifar_store
-    monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
     monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
     ds = dlstore.open_dataset(dst) if kernel == "plain" else \
         dlstore.open_dataset(dst, transform=HybridTransform(h.static_spec, [v2.RandomCrop(32, padding=4)]))
     reference = dlstore.open_dataset(dst)
+    buffers = BatchBuffers(2)
+
+    def build(idx, seed):
+        out = buffers.take(ds.batch_shape(len(idx)))
+        batch = ds.get_batch(idx, generator=_gen(seed), out=out)[0]
+        assert batch is out
+        return batch
+
     idx_a, idx_b = [0, 1, 2, 3], [20, 21, 22, 23]
-    a = ds.get_batch(idx_a, generator=_gen(0))[0]
+    a = build(idx_a, 0)
     a_copy, a_ptr = a.clone(), a.data_ptr()
     view = a[1:3]
     del a
-    b = ds.get_batch(idx_b, generator=_gen(1))[0]
-    c = ds.get_batch(idx_b, generator=_gen(2))[0]
+    b = build(idx_b, 1)
+    c = build(idx_b, 2)
     assert torch.equal(view, a_copy[1:3]), "a batch still in use was overwritten"
     assert len({a_ptr, b.data_ptr(), c.data_ptr()}) == 3
     if kernel == "plain":
         assert torch.equal(b, reference.read_batch(idx_b)[0])
     ptr = b.data_ptr()
     del b
-    d = ds.get_batch(idx_b, generator=_gen(3))[0]
+    d = build(idx_b, 3)
     assert d.data_ptr() == ptr, "a free buffer was not reused"
 
 
@@ -362,7 +376,6 @@ def test_batch_buffers_are_reused_only_when_nothing_refers_to_them(cifar_store, 
 def test_hybrid_batch_path_on_every_format(folder, tmp_path, monkeypatch, suffix, kernel):
     if kernel == "loop":
         monkeypatch.setattr(dataset_module, "VECTORISED_MAX_PIXELS", 0)
-        monkeypatch.setattr(dataset_module, "_POOL_MIN_BYTES", 0)
     h = split_transforms(v2.Compose([v2.Resize(20), v2.CenterCrop(16), v2.RandomCrop(16, padding=3),
                                      v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)]))
     dlstore.convert(folder, tmp_path / f"s{suffix}", static=h, workers=0, progress=False)

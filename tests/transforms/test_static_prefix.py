@@ -16,12 +16,13 @@ from hypothesis import strategies as st
 from PIL import Image
 from torchvision import datasets
 from torchvision.transforms import v2
+from torchvision.transforms.v2 import functional as F
 
 import dlstore
-from dlstore.data import GPULoader
 from dlstore.errors import StaticMismatchError
 from dlstore.sources.demo import make_image_folder
 from dlstore.transforms.hybrid import strip_static_prefix
+from dlstore.transforms.planner import plan
 from dlstore.transforms.static import apply_static, parse_static
 
 FORMATS = {"shards": ".shards", "lmdb": ".lmdb", "hdf5": ".h5"}
@@ -58,7 +59,8 @@ def _seeded(ds, i: int):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_full_deterministic_pipeline_equals_imagefolder(stores, folder, fmt):
-    ds = dlstore.open_dataset(stores[fmt], transform=det())
+    given = det()
+    ds = dlstore.open_dataset(stores[fmt], transform=given)
     reference = _reference(folder, det())
     assert len(ds) == len(reference)
     for i, (want, label) in enumerate(reference):
@@ -66,7 +68,7 @@ def test_full_deterministic_pipeline_equals_imagefolder(stores, folder, fmt):
         assert image.dtype == torch.uint8 and got_label == label
         assert torch.equal(image, want), f"{fmt} sample {i}"
     assert [type(t).__name__ for t in ds.already_applied] == ["Resize", "CenterCrop", "PILToTensor"]
-    assert ds.transform is None and ds.per_sample_ops == [] and ds.batch_ops == []
+    assert ds.transform is given and ds.per_sample_ops == [] and ds.batch_ops == []   # as given; nothing runs
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -102,16 +104,21 @@ def test_store_spec_a_leading_part_of_the_pipeline_runs_the_remaining_static_ops
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_different_static_prefix_runs_as_given(stores, fmt):
-    """A validation pipeline on a training store: its first op differs from the store's, so all of it runs."""
+def test_different_static_prefix_is_refused_unless_asked_for(stores, fmt):
+    """A validation pipeline of other sizes: run on the stored 32x32 crops it would resize them again."""
     pipeline = v2.Compose([v2.Resize(24), v2.CenterCrop(20), v2.PILToTensor()])
-    ds = dlstore.open_dataset(stores[fmt], transform=pipeline)
-    assert ds.already_applied == [] and ds.hybrid is None
-    for i in range(len(ds)):
-        image = ds[i][0]
+    with pytest.raises(StaticMismatchError) as err:
+        dlstore.open_dataset(stores[fmt], transform=pipeline)
+    text = str(err.value)
+    assert "'resize=40,center_crop=32x32'" in text and "Resize(size=[24]" in text and "static_mismatch='allow'" in text
+    assert "static='resize=24,center_crop=20x20'" in text
+    ds = dlstore.open_dataset(stores[fmt])
+    planned = plan(pipeline, ds.manifest["static"], where=ds.path, static_mismatch="allow")
+    assert planned.already_applied == [] and planned.mismatch and "STATIC MISMATCH ALLOWED" in planned.describe()
+    for i in range(len(ds)):   # as given: on the stored sample, as a PIL image (the pipeline's input)
+        image = planned.sample_transform(ds.read(i))
         assert image.shape == (3, 20, 20)
-        assert torch.equal(image, pipeline(ds.read(i)))
-    assert "static (in store)" not in repr(ds)
+        assert torch.equal(image, pipeline(F.to_pil_image(ds.read(i))))
 
 
 def test_pipeline_with_only_part_of_the_static_ops_is_refused_and_can_opt_in(stores):
@@ -182,18 +189,18 @@ def test_device_loader_equals_imagefolder(stores, folder):
 def test_gpu_loader_equals_imagefolder_and_refuses_a_partial_prefix(stores, folder, shard):
     flip = v2.Compose([v2.Resize(40), v2.CenterCrop(32), v2.PILToTensor(), v2.RandomHorizontalFlip(p=1.0)])
     gpu = dlstore.GPUDataset(stores["shards"], device="cpu", dtype=torch.uint8, shard=shard,
-                             rank=0, world_size=2 if shard else 1)
-    loader = GPULoader(gpu, 64, transform=flip, seed=0)
-    assert [type(t).__name__ for t in loader.already_applied] == ["Resize", "CenterCrop", "PILToTensor"]
+                             rank=0, world_size=2 if shard else 1, transform=flip)
+    loader = dlstore.loader(gpu, 64, seed=0)
+    assert [type(t).__name__ for t in gpu.already_applied] == ["Resize", "CenterCrop", "PILToTensor"]
     reference = _reference(folder, flip)
     images, labels = next(iter(loader))                          # shuffle=False: the held samples in order
     held = gpu.store_indices.tolist()
     assert torch.equal(images, torch.stack([reference[i][0] for i in held]))
     assert labels.tolist() == [reference[i][1] for i in held]
     with pytest.raises(StaticMismatchError):
-        GPULoader(gpu, 4, transform=v2.Compose([v2.Resize(40), v2.RandomCrop(32)]))
+        gpu.transform = v2.Compose([v2.Resize(40), v2.RandomCrop(32)])
     with pytest.raises(StaticMismatchError):   # a hybrid is checked on a rank's share too
-        GPULoader(gpu, 4, transform=dlstore.HybridTransform("resize=64,center_crop=32", v2.RandomHorizontalFlip()))
+        gpu.transform = dlstore.HybridTransform("resize=64,center_crop=32", v2.RandomHorizontalFlip())
 
 
 @settings(max_examples=12, deadline=None)

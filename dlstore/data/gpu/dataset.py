@@ -35,7 +35,6 @@ from ...errors import (
     ArgumentTypeError,
     DeviceMemoryError,
     SampleIndexError,
-    UsageError,
     VariableShapeError,
 )
 from ...transforms.batch import as_fill, as_padding
@@ -48,6 +47,7 @@ from .convert import Conversion
 from .padding import fill_vector, interior
 from .partition import SubsetSource, rank_share, resolve_distributed
 from .preload import preload
+from .steps import against_store, plan_steps
 
 ON_OVERFLOW = ("error", "uint8", "stream")
 HOLD = ("dtype", "uint8")
@@ -122,13 +122,18 @@ class GPUDataset(Dataset):
         padding_fill: float | Sequence[float] = 0,
         shard: bool = False,
         partition_seed: int = 0,
+        transform: Any = None,
+        static_mismatch: str = "error",
     ):
         """Preload ``source`` onto ``device``.
 
+        Many options, each a placement choice users set by name (memory, padding, sharding); the body
+        runs them as named steps: open the source, take the share, choose the mode, preload.
+
         Args:
             source: a store path (anything ``open_dataset`` opens) or a dlstore
-                dataset with a fixed sample shape. Its ``transform`` is not applied:
-                pass transforms to :meth:`loader` (they run per batch on the device).
+                dataset with a fixed sample shape (its ``transform`` is this dataset's
+                when ``transform`` is not given).
             device: where the data lives (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
             dtype: dtype of the served images: a float dtype (scaled to ``[0, 1]``,
                 then normalised if asked) or ``torch.uint8`` (as stored).
@@ -143,8 +148,8 @@ class GPUDataset(Dataset):
                 batches read from the store through pinned host memory.
             headroom: device bytes left free besides the dataset; default on CUDA
                 the larger of 1 GiB and 5 % of the card, on CPU 1 GiB of RAM.
-            rank: this process's rank; default torch.distributed's, else 0.
-            world_size: number of ranks; default torch.distributed's, else 1.
+            rank: with ``shard=True``, the share to hold; default torch.distributed's rank, else 0.
+            world_size: with ``shard=True``, the number of shares; default torch.distributed's, else 1.
             hold: what the device holds: ``"dtype"`` (converted once at preload) or
                 ``"uint8"`` (the stored bytes, half of fp16; the loader converts each
                 batch, inside its fused gather where that applies: see docs/gpu.md).
@@ -160,6 +165,11 @@ class GPUDataset(Dataset):
                 random ``1/W`` of the store (see ``dlstore.data.gpu.partition`` for the
                 shuffle this gives); its loader permutes that share every epoch.
             partition_seed: seed of the partition; the same on every rank.
+            transform: the read-time pipeline, run per batch on the device by the loader: what
+                ``open_dataset`` takes (a torchvision pipeline, a HybridTransform, dlstore batch
+                transforms) or any callable on the converted batch (``gpu/steps.py``).
+            static_mismatch: as ``open_dataset``'s: ``"allow"`` runs a leading deterministic op that
+                differs from the store's static stage instead of refusing it.
 
         Raises:
             VariableShapeError: the store's samples have different shapes.
@@ -168,52 +178,64 @@ class GPUDataset(Dataset):
             ValueError: an invalid option.
             TypeError: ``source`` is neither a path nor a dlstore dataset.
         """
-        if hold not in HOLD:
-            raise ArgumentError(f"hold must be one of {', '.join(map(repr, HOLD))}, got {hold!r}")
-        if padding_mode not in PADDING_MODES:
-            raise ArgumentError(f"padding_mode must be one of {', '.join(map(repr, PADDING_MODES))}, "
-                                f"got {padding_mode!r}")
+        _check_options(dtype=dtype, hold=hold, padding_mode=padding_mode, on_overflow=on_overflow,
+                       normalize=normalize, chunk_size=chunk_size, max_memory=max_memory, headroom=headroom,
+                       shard=shard, rank=rank, world_size=world_size)
         self.padding: tuple[int, int, int, int] = as_padding(padding)
         self.padding_mode = padding_mode
         self.padding_fill = as_fill(padding_fill, "GPUDataset padding_fill")
-        if on_overflow not in ON_OVERFLOW:
-            raise ArgumentError(f"on_overflow must be one of {', '.join(map(repr, ON_OVERFLOW))}, "
-                                f"got {on_overflow!r}")
-        device = _check_device(device)
-        if not isinstance(dtype, torch.dtype):
-            raise ArgumentTypeError(f"dtype must be a torch.dtype (torch.float16, torch.uint8, ...), got {dtype!r}")
-        for name, value, low in (("chunk_size", chunk_size, 1), ("max_memory", max_memory, 0),
-                                 ("headroom", headroom, 0)):
-            if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
-                                      or value < low):
-                raise ArgumentError(f"{name} must be None or an int >= {low}, got {value!r}")
-        if normalize is not None and (not isinstance(normalize, (tuple, list)) or len(normalize) != 2):
-            raise ArgumentError(f"normalize must be a (mean, std) pair of per-channel sequences, got {normalize!r}")
-        if not (dtype.is_floating_point or dtype == torch.uint8):
-            raise ArgumentError(f"dtype must be a floating dtype or torch.uint8, got {dtype}")
-        if normalize is not None and dtype == torch.uint8:
-            raise ArgumentError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
-        self.source = open_dataset(source) if isinstance(source, (str, os.PathLike)) else source
-        name = getattr(self.source, "path", type(self.source).__name__)
-        if not hasattr(self.source, "shape") or not hasattr(self.source, "read_batch"):
-            raise ArgumentTypeError(f"GPUDataset takes a store path or a dlstore dataset (open_dataset(path)), "
-                            f"got {type(source).__name__}")
-        shape = self.source.shape
-        if shape is None:
-            raise VariableShapeError(
-                f"{name}: samples have different shapes (a variable-shape store); GPUDataset "
-                f"stacks every sample into one tensor, so it needs one shape. Convert again with "
-                f"a size-fixing static op, e.g. dlstore convert SRC DST --static "
-                f"'resize=256,center_crop=224'.")
-        self.shape: tuple[int, int, int] = tuple(int(d) for d in shape)
-        self.device = torch.device(device)
+        self.device = _check_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype
+        self.normalize = normalize
+        self.static_mismatch = static_mismatch
+        transform = self._open_source(source, transform)
+        self._take_share(rank, world_size, shard, partition_seed)
+        self.pin = self.device.type == "cuda"
+        self._sample_bytes = int(np.prod(self.shape))
+        left, top, right, bottom = self.padding
+        c, h, w = self.shape
+        self._resident_shape = (c, h + top + bottom, w + left + right)
+        n = len(self.source)
+        self.chunk_size = min(int(chunk_size or max(1, DEFAULT_CHUNK_BYTES // self._sample_bytes)), max(1, n))
+        self.conversion = Conversion(dtype, normalize, c, self.device)
+        labels = np.asarray(self.source.targets)   # (N,) int labels, or (N, K) target vectors in their dtype
+        self._host_labels = labels if labels.ndim == 2 else labels.astype(np.int64, copy=False)
+        self.mode = self._choose_mode(hold=hold, max_memory=max_memory, headroom=headroom, on_overflow=on_overflow)
+        self._preload()
+        self.transform = transform
+
+    # --- construction steps ---------------------------------------------------------------
+
+    def _open_source(self, source: Any, transform: Any) -> Any:
+        """Open ``source`` (a path or a dataset), check it holds one shape; the transform to plan."""
+        self.source = open_dataset(source) if isinstance(source, (str, os.PathLike)) else source
+        if transform is None:
+            transform = getattr(self.source, "transform", None)
+        elif getattr(self.source, "transform", None) is not None:
+            raise ArgumentError("GPUDataset: transform= given, and the source dataset has a transform of its own; "
+                                "pass one of them")
+        if not hasattr(self.source, "shape") or not hasattr(self.source, "read_batch"):
+            raise ArgumentTypeError(f"GPUDataset takes a store path or a dlstore dataset (open_dataset(path)), "
+                                    f"got {type(source).__name__}")
+        if self.source.shape is None:
+            raise VariableShapeError(
+                f"{self._name}: samples have different shapes (a variable-shape store); GPUDataset "
+                f"stacks every sample into one tensor, so it needs one shape. Convert again with "
+                f"a size-fixing static op, e.g. dlstore convert SRC DST --static "
+                f"'resize=256,center_crop=224'.")
+        self.shape: tuple[int, int, int] = tuple(int(d) for d in self.source.shape)
         self.classes: list[str] = list(getattr(self.source, "classes", []))
+        return transform
+
+    @property
+    def _name(self) -> Any:
+        return getattr(self.source, "path", type(self.source).__name__)
+
+    def _take_share(self, rank: int | None, world_size: int | None, shard: bool, partition_seed: int) -> None:
+        """With ``shard``, keep only this rank's share of the source (``partition.py``)."""
         self.rank, self.world_size = resolve_distributed(rank, world_size)
-        if not isinstance(shard, bool):
-            raise ArgumentTypeError(f"shard must be True or False, got {shard!r}")
         self.sharded = shard
         total = len(self.source)
         if shard:
@@ -222,33 +244,20 @@ class GPUDataset(Dataset):
         else:
             self.store_indices = np.arange(total, dtype=np.int64)
         self.total_samples = total
-        self.pin = self.device.type == "cuda"
-        self._sample_bytes = int(np.prod(self.shape))
-        left, top, right, bottom = self.padding
-        c, h, w = self.shape
-        self._resident_shape = (c, h + top + bottom, w + left + right)
-        resident = int(np.prod(self._resident_shape))
-        n = len(self.source)
-        if chunk_size is None:
-            chunk_size = max(1, DEFAULT_CHUNK_BYTES // self._sample_bytes)
-        if int(chunk_size) < 1:
-            raise ArgumentError(f"chunk_size must be >= 1, got {chunk_size}")
-        self.chunk_size = min(int(chunk_size), max(1, n))
-        self.conversion = Conversion(dtype, normalize, self.shape[0], self.device)
-        self.normalize = normalize
 
-        labels = np.asarray(self.source.targets)   # (N,) int labels, or (N, K) target vectors in their dtype
-        self._host_labels = labels if labels.ndim == 2 else labels.astype(np.int64, copy=False)
-
-        held_uint8 = hold == "uint8" or dtype == torch.uint8
-        itemsize = 1 if held_uint8 else torch.empty((), dtype=dtype).element_size()
+    def _choose_mode(self, *, hold: str, max_memory: int | None, headroom: int | None, on_overflow: str) -> str:
+        """What the device holds (``mode``), from the bytes needed against what is free; sets the budget's
+        numbers (``needed_bytes``, ``available_bytes``). DeviceMemoryError when nothing allowed fits."""
+        n, resident = len(self.source), int(np.prod(self._resident_shape))
+        held_uint8 = hold == "uint8" or self.dtype == torch.uint8
+        itemsize = 1 if held_uint8 else torch.empty((), dtype=self.dtype).element_size()
         label_bytes = n * 8
         self.needed_bytes = n * resident * itemsize + label_bytes
         uint8_bytes = n * resident + label_bytes
         padded = self.padding != (0, 0, 0, 0)
 
         def pad_work(size: int) -> int:  # the chunk re-gathered with its border (two index_selects)
-            return 2 * self.chunk_size * resident * size if padded and padding_mode != "constant" else 0
+            return 2 * self.chunk_size * resident * size if padded and self.padding_mode != "constant" else 0
 
         # Preload buffers for float storage: on CUDA the uploaded uint8 chunk and the float32
         # block it is converted through; on CPU the two host chunks and that block. uint8
@@ -265,16 +274,19 @@ class GPUDataset(Dataset):
             return limit is None or nbytes + buffers <= limit
 
         if fits(self.needed_bytes, work):
-            self.mode = "uint8" if held_uint8 and dtype != torch.uint8 else "preload"
-        elif on_overflow == "uint8" and fits(uint8_bytes, pad_work(1)):
-            self.mode = "uint8"
-        elif on_overflow == "stream":
-            self.mode = "stream"
-        else:
-            raise DeviceMemoryError(overflow_message(
-                name, n, self.shape, self.dtype, self.device, self.needed_bytes, uint8_bytes, work, limit,
-                max_memory, keep, on_overflow))
+            return "uint8" if held_uint8 and self.dtype != torch.uint8 else "preload"
+        if on_overflow == "uint8" and fits(uint8_bytes, pad_work(1)):
+            return "uint8"
+        if on_overflow == "stream":
+            return "stream"
+        raise DeviceMemoryError(overflow_message(
+            self._name, n, self.shape, self.dtype, self.device, self.needed_bytes, uint8_bytes, work, limit,
+            max_memory, keep, on_overflow))
 
+    def _preload(self) -> None:
+        """The labels, and the samples unless streamed, onto the device (``preload.py``); on any failure
+        every device tensor is let go before the error propagates."""
+        n, c = len(self.source), self.shape[0]
         self.data: torch.Tensor | None = None
         self.held_fill: torch.Tensor | None = None
         self.labels: torch.Tensor = torch.empty(0, dtype=torch.int64)
@@ -283,7 +295,7 @@ class GPUDataset(Dataset):
         try:
             self.labels = torch.from_numpy(self._host_labels).to(self.device)
             if self.mode != "stream":
-                storage = dtype if self.mode == "preload" else torch.uint8
+                storage = self.dtype if self.mode == "preload" else torch.uint8
                 pixel = fill_vector(self.padding_fill, c, torch.uint8, self.device)
                 # the fill as held: converted like every pixel where the data are held converted
                 self.held_fill = self.conversion(pixel.view(1, c, 1, 1)).view(c) if storage != torch.uint8 else pixel
@@ -292,14 +304,30 @@ class GPUDataset(Dataset):
         except torch.cuda.OutOfMemoryError as exc:
             self._release(exc)
             raise DeviceMemoryError(
-                f"{name}: out of device memory while preloading {n:,} samples onto {self.device} "
+                f"{self._name}: out of device memory while preloading {n:,} samples onto {self.device} "
                 f"({exc}); pass max_memory=..., on_overflow='uint8' or on_overflow='stream'") from exc
         except BaseException as exc:
             self._release(exc)
             raise
         self.load_seconds = time.perf_counter() - start
 
-    # --- construction helpers -------------------------------------------------------------
+    @property
+    def transform(self) -> Any:
+        return self._transform
+
+    @transform.setter
+    def transform(self, transform: Any) -> None:
+        """Plan ``transform`` on the resident data (``gpu/steps.py``) for every loader made after."""
+        planned = against_store(transform, self, static_mismatch=self.static_mismatch)
+        self.steps = plan_steps(planned.steps(), self)
+        self.already_applied = planned.already_applied
+        self._transform = transform
+
+    @property
+    def fingerprint(self) -> str:
+        """What identifies the samples held: the store's fingerprint and, for a share, which one."""
+        base = getattr(self.source, "fingerprint", None) or str(getattr(self.source, "path", "source"))
+        return f"{base}:rank{self.rank}of{self.world_size}" if self.sharded else base
 
     def _release(self, exc: BaseException) -> None:
         """Drop every device tensor this dataset holds, before ``exc`` propagates.
@@ -379,12 +407,6 @@ class GPUDataset(Dataset):
         host = self.read(np.array([i], dtype=np.int64))
         return self.conversion(host.to(self.device, non_blocking=self.pin))[0], label
 
-    def loader(self, *args: Any, **kwargs: Any) -> None:
-        """Gone: ``dlstore.loader(dataset, ...)`` builds a GPUDataset's loader, every option included."""
-        raise UsageError("GPUDataset.loader(...) is now dlstore.loader(dataset, ...): the one loader entry, with "
-                         "the same arguments (prefetch= is prefetch_factor=; rank=/world_size= come from the "
-                         "process group with distributed=True, or pass them to dlstore.data.GPULoader)")
-
     def __repr__(self) -> str:
         c, h, w = self.shape
         pad = f", padding={list(self.padding)} {self.padding_mode}" if any(self.padding) else ""
@@ -392,3 +414,29 @@ class GPUDataset(Dataset):
         return (f"GPUDataset({len(self)} samples{share} of {c}x{h}x{w}{pad}, mode={self.mode}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
                 f"nbytes={human_bytes(self.nbytes)})")
+
+
+def _check_options(*, dtype: Any, hold: str, padding_mode: str, on_overflow: str, normalize: Any,
+                   chunk_size: Any, max_memory: Any, headroom: Any, shard: Any, rank: Any, world_size: Any) -> None:
+    """ArgumentError (or ArgumentTypeError) naming the first option of ``GPUDataset`` that cannot work."""
+    for name, value, valid in (("hold", hold, HOLD), ("padding_mode", padding_mode, PADDING_MODES),
+                               ("on_overflow", on_overflow, ON_OVERFLOW)):
+        if value not in valid:
+            raise ArgumentError(f"{name} must be one of {', '.join(map(repr, valid))}, got {value!r}")
+    if not isinstance(dtype, torch.dtype):
+        raise ArgumentTypeError(f"dtype must be a torch.dtype (torch.float16, torch.uint8, ...), got {dtype!r}")
+    for name, value, low in (("chunk_size", chunk_size, 1), ("max_memory", max_memory, 0), ("headroom", headroom, 0)):
+        if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low):
+            raise ArgumentError(f"{name} must be None or an int >= {low}, got {value!r}")
+    if normalize is not None and (not isinstance(normalize, (tuple, list)) or len(normalize) != 2):
+        raise ArgumentError(f"normalize must be a (mean, std) pair of per-channel sequences, got {normalize!r}")
+    if not (dtype.is_floating_point or dtype == torch.uint8):
+        raise ArgumentError(f"dtype must be a floating dtype or torch.uint8, got {dtype}")
+    if normalize is not None and dtype == torch.uint8:
+        raise ArgumentError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
+    if not isinstance(shard, bool):
+        raise ArgumentTypeError(f"shard must be True or False, got {shard!r}")
+    if not shard and ((rank or 0) > 0 or (world_size or 1) > 1):
+        raise ArgumentError(f"GPUDataset: rank={rank}, world_size={world_size} choose which share to hold, with "
+                            "shard=True; to read one rank's share of the whole dataset pass "
+                            "sampler=DistributedSampler(ds, num_replicas, rank) to dlstore.loader")

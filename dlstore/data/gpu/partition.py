@@ -8,8 +8,8 @@ order): contiguous blocks would give each rank a handful of classes and batches
 that are anything but a sample of the dataset. The shares are sorted so each
 rank reads its samples from the store in file order.
 
-Each epoch, every rank draws its own permutation of its share (seeded from the
-loader's seed, the epoch and the rank) and pads it by wrapping to the longest
+Each epoch, every rank draws its own permutation of its share (``ShareSampler``: from
+the loader's pass generator and the rank) and pads it by wrapping to the longest
 share, ``ceil(N / W)``, so every rank runs the same number of batches, as
 ``DistributedSampler`` does. What this shuffle is, and is not:
 
@@ -30,10 +30,12 @@ share, ``ceil(N / W)``, so every rank runs the same number of batches, as
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
+from torch.utils.data import Sampler
 
 from ...errors import ArgumentError
 
@@ -80,27 +82,6 @@ def per_rank(n: int, world_size: int) -> int:
     return math.ceil(n / world_size)
 
 
-def epoch_order(local: int, count: int, *, shuffle: bool, seed: int, epoch: int, rank: int,
-                device: torch.device | str = "cpu") -> torch.Tensor:
-    """Positions into a rank's share for one epoch: a permutation of ``range(local)``, wrapped to ``count``.
-
-    ``shuffle=False`` gives ``0, 1, ..., local - 1`` (then wraps). The draw depends on
-    ``(seed, epoch, rank)`` only, so it is reproducible and differs per rank and epoch.
-    """
-    if local < 1 or count < local:
-        raise ArgumentError(f"epoch_order needs 1 <= local <= count, got local={local}, count={count}")
-    device = torch.device(device)
-    if shuffle:
-        gen = torch.Generator(device=device)
-        gen.manual_seed((int(seed) * 1_000_003 + int(epoch) * 7_919 + int(rank) * 104_729) % (2**63))
-        order = torch.randperm(local, generator=gen, device=device)
-    else:
-        order = torch.arange(local, device=device)
-    if count > local:
-        order = order.repeat(math.ceil(count / local))[:count]
-    return order
-
-
 class _SubsetReader:
     """A store reader restricted to ``indices``: position ``k`` reads store sample ``indices[k]``."""
 
@@ -130,6 +111,7 @@ class SubsetSource:
         self.shape = source.shape
         self.classes = list(getattr(source, "classes", []))
         self.path = getattr(source, "path", None)
+        self.fingerprint = getattr(source, "fingerprint", None)
         self.manifest = getattr(source, "manifest", None)   # the loader checks transforms against its static spec
         labels = np.asarray(source.targets)   # (N,) int labels, or (N, K) target vectors kept in their dtype
         self._labels = (labels if labels.ndim == 2 else labels.astype(np.int64, copy=False))[self.indices]
@@ -142,3 +124,42 @@ class SubsetSource:
 
     def read_batch(self, positions: Any) -> Any:
         return self._source.read_batch(self.indices[np.asarray(positions, dtype=np.int64)].tolist())
+
+
+class ShareSampler(Sampler[int]):
+    """The order of a sharded GPUDataset's own samples (its share: positions ``0..local-1``), shuffled
+    from ``generator`` each pass when ``shuffle``, wrapped to ``count`` (the longest share) so that every
+    rank runs as many batches.
+
+    Args:
+        local: samples in this rank's share.
+        count: samples per epoch on every rank (``per_rank(total, world_size)``).
+        shuffle: a new permutation each pass.
+        rank: this rank (mixed into the draw).
+        generator: where the permutation is drawn from (None: a seed from torch's default generator,
+            as ``RandomSampler`` draws).
+    """
+
+    def __init__(self, local: int, count: int, *, shuffle: bool, rank: int = 0,
+                 generator: torch.Generator | None = None):
+        if local < 1 or count < local:
+            raise ArgumentError(f"ShareSampler needs 1 <= local <= count, got local={local}, count={count}")
+        self.local, self.count, self.shuffle, self.rank, self.generator = local, count, shuffle, rank, generator
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            # one draw from the (shared) generator, mixed with the rank: each rank its own permutation,
+            # else ranks with shares of one length would take the same positions of their sorted shares
+            drawn = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
+            generator = torch.Generator()
+            generator.manual_seed(int(np.random.SeedSequence([drawn & (2**64 - 1), self.rank])
+                                      .generate_state(1, dtype=np.uint64)[0] >> 1))
+            order = torch.randperm(self.local, generator=generator)
+        else:
+            order = torch.arange(self.local)
+        if self.count > self.local:
+            order = order.repeat(math.ceil(self.count / self.local))[:self.count]
+        return iter(order.tolist())
+
+    def __len__(self) -> int:
+        return self.count

@@ -50,14 +50,14 @@ _PIXEL_OPS = (BatchRandomCrop, BatchRandomHorizontalFlip, BatchRandomResizedCrop
 Steps = list[tuple[Callable[..., torch.Tensor], bool]]
 
 
-def against_store(transform: Any, ds: Resident) -> Plan:
+def against_store(transform: Any, ds: Resident, *, static_mismatch: str = "error") -> Plan:
     """The planner's plan of ``transform`` on ``ds``'s store, checked as ``open_dataset`` checks it
     (a source that is not a store has no static spec to check against)."""
     manifest = getattr(ds.source, "manifest", None)
     if manifest is None:
         return plan(transform)
     where = getattr(ds.source, "path", None) or "the GPUDataset's store"
-    return plan(transform, manifest.get("static") or [], where=where)
+    return plan(transform, manifest.get("static") or [], where=where, static_mismatch=static_mismatch)
 
 
 def _served_fill(op: BatchTransform, ds: Resident) -> BatchTransform:
@@ -123,7 +123,7 @@ def plan_steps(steps: list[Any], ds: Resident) -> Steps:
 
 def choose_gather(ds: Resident, steps: Steps, *, fused: bool | None, compile: bool,
                   channels_last: bool) -> tuple[FusedGather | None, str]:
-    """(the fused gather, or None; why not, or "") for ``fused=`` (see ``GPULoader``)."""
+    """(the fused gather, or None; why not, or "") for the loader's ``fused=`` (``loaders/resident.py``)."""
     if fused is None and not (compile and ds.device.type == "cuda"):
         # The eager fused gather (one element-wise index kernel) is slower than the
         # step-by-step path, whose crop copies whole windows; compiled, on CUDA, it

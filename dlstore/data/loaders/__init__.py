@@ -1,8 +1,9 @@
-"""The back-ends of ``dlstore.loader`` (``factory.py`` picks one): loader threads
-(``threads.py``), worker processes writing into a shared-memory ring (``shm_ring.py``, kept
-alive only while their parent lives: ``dlstore.processes``), and the host/device stages of
+"""``dlstore.loader`` and its :class:`~dlstore.data.loaders.loader.Loader` (``loader.py``), and the back-end
+strategies behind it, one module each: loader threads (``threads.py``), worker processes writing into a
+shared-memory ring (``shm_ring.py``, kept alive only while their parent lives: ``dlstore.processes``), a
+torch DataLoader (``dataloader.py``), a GPUDataset's device (``resident.py``), and the device stage of
 ``loader(device=...)`` (``device.py``)."""
 
-from .factory import loader
+from .loader import Loader, loader
 
-__all__ = ["loader"]
+__all__ = ["Loader", "loader"]

@@ -1,95 +1,131 @@
-"""The torch DataLoader back-end of ``dlstore.loader``: one ``get_batch`` per batch, in worker
-processes or in this one, resumable mid-epoch.
+"""The DataLoader back-end: a ``torch.utils.data.DataLoader`` that builds one ``get_batch`` per batch.
 
-It is a ``torch.utils.data.DataLoader`` (an index list per batch in, the batch out, no
-collate), with ``state_dict()`` / ``load_state_dict()``. Its workers draw per-sample
-randomness from torch's generator, seeded per worker from the loader's generator: a
-batch's draws depend on every batch its worker built before it. So a resumed pass
-restores the generator and builds the batches already handed out again, unseen, before
-handing out the rest: the same batches as the uninterrupted pass, at the cost of
-rebuilding the skipped ones (the threads and the shared-memory ring skip them unbuilt).
+For pipelines whose batches have no fixed shape (a per-sample op that returns other sizes,
+a ``target_transform`` returning objects) or for a caller's DataLoader options
+(``worker_init_fn``, ``multiprocessing_context``, ...). The DataLoader's sampler yields the
+pass's tasks, ``(k, indices, seed)``, and each batch is built from its own seed, as every
+back-end builds it: in a worker, torch's global generator, numpy's and Python's ``random``
+are seeded with it first (per-sample torchvision ops draw from them); in this process
+(``num_workers=0``) under ``torch.random.fork_rng``, so the caller's generators are left as
+they were. So the batches equal the other back-ends', and a resumed pass skips the batches
+already handed out without building them.
 
-With ``num_workers=0`` a batch is built in the caller's thread, its torch ops on that
-thread alone (``intraop.one_thread``), so a busy machine does not stall them; pinning
-(``pin_memory=True``) is torch's, on its own thread.
+A ``collate_fn`` runs in the workers, on the batch as samples, seeded per batch
+(``collate.py``). In a worker the batch's buffer is shared memory (as ``default_collate``
+allocates it), so handing it to the main process copies nothing.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterator, Sequence
+import random
+from collections.abc import Callable, Iterator
 from typing import Any
 
+import numpy as np
 import torch
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset, Sampler, get_worker_info
 
-from ..dataset import StoreDataset
 from ..intraop import one_thread
-from ..passes import LoaderIterator, PassState
+from .collate import run_collate
+from .passes import PassPlan
+from .seeds import COLLATE_STREAM
+
+
+class _Tasks(Sampler):
+    """The DataLoader's sampler: the tasks of the pass in progress (set by ``DataLoaderBackend.begin``)."""
+
+    def __init__(self) -> None:
+        self.run: PassPlan | None = None
+
+    def __iter__(self) -> Iterator[tuple[int, Any, int, int]]:
+        run = self.run        # (torch asks for a new iterator more than once per pass: each reads run.batches)
+        if run is None:
+            return iter(())
+        return ((k, indices, run.seed(k), run.seed(k, COLLATE_STREAM)) for k, indices in run.batches)
+
+    def __len__(self) -> int:
+        return 0
 
 
 class _Batches(Dataset):
-    """Index lists in, ``StoreDataset.get_batch`` out: what ``loader`` iterates over.
+    """A task in, its batch out: what the DataLoader maps over."""
 
-    In the main process (``num_workers=0``) the random parameters come from the
-    loader's generator; in a worker from torch's default generator, which the
-    DataLoader seeds per worker from that same generator.
-    """
-
-    def __init__(self, dataset: StoreDataset, generator: torch.Generator | None):
+    def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any] | None):
         self.dataset = dataset
-        self.generator = generator
+        self.collate_fn = collate_fn
 
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def __getitem__(self, indices: Sequence[int]) -> tuple[torch.Tensor, Any]:
+    def __getitem__(self, task: tuple[int, Any, int, int]) -> Any:
+        k, indices, seed, collate_seed = task
+        generator = torch.Generator()
+        generator.manual_seed(seed)
         if get_worker_info() is not None:     # a worker: torch runs one intra-op thread there
-            return self.dataset.get_batch(indices)
-        # in the caller's thread (num_workers=0): the batch's torch ops on that thread alone,
-        # whatever torch's setting, which stays the caller's for its own code (see intraop)
-        with one_thread():
-            return self.dataset.get_batch(indices, generator=self.generator)
+            _seed_globals(seed)
+            shape = self.dataset.batch_shape(len(indices))
+            batch = self.dataset.get_batch(indices, generator=generator, out=_shared(shape) if shape else None)
+            if self.collate_fn is not None:
+                batch = run_collate(self.collate_fn, batch, collate_seed)
+            return batch
+        # in the caller's thread (num_workers=0): its torch ops on that thread alone (see intraop),
+        # its generators as they were
+        with one_thread(), torch.random.fork_rng(devices=[]):
+            _seed_globals(seed)
+            return self.dataset.get_batch(indices, generator=generator)
 
-    def __getstate__(self) -> dict[str, Any]:
-        return {"dataset": self.dataset, "generator": None}   # workers use their seeded default
+
+def _seed_globals(seed: int) -> None:
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed % (1 << 32))
+
+
+def _shared(shape: tuple[int, ...]) -> torch.Tensor:
+    """A uint8 tensor in shared memory, allocated as torch's default_collate allocates a worker's batch."""
+    elem = torch.empty(0, dtype=torch.uint8)
+    storage = elem.untyped_storage()._new_shared(int(np.prod(shape)), device="cpu")
+    return elem.new(storage).resize_(*shape)
 
 
 def _as_is(batch: Any) -> Any:
     return batch
 
 
-class StoreDataLoader(DataLoader):
-    """A DataLoader over a StoreDataset's batches (``batch_sampler`` yields index lists), resumable."""
+class DataLoaderBackend:
+    """Builds a pass's batches with a torch DataLoader (in its worker processes when ``num_workers > 0``).
 
-    def __init__(self, dataset: Any, batch_sampler: Any, *, generator: torch.Generator | None = None,
-                 **options: Any):
-        super().__init__(_Batches(dataset, generator), sampler=batch_sampler, batch_size=None, collate_fn=_as_is,
-                         generator=generator, **options)
-        self._state = PassState()
+    Args:
+        dataset: a StoreDataset.
+        num_workers, pin_memory, persistent_workers, prefetch_factor, multiprocessing_context,
+            worker_init_fn: as the DataLoader's.
+        collate_fn: run in the workers (with workers; else the loader runs it), see ``collate.py``.
+    """
 
-    def _epoch(self) -> int:
-        return int(getattr(self.sampler, "epoch", 0))
+    name = "dataloader"
 
-    def set_epoch(self, epoch: int) -> None:
-        """Set the epoch of the batch sampler (the distributed shuffle)."""
-        self.sampler.set_epoch(epoch)
+    def __init__(self, dataset: Any, *, num_workers: int, pin_memory: bool = False, persistent_workers: bool = False,
+                 prefetch_factor: int | None = None, multiprocessing_context: Any = None,
+                 worker_init_fn: Callable[[int], None] | None = None,
+                 collate_fn: Callable[[Any], Any] | None = None):
+        self.tasks = _Tasks()
+        self.collates = num_workers > 0 and collate_fn is not None
+        options: dict[str, Any] = {}
+        if num_workers > 0:
+            options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                           multiprocessing_context=multiprocessing_context)
+        batches = _Batches(dataset, collate_fn if self.collates else None)
+        self.dataloader = DataLoader(batches, sampler=self.tasks, batch_size=None, collate_fn=_as_is,
+                                     num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
+                                     **options)
 
-    def state_dict(self) -> dict[str, Any]:
-        """Where this loader stands in its epoch (see ``ThreadLoader.state_dict``)."""
-        return self._state.state_dict(self.generator, self._epoch())
+    def begin(self, run: PassPlan) -> Iterator[Any]:
+        """The pass's batches; the workers start here (``iter`` of the DataLoader)."""
+        self.tasks.run = run
+        return iter(self.dataloader)
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume from ``state_dict()``: the next pass rebuilds the batches already handed out, unseen."""
-        self.set_epoch(self._state.load_state_dict(state, len(self)))
+    def close(self) -> None:
+        """Nothing to stop: torch's iterator stops its workers (persistent ones with the loader)."""
 
-    def __iter__(self) -> Iterator[Any]:
-        skip = self._state.begin(self.generator, self._epoch())
-        return LoaderIterator(self._pass(super().__iter__(), skip))
-
-    def _pass(self, batches: Iterator[Any], skip: int) -> Generator[Any, None, None]:
-        for _ in range(skip):
-            next(batches)
-        for batch in batches:
-            self._state.served += 1
-            yield batch
-        self._state.end()
+    def describe(self) -> str:
+        return f"torch DataLoader, num_workers={self.dataloader.num_workers}"

@@ -47,20 +47,10 @@ def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, r
     if not parent.alive():
         return
     torch.set_num_threads(1)
-    target: list[torch.Tensor | None] = [None]
-    new_batch = getattr(dataset, "_new_batch", None)
-    if new_batch is not None:
-        def into_slot(shape: tuple[int, ...]) -> torch.Tensor:
-            slot, target[0] = target[0], None
-            if slot is not None and slot.dtype == torch.uint8 and tuple(shape[1:]) == tuple(slot.shape[1:]) \
-                    and shape[0] <= slot.shape[0]:
-                return slot[:shape[0]]
-            return new_batch(shape)
-        dataset._new_batch = into_slot          # this process's copy of the dataset only
     try:
         if worker_init_fn is not None:
             worker_init_fn(wid)
-        _serve(dataset, slots, tasks, results, current, target, parent)
+        _serve(dataset, slots, tasks, results, current, parent)
     except KeyboardInterrupt:       # Ctrl-C reaches the whole process group: the main process raises it
         return
     except (BrokenPipeError, ConnectionResetError):     # a report to a main process that has gone
@@ -68,7 +58,7 @@ def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, r
 
 
 def _serve(dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: Any, current: Any,
-           target: list[torch.Tensor | None], parent: Parent) -> None:
+           parent: Parent) -> None:
     while True:
         task = tasks.get(parent)
         if task is None:
@@ -86,17 +76,17 @@ def _serve(dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: A
             torch.default_generator.manual_seed(seed)
             random.seed(seed)
             np.random.seed(seed % (1 << 32))   # as DataLoader workers seed numpy (np.random augmentations)
-            target[0] = slot
-            images, labels = dataset.get_batch(indices, generator=generator)
-            target[0] = None
             rows = len(indices)
+            out = slot[:rows] if dataset.batch_shape(rows) == (rows, *slot.shape[1:]) \
+                and slot.dtype == torch.uint8 else None
+            images, labels = dataset.get_batch(indices, generator=generator, out=out)
             if not isinstance(images, torch.Tensor) or tuple(images.shape) != (rows, *slot.shape[1:]) \
                     or images.dtype != slot.dtype:
                 got = tuple(images.shape) if isinstance(images, torch.Tensor) else type(images).__name__
                 raise ArgumentError(
                     f"batch {k} is {got} {getattr(images, 'dtype', '')}, but the loader's shared-memory slots "
                     f"hold ({rows}, {', '.join(map(str, slot.shape[1:]))}) {slot.dtype} (the shape of sample 0's "
-                    "batch): this pipeline's output shape varies; use dlstore.loader(..., shm_ring=False)")
+                    "batch): this pipeline's output shape varies; use dlstore.loader(..., backend='dataloader')")
             if images.data_ptr() != slot.data_ptr() or images.stride() != slot[:rows].stride():
                 # another tensor, or a view of the slot in another layout (a transpose of square
                 # images): copied through a contiguous copy, since the source may overlap the slot
@@ -106,7 +96,6 @@ def _serve(dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: A
                 labels = labels.numpy()          # plain bytes through the pipe, not a shared segment
             results.send((pass_id, k, j, rows, labels, None))
         except Exception as exc:  # noqa: BLE001 - reported with its batch; the main process raises it
-            target[0] = None
             text = "".join(traceback.format_exception(exc))
             results.send((pass_id, k, j, 0, None, (_picklable(exc), text, [int(i) for i in indices])))
 

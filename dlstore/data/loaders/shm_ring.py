@@ -1,4 +1,4 @@
-"""``ShmRingLoader``: batches built by worker processes straight into a ring of shared memory.
+"""The ring back-end: batches built by worker processes straight into a ring of shared memory.
 
 A DataLoader worker returns each batch as a tensor in a shared-memory segment of its
 own: one segment created, mapped, page-faulted and passed (a file descriptor over a
@@ -29,19 +29,15 @@ batch is copied out instead, so the loader never waits on the user; a pass that 
 with every slot held gets a new ring (the user keeps the old one). ``pin_memory`` copies
 into pinned memory, and the slot is free at once.
 
-Slots are handed out, not copied: a copy costs a few ms per 9.6 MB batch on two cores,
-as much as building it. The worker asks the dataset for its batch buffer
-(``StoreDataset._new_batch``) and is given the slot, so the gather writes into shared
+Slots are handed out, not copied: a copy costs as much as building a static batch. The
+worker hands the slot to ``get_batch(..., out=slot)``, so the gather writes into shared
 memory directly; a batch built elsewhere (a crop into scratch memory, a transform
 returning a new tensor) is copied in.
 
-Reproducibility: batch k draws from a generator seeded with
-``batch_seed(base, epoch, k)`` -- the ThreadLoader's scheme, base drawn from the
-loader's generator once per pass -- and torch's global generator and Python's ``random``
-are seeded with the same value before it (per-sample torchvision ops draw from them).
-Batches are therefore equal to those of a ThreadLoader with the same generator, in
-sampler order, whatever the number of workers. (The DataLoader path seeds per worker:
-its random batches depend on the worker count.)
+Reproducibility: batch k draws from a generator seeded with the pass's seed of batch k
+(``seeds.py``), and torch's global generator, numpy's and Python's ``random`` are seeded
+with the same value before it (per-sample torchvision ops draw from them). Batches are
+therefore those of every other back-end with the same seed, whatever the number of workers.
 
 Shared memory is torch's (``share_memory_``): under the default ``file_descriptor``
 strategy a segment is unlinked from ``/dev/shm`` as soon as it is created, so nothing
@@ -59,70 +55,54 @@ slots over, and the old iterator raises ``UsageError`` when next resumed.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import warnings
 from collections.abc import Callable, Generator, Iterator
 from typing import Any
 
 import numpy as np
 import torch
-from torch.utils.data import BatchSampler
 
 from ...errors import SharedMemoryError, UsageError
 from ..intraop import one_thread
-from ..passes import LoaderIterator
-from .ring_slots import Ring, batch_spec, ring_bytes, ring_size, shm_free, shm_message
+from .passes import PassPlan
+from .ring_slots import Ring, ring_size
 from .ring_workers import WorkerPool
-from .threads import ThreadLoader, batch_seed
-
-# what dlstore.loader sizes and checks a ring with, here with the loader
-__all__ = ["ShmRingLoader", "batch_spec", "ring_bytes", "ring_size", "shm_free", "shm_message"]
+from .threads import advised
 
 
-def _stop_unstarted(loader: ShmRingLoader, batches: Generator, passes_before: int) -> None:
-    """Run as a pass's iterator is closed or dropped: one never advanced stops the workers ``iter()``
-    started (unless persistent, or a later pass has begun), since a generator never advanced does not
-    run its ``finally`` and they would run until the loader went away."""
-    if (inspect.getgeneratorstate(batches) == inspect.GEN_CREATED and not loader.persistent_workers
-            and loader._pass == passes_before):
-        loader._stop_workers()
-
-
-class ShmRingLoader(ThreadLoader):
-    """Iterates ``(images, labels)`` batches built by ``workers`` processes into shared-memory slots.
-
-    The ThreadLoader's interface and batches (same seeds, same order), built in processes:
-    for batch paths that hold the GIL (per-sample Python ops). ``dlstore.loader`` returns it
-    for ``num_workers > 0`` and ``shm_ring=True`` on a batch path of fixed output shape.
+class RingBackend:
+    """Builds a pass's batches in ``workers`` processes, into shared-memory slots handed out in order.
 
     Args:
         dataset: a StoreDataset (picklable; the workers get a copy).
-        batch_sampler: yields the index list of each batch (it may have ``set_epoch``).
         workers: worker processes (>= 1).
         prefetch: batches in flight (>= workers).
-        spec: (shape of one sample, dtype) of the images, as :func:`batch_spec` gives it.
-        generator: the per-pass base seed is drawn from it (None: torch's default generator).
-        pin_memory: page-locked batches (a copy), when CUDA is available.
+        spec: (shape of one sample, dtype) of the images, as ``ring_slots.batch_spec`` gives it.
+        batch_size: rows of a full batch (the slots' rows).
+        pin_memory: copy each batch into page-locked memory (the slot is free at once).
         persistent_workers: keep the workers between passes.
-        multiprocessing_context: ``"fork"``, ``"spawn"``, ``"forkserver"``, a context, or None (the default).
+        multiprocessing_context: ``"fork"``, ``"spawn"``, ``"forkserver"``, a context, or None.
         worker_init_fn: called with the worker id in each worker, before its first batch.
+        fallback: makes the back-end to use instead when /dev/shm cannot hold the ring (auto's choice).
     """
 
-    def __init__(self, dataset: Any, batch_sampler: BatchSampler, *, workers: int, prefetch: int,
-                 spec: tuple[tuple[int, ...], torch.dtype], generator: torch.Generator | None = None,
-                 pin_memory: bool = False, persistent_workers: bool = False, multiprocessing_context: Any = None,
-                 worker_init_fn: Callable[[int], None] | None = None, fallback: Callable[[], Any] | None = None):
-        super().__init__(dataset, batch_sampler, threads=workers, prefetch=prefetch, generator=generator,
-                         pin_memory=pin_memory)
-        # chosen by dlstore.loader (not asked for): the loader to use if /dev/shm cannot hold the ring
-        self.fallback = fallback
-        self._fallback_loader: Any = None
+    name = "ring"
+
+    def __init__(self, dataset: Any, *, workers: int, prefetch: int, spec: tuple[tuple[int, ...], torch.dtype],
+                 batch_size: int, pin_memory: bool = False, persistent_workers: bool = False,
+                 multiprocessing_context: Any = None, worker_init_fn: Callable[[int], None] | None = None,
+                 fallback: Callable[[], Any] | None = None):
+        self.dataset = dataset
         self.workers = workers
+        self.prefetch = max(prefetch, workers)
         self.spec = spec
+        self.batch_size = batch_size
+        self.pin_memory = pin_memory
         self.persistent_workers = persistent_workers
         self.multiprocessing_context = multiprocessing_context
         self.worker_init_fn = worker_init_fn
+        self.fallback = fallback
+        self.fallen_back: Any = None      # the back-end that took over (SharedMemoryError at a start)
         self.ring_size = ring_size(self.prefetch)
         self._ring: Ring | None = None
         self._pool: WorkerPool | None = None
@@ -131,11 +111,10 @@ class ShmRingLoader(ThreadLoader):
     def _start(self) -> tuple[Ring, WorkerPool]:
         if self._ring is None:
             shape, dtype = self.spec
-            rows = int(getattr(self.batch_sampler, "batch_size", None) or 1)
-            self._ring = Ring(self.ring_size, rows, shape, dtype)
+            self._ring = Ring(self.ring_size, self.batch_size, shape, dtype)
         if self._pool is None:
             self._pool = WorkerPool(self.dataset, self._ring, self.workers, self.multiprocessing_context,
-                               self.worker_init_fn)
+                                    self.worker_init_fn)
         return self._ring, self._pool
 
     def _stop_workers(self) -> None:
@@ -143,16 +122,46 @@ class ShmRingLoader(ThreadLoader):
             self._pool.stop()
             self._pool = None
 
-    def state_dict(self) -> dict[str, Any]:
-        if self._fallback_loader is not None:
-            raise UsageError("dlstore.loader: this loader took the DataLoader path (the shared memory was "
-                             "short), which cannot resume mid-epoch; free /dev/shm or use threads")
-        return super().state_dict()
-
     def close(self) -> None:
         """Stop the workers (persistent ones too) and drop the ring; batches the user holds stay valid."""
         self._stop_workers()
         self._ring = None
+        if self.fallen_back is not None:
+            self.fallen_back.close()
+
+    def describe(self) -> str:
+        if self.fallen_back is not None:
+            return f"ring, fell back to {self.fallen_back.describe()}"
+        return f"workers={self.workers}, prefetch={self.prefetch}, slots={self.ring_size}"
+
+    def prepare(self) -> int | None:
+        """Start the workers (``iter()`` of the loader, as a DataLoader's start there); a token for ``release``."""
+        if self.fallen_back is not None:
+            return None
+        try:
+            self._start()
+        except SharedMemoryError as exc:
+            if self.fallback is None:
+                raise
+            # other loaders took the shared memory since this one was made: the DataLoader path
+            warnings.warn(f"dlstore.loader: {exc}; this loader takes the DataLoader path", stacklevel=3)
+            self.fallen_back = self.fallback()
+            return None
+        self._pass += 1
+        return self._pass
+
+    def release(self, token: int | None) -> None:
+        """An iterator dropped before its first batch: stop the workers its ``prepare`` started, unless
+        they are persistent or a later pass has begun (or been prepared) since."""
+        if token is not None and token == self._pass and not self.persistent_workers:
+            self._stop_workers()
+
+    def begin(self, run: PassPlan) -> Iterator[tuple[Any, Any]]:
+        """The pass's batches, from the workers ``prepare`` started (started again if stopped since)."""
+        if self.fallen_back is not None:
+            return self.fallen_back.begin(run)
+        self._pass += 1
+        return self._batches(run, self._pass)
 
     def _free(self, ring: Ring, pool: WorkerPool, exclude: int = -1) -> int | None:
         for j in range(self.ring_size):
@@ -160,41 +169,21 @@ class ShmRingLoader(ThreadLoader):
                 return j
         return None
 
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, Any]]:
-        if self._fallback_loader is not None:
-            return iter(self._fallback_loader)
-        try:
-            self._start()   # the workers start here, as a DataLoader's do at iter(): worker_init_fn runs
-        except SharedMemoryError as exc:   # before the first next() (dlstore bench gates on it)
-            if self.fallback is None:
-                raise
-            # other loaders took the shared memory since this one was made: the DataLoader path
-            warnings.warn(f"dlstore.loader: {exc}; this loader takes the DataLoader path", stacklevel=2)
-            self._fallback_loader = self.fallback()
-            return iter(self._fallback_loader)
-        batches = self._pass_batches()
-        return LoaderIterator(batches, functools.partial(_stop_unstarted, self, batches, self._pass))
-
-    def _pass_batches(self) -> Iterator[tuple[torch.Tensor, Any]]:
-        epoch = self._epoch()
-        skip = self._state.begin(self.generator, epoch)
-        base = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
-        self._pass += 1          # before _start: an unstarted iterator collected from here on
-        pass_id = self._pass     # (its finalizer, _stop_unstarted) leaves this pass's workers alone
+    def _batches(self, run: PassPlan, pass_id: int) -> Generator[tuple[Any, Any], None, None]:
         ring, pool = self._start()
         pool.current.value = pass_id
         # a pass left suspended (an iterator not run to its end) gives up the batches it had
         # received and not handed out; resumed, it raises (below)
         pool.busy -= pool.ready
         pool.ready.clear()
-        batches, _ = self._index_batches(skip)   # (resumed: past those; advised ahead with willneed)
+        batches, _ = advised(run.batches, self.dataset, self.batch_size)
         pending: dict[int, int] = {}      # k -> slot: dispatched this pass, not yet handed out
         ready: dict[int, tuple] = {}      # k -> (slot, rows, labels, error): reported this pass
         exhausted = False
 
         def dispatch() -> None:
             # keeps `prefetch` batches in flight while free slots last; called before each
-            # batch is handed out, so the sampler is pulled as the ThreadLoader pulls it
+            # batch is handed out, so the sampler is pulled as the threads pull it
             nonlocal exhausted
             while not exhausted and len(pending) < self.prefetch:
                 j = self._free(ring, pool)
@@ -204,25 +193,24 @@ class ShmRingLoader(ThreadLoader):
                 if item is None:
                     exhausted = True
                     return
-                pool.tasks.put((pass_id, item[0], j, np.asarray(item[1], dtype=np.int64),
-                                batch_seed(base, epoch, item[0])))
+                pool.tasks.put((pass_id, item[0], j, np.asarray(item[1], dtype=np.int64), run.seed(item[0])))
                 pending[item[0]] = j
                 pool.busy.add(j)
 
         try:
             dispatch()
-            k = skip
+            k = run.first
             while True:
                 if k not in pending:      # then nothing of this pass is in flight
                     if exhausted:
-                        self._state.end()
                         return
                     if pool.busy:         # slots busy with a pass that ended: they come back
                         self._receive(pool, pass_id, ready, pending)
                     else:
                         # the user holds every slot (batches kept from an earlier pass): they
                         # keep them, and this pass gets a new ring and workers
-                        self.close()
+                        self._stop_workers()
+                        self._ring = None
                         ring, pool = self._start()
                         pool.current.value = pass_id
                     dispatch()
@@ -239,26 +227,20 @@ class ShmRingLoader(ThreadLoader):
                                  f"(indices {indices[:8]}{'...' if len(indices) > 8 else ''}); its traceback:\n"
                                  f"{text}")
                     raise exc
-                with one_thread():    # the copies below, in the caller's thread: on it alone
+                images = self._hand_out(ring, pool, j, rows, copy=not pending and not exhausted
+                                        and self._free(ring, pool, exclude=j) is None)
+                if isinstance(labels, np.ndarray):
+                    labels = torch.from_numpy(labels)
                     if self.pin_memory:
-                        images = ring.slots[j][:rows].pin_memory()
-                    elif not pending and not exhausted and self._free(ring, pool, exclude=j) is None:
-                        images = ring.slots[j][:rows].clone()    # the user holds every other slot
-                    else:
-                        images = ring.hand_out(j, rows)          # held from here: dispatch() skips it
-                    if isinstance(labels, np.ndarray):
-                        labels = torch.from_numpy(labels)
-                        if self.pin_memory:
-                            labels = labels.pin_memory()
+                        labels = labels.pin_memory()
                 dispatch()
                 k += 1
-                self._state.served = k
                 yield images, labels
                 del images, labels    # this frame keeps no reference to a batch handed out
                 if self._pass != pass_id:
                     raise UsageError(f"dlstore.loader: another pass over this loader started while this one was "
-                                       f"at batch {k}; a ShmRingLoader runs one pass at a time (finish or "
-                                       "close() this iterator first, or use two loaders)")
+                                     f"at batch {k}; the ring runs one pass at a time (finish or close() this "
+                                     "iterator first, or use two loaders)")
         finally:
             if self._pass == pass_id:            # (else a newer pass owns the pool)
                 for j, *_ in ready.values():     # reported but never handed out (break, error): free
@@ -270,6 +252,16 @@ class ShmRingLoader(ThreadLoader):
                                                    any(p.exitcode is not None for p in self._pool.procs)):
                     self._stop_workers()     # (persistent workers with a dead one: fresh ones next pass)
 
+    def _hand_out(self, ring: Ring, pool: WorkerPool, j: int, rows: int, *, copy: bool) -> torch.Tensor:
+        """Slot ``j``'s batch as the user gets it: the slot itself (held from here: dispatch skips it),
+        a pinned copy, or a copy when the user holds every other slot (the loader never waits on them)."""
+        with one_thread():    # the copies, in the caller's thread: on it alone
+            if self.pin_memory:
+                return ring.slots[j][:rows].pin_memory()
+            if copy:
+                return ring.slots[j][:rows].clone()
+            return ring.hand_out(j, rows)
+
     def _receive(self, pool: WorkerPool, pass_id: int, ready: dict[int, tuple], pending: dict[int, int]) -> None:
         got_pass, k, j, rows, labels, error = pool.get(sorted(pending))
         if got_pass == pass_id and k in pending and (rows or error):
@@ -278,7 +270,3 @@ class ShmRingLoader(ThreadLoader):
         else:
             pool.busy.discard(j)                  # a task of a pass that ended, skipped: the slot is free
 
-    def __repr__(self) -> str:
-        return (f"ShmRingLoader({self.dataset!r}, batches={len(self)}, workers={self.workers}, "
-                f"prefetch={self.prefetch}, slots={self.ring_size}, pin_memory={self.pin_memory}, "
-                f"persistent_workers={self.persistent_workers})")

@@ -75,6 +75,7 @@ class LmdbWriter(WithTargets):
         self._pending: list[tuple[bytes, bytes]] = []
         self._pending_bytes = 0
         self._count = 0
+        self._committed = 0       # samples already in the environment (a resume rewrites none of them)
         self._partial_labels = PartialRows(self.folder / self._PARTIAL_LABELS, 1)
         self._partial_shapes = PartialRows(self.folder / self._PARTIAL_SHAPES, 3)
         if _create:
@@ -96,8 +97,11 @@ class LmdbWriter(WithTargets):
         value = np.ascontiguousarray(sample).tobytes()
         self._hash.update(value)
         self.sums.append(zlib.crc32(value))
-        self._pending.append((sample_key(self._count), value))
-        self._pending_bytes += len(value)
+        if self._count < self._committed:
+            self._check_committed(self._count, value)
+        else:
+            self._pending.append((sample_key(self._count), value))
+        self._pending_bytes += len(value)     # counted either way: transactions end where they ended before
         self._count += 1
         self.labels.append(int(label))
         if self.shape is None:
@@ -130,11 +134,22 @@ class LmdbWriter(WithTargets):
     def _flush(self) -> None:
         if self._pending:
             self._put(self._pending, append=True)
-            self._pending = []
-            self._pending_bytes = 0
+        self._pending = []
+        self._pending_bytes = 0
+
+    def _check_committed(self, i: int, value: bytes) -> None:
+        """Sample ``i``, committed before an interruption, must be what the resumed run made again."""
+        with self._env.begin() as txn:
+            stored = txn.get(sample_key(i))
+        if stored != value:
+            raise StoreCorruptError(f"{self.folder}: sample {i}, committed before the interruption, differs from "
+                                    "what the resumed conversion makes of its source; rerun without --resume")
 
     # Resumption: a committed transaction is a unit. At a checkpoint the environment is synced
-    # and the labels (and shapes) of the committed samples are appended to files next to it.
+    # and the labels (and shapes) of the committed samples are appended to files next to it. A
+    # kill between a commit and its checkpoint leaves samples past the checkpoint: the resume keeps
+    # them and checks them as the run makes them again, rather than deleting them (LMDB would lay
+    # the freed pages out anew, and the file would differ from an uninterrupted run's).
     def checkpoint(self) -> dict[str, Any]:
         """Make the committed samples durable; return the state ``resume`` needs.
 
@@ -156,7 +171,8 @@ class LmdbWriter(WithTargets):
     @classmethod
     def resume(cls, folder: Path, state: dict[str, Any], *, shape: tuple[int, int, int] | None,
                **options: Any) -> LmdbWriter:
-        """Reopen a staging environment at a checkpoint, dropping samples committed after it.
+        """Reopen a staging environment at a checkpoint; the samples committed after it are kept, and
+        checked as the resumed run makes them again.
 
         The running sha256 of the samples cannot be saved, so it is recomputed by reading
         the kept samples back once (sequentially).
@@ -164,12 +180,9 @@ class LmdbWriter(WithTargets):
         rows = int(state["rows"])
         writer = cls(folder, shape=shape, _create=False, **options)
         try:
-            with writer._env.begin(write=True) as txn:
-                cursor = txn.cursor()
-                if cursor.set_range(sample_key(rows)):
-                    while cursor.key()[:1].isdigit():
-                        if not cursor.delete():
-                            break
+            with writer._env.begin() as txn:
+                writer._committed = max(rows, sum(1 for key in txn.cursor().iternext(values=False)
+                                                  if key[:1].isdigit()))
                 for i in range(rows):
                     value = txn.get(sample_key(i))
                     if value is None:

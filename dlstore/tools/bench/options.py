@@ -16,7 +16,6 @@ DEFAULT_STATIC = "resize=256,center_crop=224"
 DEFAULT_SAMPLES = 256
 # ... and as warm when at least this fraction was.
 WARM_RESIDENT_MIN = 0.98
-_SUFFIX = {"shards": ".shards", "lmdb": ".lmdb", "hdf5": ".h5"}
 
 
 # --------------------------------------------------------------------------- what is measured
@@ -84,7 +83,7 @@ def parse_variants(names: str | Iterable[str]) -> list[Variant]:
     return out
 
 
-def _parse_choices(values: str | Iterable[str], valid: Sequence[str], what: str) -> list[str]:
+def parse_choices(values: str | Iterable[str], valid: Sequence[str], what: str) -> list[str]:
     items = values.split(",") if isinstance(values, str) else list(values)
     out = []
     for item in (str(i).strip().lower() for i in items):
@@ -99,7 +98,7 @@ def _parse_choices(values: str | Iterable[str], valid: Sequence[str], what: str)
     return out
 
 
-def _parse_workers(values: str | int | Iterable[int]) -> list[int]:
+def parse_workers(values: str | int | Iterable[int]) -> list[int]:
     if isinstance(values, int):
         values = [values]
     items = values.split(",") if isinstance(values, str) else list(values)

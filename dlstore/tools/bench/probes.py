@@ -22,7 +22,7 @@ from ...errors import StoreNotFoundError, SystemProbeError
 DEFAULT_DISK_TEST_BYTES = 256 << 20
 # A run counts as cold when at most this fraction of the store's pages was resident at its start.
 COLD_RESIDENT_MAX = 0.02
-_IO_BLOCK = 8 << 20  # bytes per read/write call of the raw disk test
+IO_BLOCK = 8 << 20  # bytes per read/write call of the raw disk test
 
 
 # --------------------------------------------------------------------------- machine
@@ -137,7 +137,8 @@ def disk_info(path: str | os.PathLike, *, mounts: str | os.PathLike = "/proc/mou
     return info
 
 
-def _load_average() -> float | None:
+def load_average() -> float | None:
+    """The 1-minute load average (None where the system has none)."""
     try:
         return os.getloadavg()[0]
     except (OSError, AttributeError):
@@ -233,7 +234,7 @@ def evict(paths: str | os.PathLike | Iterable[str | os.PathLike], *, drop_caches
 # --------------------------------------------------------------------------- statistics
 
 
-def _stats(values: Sequence[float]) -> dict[str, Any]:
+def run_stats(values: Sequence[float]) -> dict[str, Any]:
     """median, min, max, relative spread ((max - min) / median) and every run."""
     median = statistics.median(values)
     return {"median": median, "min": min(values), "max": max(values),
@@ -256,7 +257,7 @@ def disk_bandwidth(folder: str | os.PathLike, *, size: int = DEFAULT_DISK_TEST_B
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f".dlstore-disk-test-{os.getpid()}.bin"
     rng = np.random.default_rng(0)
-    block = rng.integers(0, 256, size=_IO_BLOCK, dtype=np.uint8)
+    block = rng.integers(0, 256, size=IO_BLOCK, dtype=np.uint8)
     stamps = block.view(np.uint64)[::512]  # the first 8 bytes of every 4 KiB page
     reads: list[float] = []
     resident: list[float] = []
@@ -286,8 +287,8 @@ def disk_bandwidth(folder: str | os.PathLike, *, size: int = DEFAULT_DISK_TEST_B
                 os.close(fd)
     finally:
         path.unlink(missing_ok=True)
-    return {"file_bytes": size, "block_bytes": _IO_BLOCK, "write_mb_s": size / write_s / 1e6,
-            "read_mb_s": _stats(reads), "resident_after_eviction": resident,
+    return {"file_bytes": size, "block_bytes": IO_BLOCK, "write_mb_s": size / write_s / 1e6,
+            "read_mb_s": run_stats(reads), "resident_after_eviction": resident,
             "cold_verified": max(resident) <= COLD_RESIDENT_MAX}
 
 

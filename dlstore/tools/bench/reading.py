@@ -17,7 +17,7 @@ from typing import Any
 
 from ...errors import MeasurementError
 from .options import WARM_RESIDENT_MIN
-from .probes import _IO_BLOCK, evict, resident_fraction
+from .probes import IO_BLOCK, evict, resident_fraction
 
 _GATE_TIMEOUT = 120.0
 
@@ -44,7 +44,7 @@ class _Gate:
                                    f"{_GATE_TIMEOUT:.0f} s (machine overloaded, or workers dying at start-up)")
 
 
-def _imagefolder(folder: Path, spec: list[dict[str, Any]]) -> Any:
+def imagefolder_dataset(folder: Path, spec: list[dict[str, Any]]) -> Any:
     from torchvision import datasets
     from torchvision.transforms import v2
 
@@ -54,28 +54,30 @@ def _imagefolder(folder: Path, spec: list[dict[str, Any]]) -> Any:
 
 
 def _make_loader(dataset: Any, *, store: bool, shuffle: bool, workers: int, batch_size: int, seed: int,
-                 gate: _Gate | None) -> Any:
+                 gate: _Gate | None, backend: str) -> Any:
     import torch
     from torch.utils.data import DataLoader
 
-    from ...data.loaders.factory import loader
+    from ...data.loaders.loader import loader
 
     generator = torch.Generator().manual_seed(seed)
     if store:
         return loader(dataset, batch_size, shuffle=shuffle, num_workers=workers, generator=generator,
-                      worker_init_fn=gate)
+                      worker_init_fn=gate, backend=backend)
     return DataLoader(dataset, batch_size=batch_size, shuffle=shuffle, num_workers=workers, generator=generator,
                       worker_init_fn=gate)
 
 
-def _read_once(opener: Callable[[], Any], files: list[Path], *, store: bool, cache: str, order: str,
-               workers: int, batch_size: int, seed: int, drop_caches: bool) -> dict[str, Any]:
-    """One timed pass over a dataset; evicts its files first when ``cache == "cold"``."""
+def read_once(opener: Callable[[], Any], files: list[Path], *, store: bool, cache: str, order: str,
+              workers: int, batch_size: int, seed: int, drop_caches: bool, backend: str = "auto") -> dict[str, Any]:
+    """One timed pass over a dataset; evicts its files first when ``cache == "cold"``. A store is read
+    through ``dlstore.loader(backend=backend)``, the image folder through torch's DataLoader; the run
+    records the back-end that built the store's batches (None for the DataLoader)."""
     dataset = opener()  # before the eviction: reads the manifest/labels, maps no data
     resident = evict(files, drop_caches=drop_caches) if cache == "cold" else _warm(files)
     gate = _Gate(multiprocessing.get_context()) if workers > 0 else None
     loader = _make_loader(dataset, store=store, shuffle=order == "random", workers=workers,
-                          batch_size=batch_size, seed=seed, gate=gate)
+                          batch_size=batch_size, seed=seed, gate=gate, backend=backend)
     start = time.perf_counter()
     it = iter(loader)
     gaps: list[float] = []
@@ -95,11 +97,12 @@ def _read_once(opener: Callable[[], Any], files: list[Path], *, store: bool, cac
             gaps.append(now - last)
             last = now
             sizes.append(len(batch[1]))
+        built_by = loader.backend if store else None   # after the pass: a ring may have fallen back
     finally:
         del it, loader, dataset  # shut the workers down and unmap the store before the next eviction
         gc.collect()
     return {"samples": sum(sizes), "seconds": last - t0, "startup_s": t0 - start, "batch_s": gaps,
-            "batch_sizes": sizes, "workers": workers, "resident": resident}
+            "batch_sizes": sizes, "workers": workers, "resident": resident, "backend": built_by}
 
 
 def _warm(files: list[Path], attempts: int = 3) -> float:
@@ -116,7 +119,7 @@ def _warm(files: list[Path], attempts: int = 3) -> float:
 
 def _read_files(files: list[Path]) -> None:
     """Read files whole (into the page cache)."""
-    buf = bytearray(_IO_BLOCK)
+    buf = bytearray(IO_BLOCK)
     for f in files:
         with open(f, "rb", buffering=0) as fh:
             while fh.readinto(buf):

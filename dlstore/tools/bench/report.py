@@ -68,11 +68,21 @@ class BenchReport:
              f"{len(disk['read_mb_s']['runs'])}, {disk['read_mb_s']['min']:,.0f}-{disk['read_mb_s']['max']:,.0f})"
              f"{verified}; write+fsync {disk['write_mb_s']:,.0f} MB/s; {disk['file_bytes'] / 2**20:,.0f} MiB file"),
             ("data", f"{self.data['samples']} images in {self.data['classes']} classes from {self.data['source']}"),
-            ("settings", f"static {s['static']}, batch {s['batch_size']}, {s['repeats']} round(s), "
-             f"eviction {s['eviction']}, torch threads {s['torch_threads']}"),
+            ("settings", f"static {s['static']}, batch {s['batch_size']}, stores read with backend "
+             f"{self.backends()}, {s['repeats']} round(s), eviction {s['eviction']}, torch threads {s['torch_threads']}"),
             ("versions", f"dlstore {m.get('dlstore')}, torch {m['torch']}, torchvision {m['torchvision']}, "
              f"python {m['python']}"),
         ]
+
+    def backends(self) -> str:
+        """The ``backend`` asked for, and (for ``auto``) what built the stores' batches per num_workers value."""
+        built: dict[int, set[str]] = {}
+        for r in self.reads:
+            if r.get("backend"):
+                built.setdefault(r["workers"], set()).add(r["backend"])
+        said = ", ".join(f"{'/'.join(sorted(names))} at num_workers={w}" for w, names in sorted(built.items()))
+        asked = self.settings.get("backend", "auto")
+        return f"{asked} ({said})" if asked == "auto" and said else asked
 
     def _store_rows(self) -> list[list[str]]:
         rows = []
@@ -226,7 +236,7 @@ def _overlap(reads: list[dict[str, Any]], a: tuple, b: tuple) -> bool:
     return ra["min"] <= rb["max"] and rb["min"] <= ra["max"]
 
 
-def _recommend(reads: list[dict[str, Any]], names: list[str], orders: list[str], caches: list[str],
+def recommend(reads: list[dict[str, Any]], names: list[str], orders: list[str], caches: list[str],
                disk: dict[str, Any]) -> dict[str, Any]:
     cache = "cold" if "cold" in caches else caches[0]
     order = "random" if "random" in orders else orders[0]
