@@ -4,10 +4,9 @@ A torch op on a large CPU tensor (``stack``, ``copy_``, ``where``, a resize) spl
 loop over an OpenMP team: the calling thread and ``torch.get_num_threads() - 1`` others,
 joined at a barrier when the op ends. The op lasts as long as its slowest member, so on
 a busy machine, where any member may wait a scheduler slice (milliseconds) for a core,
-every op waits for the unluckiest one: a plain ``DataLoader`` over a warm store read
-4-7x fewer samples/s with torch's default two threads than with one, on two cores with
-other jobs running (``torch.stack`` in ``default_collate`` was 97% of its profile). A
-loader's own threads each calling such ops start a team each, oversubscribing the cores.
+every op waits for the unluckiest one (docs/shared-machines.md measures it: a plain
+``DataLoader``'s ``default_collate`` stalled this way). A loader's own threads each
+calling such ops start a team each, oversubscribing the cores.
 
 dlstore's read paths already parallelise across batches (loader threads, worker
 processes), so within a batch one thread is the right count. ``torch.set_num_threads`` is

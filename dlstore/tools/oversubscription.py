@@ -4,8 +4,8 @@ torch runs ``torch.stack`` (the default collate), copies and most kernels on an 
 thread pool of ``torch.get_num_threads()`` threads per process (the physical cores by
 default). With several training processes on one host, or other jobs on the CPUs, those
 threads outnumber the CPUs; a kernel split over them waits for its slowest thread, and a
-descheduled one holds up the rest (measured on a loaded 2-core machine: a 64-sample
-stack took 0.3 ms at the median and up to 1.3 s with two threads, at most 17 ms with one).
+descheduled one holds up the rest (docs/shared-machines.md has what it cost on a loaded
+2-core machine).
 torchrun sets ``OMP_NUM_THREADS=1`` per process for this reason; DataLoader workers run
 one thread each.
 

@@ -100,8 +100,7 @@ def kernel(addresses: Any, out: Any, ys: Any, xs: Any, flips: Any, fill: Any,
             if not flips[j] and tw == w:
                 # rows as wide as the image's: the rows' parts and the bytes between them
                 # are one run in both, copied by one libc memcpy per channel instead of a loop
-                # per row (17-19 us a 224x224 sample from a cold batch, the row loop 17-20);
-                # the strips are filled over it
+                # per row; the strips are filled over it
                 first = top + r0 * tw + d0
                 last = top + (r1 - 1) * tw + d0 + n
                 memcpy(uintp(dst.ctypes.data) + uintp(first),

@@ -27,8 +27,8 @@ def random_resized_boxes(heights: torch.Tensor, widths: torch.Tensor, scale: Seq
     heights, widths = heights.to(torch.int64), widths.to(torch.int64)
     area = (heights * widths).to(torch.float64)
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
-    # the 10 tries at once, (10, B) each (a loop over tries: ~200 small ops per batch, 1.6 ms of held GIL
-    # at B=32); drawn as 10 rand(4, B) calls, in order, so the draws are those of a loop on any device
+    # the 10 tries at once, (10, B) each (a loop over tries is ~200 small ops a batch, each holding the
+    # GIL); drawn as 10 rand(4, B) calls, in order, so the draws are those of a loop on any device
     u = torch.stack([torch.rand(4, b, generator=generator, device=device, dtype=torch.float64) for _ in range(10)], 1)
     target = area * (scale[0] + u[0] * (scale[1] - scale[0]))
     aspect = torch.exp(log_ratio[0] + u[1] * (log_ratio[1] - log_ratio[0]))

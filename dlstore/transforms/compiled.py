@@ -1,18 +1,16 @@
 """The fused crop + flip as one compiled, GIL-free pass (numba: the ``fast`` extra).
 
 ``crop_flip_loop`` (pure numpy) makes two or three numpy calls a sample and each
-releases and retakes the GIL: on a 2-core VM a second loader thread then gains
-nothing (1.1x, the two threads hand the GIL back and forth every ~10 us), and a
-flipped row goes through numpy's cast loop. This kernel does a whole batch in one
-call with the GIL released, each sample in one pass: row by row, the padding bytes
-then the image part copied reversed (a loop LLVM vectorises) for a flipped sample;
-one memcpy per channel, padding filled over it, for an unflipped full-width one.
-Measured (224x224, padding 4, cold batches): unflipped samples at ~np.take's speed,
-flipped ones ~1.4x that; the pure loop 2.2x slower through the loader.
+releases and retakes the GIL, so a second loader thread hardly gains (the threads hand
+the GIL back and forth), and a flipped row goes through numpy's cast loop. This kernel
+does a whole batch in one call with the GIL released, each sample in one pass: row by
+row, the padding bytes then the image part copied reversed (a loop LLVM vectorises) for
+a flipped sample; one memcpy per channel, padding filled over it, for an unflipped
+full-width one (docs/reading.md has the rates of both kernels).
 
 The pixels are the pure kernel's (tests check both against torchvision's
 ``pad``/``crop``/``horizontal_flip``). numba is imported on first use, and the
-kernel compiled then (~1.2 s; 0.4 s from numba's disk cache in later processes); without numba
+kernel compiled then (about a second; less from numba's disk cache in later processes); without numba
 or with ``DLSTORE_COMPILED=0`` in the environment ``available()`` is False and
 the readers take the pure path.
 

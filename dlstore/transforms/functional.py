@@ -78,8 +78,7 @@ def crop_flip_loop(views: Iterable[np.ndarray], out: np.ndarray, tops: np.ndarra
     Per sample, two or three GIL-free numpy calls: a sample that shows any padding is set
     to ``fill`` whole, then its part of the image is copied over it, reversed by
     :func:`copy_reversed` if flipped (a third call where a row is not a whole number of
-    8-byte words). The Python around them, the reader's ``get_many`` included, is ~3 us
-    a sample.
+    8-byte words): a few microseconds of Python a sample, the GIL held.
 
     Args:
         views: the B samples, uint8 (C, H, W) arrays of one shape.
@@ -271,8 +270,8 @@ def resized_crop_matmul(images: torch.Tensor, top: torch.Tensor, left: torch.Ten
     """``resized_crop`` for the whole batch as two batched matmuls with :func:`resize_weights`.
 
     Float input: equals ``F.resized_crop`` on float input up to float32 rounding
-    (the same weights; only the order of the sums differs: measured at most
-    1e-4 on the 0-255 scale). uint8 input is resampled in float32 and rounded,
+    (the same weights; only the order of the sums differs, a difference tests bound on the
+    0-255 scale). uint8 input is resampled in float32 and rounded,
     as torchvision does on CUDA; torchvision's CPU uint8 kernel (fixed-point
     weights, rounding to uint8 between its horizontal and vertical pass) can
     differ from that by 1 (never more).

@@ -72,7 +72,7 @@ def _serve(dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: A
             generator = torch.Generator()
             generator.manual_seed(seed)
             # per-sample torchvision ops draw from the global generators (torch.manual_seed would
-            # also seed every accelerator's, 0.14 ms a batch)
+            # also seed every accelerator's, a cost per batch for nothing)
             torch.default_generator.manual_seed(seed)
             random.seed(seed)
             np.random.seed(seed % (1 << 32))   # as DataLoader workers seed numpy (np.random augmentations)
