@@ -138,8 +138,8 @@ class BatchPath:
     def _gather(self, idx: np.ndarray, generator: torch.Generator | None,
                 alloc: Callable[[tuple[int, ...]], torch.Tensor]) -> torch.Tensor:
         """One copy from the store into the batch, with the fused crop/flip."""
-        crop, flip, shape = self.crop, self.flip, self.shape
-        assert shape is not None
+        crop, flip = self.crop, self.flip
+        shape: tuple[int, int, int] = self.shape  # type: ignore[assignment]   # fixed: this path gathers
         if crop is None and flip is None:
             out = alloc((len(idx), *shape))
             self.reader.get_batch(idx, out=out.numpy())

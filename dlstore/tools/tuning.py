@@ -35,7 +35,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import statistics
 import time
 import warnings
 from collections.abc import Callable, Iterable, Iterator
@@ -50,9 +49,8 @@ from ..transforms import compiled
 from ..units import human_bytes
 from .oversubscription import check_threads
 from .throughput import Trial, _nbytes, loader_kwargs, measure_throughput
-from .tune_search import NOISE
 from .tune_result import UNCOUNTED, TuneResult
-from .tune_search import TuneSearch, short
+from .tune_search import NOISE, TuneSearch
 
 
 
