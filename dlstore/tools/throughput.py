@@ -106,13 +106,13 @@ def _move(batch: Any, device: torch.device, non_blocking: bool) -> Any:
     return batch
 
 
-def _nbytes(batch: Any) -> int:
+def nbytes_of(batch: Any) -> int:
     if isinstance(batch, torch.Tensor):
         return batch.element_size() * batch.nelement()
     if isinstance(batch, (list, tuple)):
-        return sum(_nbytes(b) for b in batch)
+        return sum(nbytes_of(b) for b in batch)
     if isinstance(batch, dict):
-        return sum(_nbytes(v) for v in batch.values())
+        return sum(nbytes_of(v) for v in batch.values())
     return 0
 
 

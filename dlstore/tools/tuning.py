@@ -48,7 +48,7 @@ from ..errors import ArgumentError, StoreNotFoundError
 from ..transforms import compiled
 from ..units import human_bytes
 from .oversubscription import check_threads
-from .throughput import Trial, _nbytes, loader_kwargs, measure_throughput
+from .throughput import Trial, nbytes_of, loader_kwargs, measure_throughput
 from .tune_result import UNCOUNTED, TuneResult
 from .tune_search import NOISE, TuneSearch
 
@@ -223,7 +223,7 @@ def _one_batch(dataset: Any, batch_size: int, extra: dict[str, Any] | None) -> t
 
     extra = {k: v for k, v in (extra or {}).items() if k in ("collate_fn",)}
     batch = next(iter(DataLoader(dataset, batch_size=batch_size, num_workers=0, **extra)))
-    return batch, _nbytes(batch)
+    return batch, nbytes_of(batch)
 
 
 def open_for_tuning(

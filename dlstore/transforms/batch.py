@@ -11,7 +11,7 @@ import torch
 from ..errors import TransformSpecError
 from .boxes import random_resized_boxes
 from .cpu_kernels import cutout_samples, flip_samples, numpy_view
-from .static import PADDING_MODES, _size_pair
+from .static import PADDING_MODES, size_pair
 
 # ---------------------------------------------------------------------------
 # Batch transforms: per-sample randomness, whole-batch tensor ops.
@@ -129,7 +129,7 @@ class BatchRandomCrop(BatchTransform):
 
     def __init__(self, size: int | Sequence[int], padding: Any = 0, *, pad_if_needed: bool = False,
                  fill: int | float | Sequence[float] = 0, padding_mode: str = "constant"):
-        self.size = tuple(_size_pair(list(size) if isinstance(size, tuple) else size, "BatchRandomCrop"))
+        self.size = tuple(size_pair(list(size) if isinstance(size, tuple) else size, "BatchRandomCrop"))
         self.padding = as_padding(padding)
         if padding_mode not in PADDING_MODES:
             raise TransformSpecError(
@@ -254,7 +254,7 @@ class BatchRandomResizedCrop(BatchTransform):
 
     def __init__(self, size: int | Sequence[int], scale: Sequence[float] = (0.08, 1.0),
                  ratio: Sequence[float] = (3 / 4, 4 / 3), *, antialias: bool = True, kernel: str = "v2"):
-        self.size = tuple(_size_pair(list(size) if isinstance(size, tuple) else size, "BatchRandomResizedCrop"))
+        self.size = tuple(size_pair(list(size) if isinstance(size, tuple) else size, "BatchRandomResizedCrop"))
         if len(scale) != 2 or len(ratio) != 2 or scale[0] > scale[1] or ratio[0] > ratio[1] \
                 or scale[0] <= 0 or ratio[0] <= 0:
             raise TransformSpecError(

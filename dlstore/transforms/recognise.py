@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import TransformSpecError
 from .opening import is_torchvision, library, name_of, short_repr, unwrap, version
-from .static import StaticSpec, _from_torchvision
+from .static import StaticSpec, from_torchvision
 
 __all__ = ["combined_size_rule", "conversion", "float_replacement", "is_float_op", "is_torchvision", "library",
            "mutates_input", "name_of", "needs_pil", "scaling_replacement", "short_repr", "size_rule", "static_of",
@@ -91,7 +91,7 @@ def static_of(t: Any) -> StaticSpec | None:
     if not (is_torchvision(t) or name_of(t) == "ResizeMax") or name_of(t) == "Compose":
         return None
     try:
-        return _from_torchvision(t)
+        return from_torchvision(t)
     except TransformSpecError:
         return None
 

@@ -61,7 +61,7 @@ _TO_TENSOR_NAMES = ("PILToTensor", "ToImage", "ToPureTensor", "MaybePILToTensor"
 _FLOAT_NAMES = ("ToTensor", "ToDtype", "ConvertImageDtype", "Normalize")
 
 
-def _size_pair(value: Any, op: str) -> list[int]:
+def size_pair(value: Any, op: str) -> list[int]:
     if isinstance(value, bool):
         raise TransformSpecError(f"{op}: size must be an int or [height, width], got {value!r}")
     if isinstance(value, int):
@@ -96,9 +96,9 @@ def _canonical_op(entry: Any) -> dict[str, Any]:
         if isinstance(size, int) and not isinstance(size, bool) and size > 0:
             canon_size: int | list[int] = size
         elif isinstance(size, (list, tuple)) and len(size) == 1:
-            canon_size = _size_pair(size, op)[0]
+            canon_size = size_pair(size, op)[0]
         else:
-            canon_size = _size_pair(size, op)
+            canon_size = size_pair(size, op)
         interpolation = _interpolation(take("interpolation", "bilinear"), op)
         antialias = take("antialias", True)
         max_size = take("max_size", None)
@@ -116,7 +116,7 @@ def _canonical_op(entry: Any) -> dict[str, Any]:
         out = {"op": op, "size": size, "interpolation": _interpolation(take("interpolation", "bilinear"), op),
                "antialias": True if antialias is None else bool(antialias)}
     elif op == "center_crop":
-        out = {"op": op, "size": _size_pair(take("size", None), op)}
+        out = {"op": op, "size": size_pair(take("size", None), op)}
     elif op == "grayscale":
         n = int(take("num_output_channels", 1))
         if n not in (1, 3):
@@ -151,11 +151,11 @@ def _canonical_op(entry: Any) -> dict[str, Any]:
     return out
 
 
-def _from_torchvision(t: Any) -> StaticSpec:
+def from_torchvision(t: Any) -> StaticSpec:
     """Spec of one torchvision transform (v1 or v2), recursing into Compose."""
     name = type(t).__name__
     if name == "Compose":
-        return [op for inner in t.transforms for op in _from_torchvision(inner)]
+        return [op for inner in t.transforms for op in from_torchvision(inner)]
     if name in _TO_TENSOR_NAMES:
         return []
     if name == "Resize":
@@ -276,7 +276,7 @@ def parse_static(spec: Any) -> StaticSpec:
     out: StaticSpec = []
     for entry in ops:
         try:
-            out.extend(_canonical_op(entry) if isinstance(entry, dict) else _from_torchvision(entry))
+            out.extend(_canonical_op(entry) if isinstance(entry, dict) else from_torchvision(entry))
         except TransformSpecError as exc:
             if len(ops) == 1:
                 raise
