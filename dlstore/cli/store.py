@@ -49,9 +49,13 @@ from .common import fail, say, sigterm_as_interrupt
 @click.option("--mode", type=click.Choice(["RGB", "L"]), default=None,
               help="Convert every image to this PIL mode (default: a folder is RGB; a list keeps its files' "
                    "one mode, RGB when grayscale and colour mix).")
+@click.option("--class-order", type=click.Choice(["imagefolder", "natural"]), default="imagefolder",
+              show_default=True,
+              help="Order of a folder's classes, which fixes the labels: imagefolder (sorted names, as torchvision: "
+                   "c1, c10, c2) or natural (as timm: c1, c2, c10, case ignored).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert(src, dst, root, fmt, static, workers, overwrite, overwrite_damaged, on_error, shard_size, resume,
-            exif_transpose, max_pixels, compression, encoding, quality, mode, quiet):
+            exif_transpose, max_pixels, compression, encoding, quality, mode, class_order, quiet):
     """Convert SRC into store DST.
 
     SRC is an image folder (ImageFolder layout) or a CSV / JSON-lines list of
@@ -80,7 +84,7 @@ def convert(src, dst, root, fmt, static, workers, overwrite, overwrite_damaged, 
                              overwrite="damaged" if overwrite_damaged else overwrite,
                              on_error=on_error, shard_size=shard_size, resume=resume, **options,
                              exif_transpose=exif_transpose, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
-                             encoding=encoding, quality=quality, root=root, mode=mode,
+                             encoding=encoding, quality=quality, root=root, mode=mode, class_order=class_order,
                              distributed=env_world_size() > 1,
                              progress=not quiet, log=say)
     except KeyboardInterrupt:
@@ -144,7 +148,7 @@ def info(store, as_json):
                    "shape": list(ds.shape) if ds.shape else None, "static": describe(m["static"]),
                    "classes": len(ds.classes), "per_class": {name: int(counts[i + 1])
                                                              for i, name in enumerate(ds.classes)},
-                   "skipped": len(m["source"].get("skipped", [])),
+                   "class_order": m.get("class_order"), "skipped": len(m["source"].get("skipped", [])),
                    "provenance": (m["layout"].get("provenance") or {}).get("kind"),
                    "targets": m.get("targets")}
         click.echo(json.dumps({"summary": summary, "manifest": m}, indent=1, sort_keys=True, ensure_ascii=False))
@@ -161,6 +165,7 @@ def info(store, as_json):
         shown = ", ".join(f"{name} ({counts.get(i, 0)})" for i, name in enumerate(ds.classes[:10]))
         more = f", ... {len(ds.classes) - 10} more" if len(ds.classes) > 10 else ""
         click.echo(f"classes   {len(ds.classes)}: {shown}{more}")
+        click.echo(f"order     {_class_order(m)}")
     elif "targets" in m:
         click.echo(f"targets   {m['count']} x {m['targets']['shape'][0]} {m['targets']['dtype']} "
                    "(a target vector per sample, no classes)")
@@ -179,6 +184,16 @@ def info(store, as_json):
     for entry in skipped[:20]:
         name = entry["path"] if "path" in entry else f"item {entry.get('index')}"
         click.echo(f"  {name}: {entry.get('reason')}")
+
+
+def _class_order(manifest: dict) -> str:
+    """The info line of a store's class order."""
+    from ..sources.class_order import DESCRIPTIONS
+
+    order = manifest.get("class_order")
+    if order is None:
+        return "not recorded (converted by an older dlstore, or not from a folder)"
+    return f"{order} ({DESCRIPTIONS.get(order, 'a rule this dlstore does not know')})"
 
 
 @click.command(context_settings={"ignore_unknown_options": True})   # INDEX may be negative: -1

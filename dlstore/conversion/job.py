@@ -265,4 +265,5 @@ def manifest_for(job: _Job, *, count: int, skipped: list[dict[str, Any]], files:
         checksums=checksums, layout=layout,
         targets=None if job.targets is None else describe_targets(np.empty((0, job.targets.length),
                                                                            job.targets.dtype.name)),
+        class_order=getattr(source, "class_order", None),
     )

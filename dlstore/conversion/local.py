@@ -31,7 +31,7 @@ from ..errors import (
 )
 from ..formats.encoding import ENCODINGS
 from ..formats.space import write_error
-from ..sources import open_source
+from ..sources import check_class_order, open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS
 from ..transforms.static import output_shape, parse_static
 from ..units import parse_size
@@ -137,6 +137,7 @@ def convert(
     image_key: str | int | None = None,
     label_key: str | int | None = None,
     mode: str | None = None,
+    class_order: str = "imagefolder",
     **format_options: Any,
 ) -> ConvertResult:
     """Convert a source of images into a store.
@@ -203,6 +204,10 @@ def convert(
             a dataset or arrays keep their images' one mode (MNIST stays one channel) and become
             RGB when grayscale and colour images mix. The manifest records ``source.mode`` and
             ``source.mode_given``.
+        class_order: how an image folder's classes are ordered, which fixes every label:
+            ``"imagefolder"`` (default: sorted names, as torchvision's ``ImageFolder``: ``c1, c10, c2``)
+            or ``"natural"`` (as timm's folder reader: ``c1, c2, c10``, case ignored); recorded in
+            the manifest (``class_order``). Other sources keep their own order (only the default).
         **format_options: passed to the format's Writer (e.g. HDF5 ``compression``).
 
     Returns:
@@ -225,6 +230,7 @@ def convert(
     fmt = formats.format_for_destination(dst) if store_format is None else store_format
     module = formats.get_format(fmt)
     spec = parse_static(static)
+    check_class_order(class_order)
     _check_writer_options(module, fmt, format_options)
     if shard_size is not None and fmt == "shards":   # the other formats have no data files to size
         format_options["shard_size"] = shard_size
@@ -238,7 +244,8 @@ def convert(
             check_apart(dst, Path(root), scanned=False)
 
     def open_src() -> Any:
-        return open_source(src, root=root, image_key=image_key, label_key=label_key, mode=mode)
+        return open_source(src, root=root, image_key=image_key, label_key=label_key, mode=mode,
+                           class_order=class_order)
 
     group = active_group(distributed)
     if group is not None:

@@ -29,6 +29,7 @@ from torch.utils.data import Dataset
 
 from .. import formats
 from ..errors import ArgumentTypeError, StoreCorruptError, UsageError, WrongFormatError
+from ..sources.class_order import check_class_to_idx
 from ..sources.origins import OriginPairs
 from ..transforms.planner import Plan, plan
 from ..transforms.static import describe
@@ -98,6 +99,7 @@ class StoreDataset(Dataset):
         check: str = "none",
         reduced_decode: bool = False,
         static_mismatch: str = "error",
+        class_to_idx: dict[str, int] | None = None,
     ):
         self.check = check_mode(check)
         self.static_mismatch = static_mismatch
@@ -119,6 +121,9 @@ class StoreDataset(Dataset):
         vectors = self.reader.targets   # (N, K) target vectors, or None: int labels
         self.classes: list[str] = list(self.manifest["classes"])
         self.class_to_idx = {name: i for i, name in enumerate(self.classes)}
+        if class_to_idx is not None:   # the labels the caller trained with: refuse a store that permutes them
+            check_class_to_idx(str(self.path), self.classes, class_to_idx, recorded=self.manifest.get("class_order"),
+                               source_root=self.manifest["source"].get("root"))
         labels = np.asarray(self.reader.labels, dtype=np.int64)
         n_classes = len(self.classes)
         valid = (labels >= 0) & (labels < n_classes) if n_classes else labels == -1

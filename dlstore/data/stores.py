@@ -49,6 +49,7 @@ def open_dataset(
     check: str = "none",
     reduced_decode: bool = False,
     static_mismatch: str = "error",
+    class_to_idx: dict[str, int] | None = None,
 ) -> StoreDataset:
     """Open a store written by ``dlstore convert`` as a map-style Dataset of the matching class.
 
@@ -89,6 +90,9 @@ def open_dataset(
             from the store's recorded static stage (another resize size, another crop) raises
             StaticMismatchError naming both; ``"allow"`` runs it on the stored samples anyway, and the
             plan (``repr(ds)``) says so.
+        class_to_idx: the class name -> label mapping the caller's labels follow (``ImageFolder(...)
+            .class_to_idx`` or timm's reader's of the source folder, a model's saved mapping): a store whose
+            labels differ is refused. None (default): no check.
 
     Raises:
         FileNotFoundError: nothing at ``path``.
@@ -98,6 +102,8 @@ def open_dataset(
         StaticMismatchError: ``transform`` is a hybrid whose static part differs from the store's,
             or a pipeline that begins with some of the store's static ops but not all, or
             with one of them under other settings.
+        ArgumentError: ``class_to_idx`` differs from the store's labels; names the first differing class
+            and the class order to convert with (``class_order=``).
     """
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentTypeError(f"open_dataset takes the path of a store (str or os.PathLike), got "
@@ -105,4 +111,4 @@ def open_dataset(
     cls = _CLASSES[formats.detect_format(path)]
     return cls(path, transform=transform, target_transform=target_transform, batch_transform=batch_transform,
                reader_options=reader_options, check=check, reduced_decode=reduced_decode,
-               static_mismatch=static_mismatch)
+               static_mismatch=static_mismatch, class_to_idx=class_to_idx)

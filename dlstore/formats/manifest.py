@@ -12,6 +12,10 @@ Every format stores the same JSON document in its native place (shards:
                  "shape": [3, 224, 224]},           # null shape: variable-shape store
                  # encoded stores ("jpeg"/"png") add "decoded_shape" and "quality"
       "classes": ["n01440764", ...],    # label i is classes[i]; [] when unlabelled (-1)
+      "class_order": "imagefolder",     # only in stores of a labelled folder: the rule that ordered
+                                        # its class folders, "imagefolder" (sorted names) or "natural"
+                                        # (timm's); see sources.class_order. Absent: not recorded (other
+                                        # sources, and folders converted before it was recorded)
       "targets": {"dtype": "float32", "shape": [K]},  # only in stores of target vectors
                                         # (N, K) int64 or float32; see formats.targets
       "static": [{"op": "resize", ...}], # canonical static spec that produced the samples
@@ -66,6 +70,7 @@ def make_manifest(
     decoded_shape: tuple[int, int, int] | None = None,
     quality: int | None = None,
     targets: dict[str, Any] | None = None,
+    class_order: str | None = None,
 ) -> dict[str, Any]:
     sample: dict[str, Any] = {"dtype": "uint8", "layout": "CHW", "encoding": encoding,
                               "shape": None if shape is None else list(shape)}
@@ -86,6 +91,8 @@ def make_manifest(
     }
     if targets is not None:   # absent otherwise: a store of int labels keeps its manifest as it was
         manifest["targets"] = dict(targets)
+    if class_order is not None:
+        manifest["class_order"] = class_order
     return manifest
 
 
@@ -149,6 +156,8 @@ def validate(m: Any, where: str, *, format: str | None = None, max_format_versio
     classes = m.get("classes")
     _require(isinstance(classes, list) and all(isinstance(c, str) for c in classes), where,
              "'classes' must be a list of names")
+    # Any name: reading needs only 'classes'; a rule a newer dlstore adds must not make a store unreadable.
+    _require(isinstance(m.get("class_order", ""), str), where, "'class_order' must be a string")
     if "targets" in m:
         targets = m["targets"]
         _require(isinstance(targets, dict) and targets.get("dtype") in ("int64", "float32")

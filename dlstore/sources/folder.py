@@ -3,7 +3,9 @@
 Sample ``i`` of a scanned folder is sample ``i`` of
 ``torchvision.datasets.ImageFolder`` on the same folder: class folders sorted by
 name, a recursive walk of each in sorted order, torchvision's image extensions
-matched case-insensitively. Two deliberate differences, both about junk that
+matched case-insensitively. ``class_order="natural"`` orders the class folders as
+timm's reader does instead (``c1, c2, c10``; see ``class_order``), the walk of
+each class unchanged. Two deliberate differences, both about junk that
 ImageFolder would happily train on:
 
 * names starting with ``.`` (``.DS_Store``, ``.ipynb_checkpoints``, ``._x.jpg``)
@@ -38,6 +40,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import SampleIndexError, SourceError
+from .class_order import check_class_order, order_classes
 from .decode import channels_of, check_mode, mode_conflict, mode_fingerprint, pil_loader
 
 # Same tuple as torchvision.datasets.folder.IMG_EXTENSIONS (a test keeps them in sync).
@@ -51,13 +54,18 @@ def is_image_file(name: str) -> bool:
     return not name.startswith(".") and name.lower().endswith(IMG_EXTENSIONS)
 
 
-def find_classes(root: str | os.PathLike) -> tuple[list[str], dict[str, int]]:
-    """Class folder names in sorted order and their indices, as torchvision's.
+def find_classes(root: str | os.PathLike, class_order: str = "imagefolder") -> tuple[list[str], dict[str, int]]:
+    """Class folder names in ``class_order`` and their indices: sorted, as torchvision's (default),
+    or ``"natural"``, as timm's.
 
     Hidden folders (``.name``) are not classes.
+
+    Raises:
+        SourceError: natural order of names it cannot order (see ``class_order.order_classes``).
     """
     with os.scandir(root) as entries:
-        classes = sorted(e.name for e in entries if e.is_dir() and not e.name.startswith("."))
+        names = [e.name for e in entries if e.is_dir() and not e.name.startswith(".")]
+    classes = order_classes(names, class_order, where=f"{root}: ")
     return classes, {name: i for i, name in enumerate(classes)}
 
 
@@ -210,6 +218,7 @@ class Source:
     targets: np.ndarray | None = None  # (N, K) target vectors of a list; the label of sample i is its row
     mode: str = "RGB"  # what every file is converted to: a folder's is RGB, as torchvision's loader
     mode_given: bool = False  # by the caller (else chosen: a folder's default, or a list's scan)
+    class_order: str | None = None  # the rule that ordered a folder's classes (class_order.CLASS_ORDERS)
 
     @property
     def target_spec(self) -> tuple[int, str] | None:
@@ -252,7 +261,9 @@ class Source:
         if self.targets is not None:
             listing.update(np.ascontiguousarray(self.targets).tobytes())
         return {"source_root": os.path.abspath(self.root), "source_files": len(self),
-                "source_listing": listing.hexdigest(), **mode_fingerprint(self.mode)}
+                "source_listing": listing.hexdigest(), **mode_fingerprint(self.mode),
+                # (absent for the default, so checkpoints written before the option still match)
+                **({"class_order": self.class_order} if self.class_order not in (None, "imagefolder") else {})}
 
     def describe(self) -> dict[str, Any]:
         out = {"kind": self.kind, "root": os.path.abspath(self.root), "empty_classes": self.empty_classes,
@@ -262,19 +273,23 @@ class Source:
         return out
 
 
-def scan(root: str | os.PathLike, mode: str | None = None) -> Source:
+def scan(root: str | os.PathLike, mode: str | None = None, *, class_order: str = "imagefolder") -> Source:
     """Scan an ImageFolder-layout folder (or a flat folder of images).
 
     Every file is converted to ``mode``: ``"RGB"`` (default, as torchvision's loader) or ``"L"``.
+    ``class_order``: ``"imagefolder"`` (sorted names) or ``"natural"`` (timm's order); the samples
+    follow their classes' labels, each class walked in ImageFolder's order.
 
     Raises:
-        SourceError: the folder does not exist or holds no image at all.
+        SourceError: the folder does not exist or holds no image at all; natural order of names that
+            have none (see ``class_order.order_classes``).
+        ArgumentError: an unknown ``class_order``.
     """
     root_path = Path(root)
     if not root_path.is_dir():
         raise SourceError(f"{root}: not a folder (expected an ImageFolder layout: ROOT/CLASS/IMAGE)")
     root_str = str(root_path)
-    classes, class_to_idx = find_classes(root_str)
+    classes, class_to_idx = find_classes(root_str, check_class_order(class_order))
     if classes:
         empty = []
 
@@ -291,7 +306,8 @@ def scan(root: str | os.PathLike, mode: str | None = None) -> Source:
                 f"{root}: none of the {len(classes)} class folders holds an image "
                 f"(extensions: {', '.join(IMG_EXTENSIONS)})"
             )
-        return Source(root_str, classes, class_to_idx, samples, empty, **_mode_fields(mode))
+        return Source(root_str, classes, class_to_idx, samples, empty, **_mode_fields(mode),
+                      class_order=class_order)
     with os.scandir(root_str) as entries:
         flat = sorted(e.path for e in entries if e.is_file() and is_image_file(e.name))
     if not flat:
