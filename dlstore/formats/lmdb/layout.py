@@ -52,7 +52,7 @@ import numpy as np
 FORMAT = "lmdb"
 FORMAT_VERSION = 1
 SUFFIXES = (".lmdb",)
-READER_OPTIONS = ("readahead", "willneed")   # keyword options of Reader, see open_dataset(reader_options=)
+READER_OPTIONS = ("readahead", "willneed", "in_place")   # keyword options of Reader, see open_dataset(reader_options=)
 KEY_DIGITS = 10
 MANIFEST_KEY = b"__dlstore__"
 LABELS_KEY = b"__labels__"
