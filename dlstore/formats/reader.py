@@ -30,7 +30,7 @@ live elsewhere. Indices are positions 0..count-1 (see ``common.check_index``).
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -44,6 +44,15 @@ from .readahead import Extents, advise, advised_ahead
 
 # samples of a batch looked up in the page cache before it is advised: all there, no advice
 PROBES = 8
+
+
+class SampleLayout(NamedTuple):
+    """What a store's layout allows (``StoreReader.sample_layout``, printed by ``dlstore info``)."""
+
+    read_path: str          # "in place" (gatherable: each sample one uncompressed run of bytes) or "native"
+    reason: str             # why, in a sentence
+    in_order: bool | None   # every sample's bytes after the one before's (None: places unknown): a block
+    #                         of consecutive samples is then one range of the file, as block shuffle assumes
 
 
 class StoreReader(SampleChecks, ForkSafe):
@@ -147,6 +156,18 @@ class StoreReader(SampleChecks, ForkSafe):
         if self.sums is not None:
             self.sums.check_many(indices.tolist(), views(data, offsets, [self.shape] * len(indices)))
         return map_addresses(data, offsets), data
+
+    def sample_layout(self) -> SampleLayout:
+        """Whether samples are read in place and lie in index order, found from every sample's
+        place (LMDB: every leaf page read; HDF5: the chunk index)."""
+        self._ensure_open()
+        extents = self._extents(np.arange(self.count, dtype=np.int64)) if self.count else None
+        in_order = None
+        if extents is not None:
+            file_no, offset = np.asarray(extents.file_no), np.asarray(extents.offset)
+            same = file_no[1:] == file_no[:-1]
+            in_order = bool((file_no[1:] >= file_no[:-1]).all() and (offset[1:][same] >= offset[:-1][same]).all())
+        return SampleLayout(self.read_path, self.read_path_reason, in_order)
 
     def _advise_batch(self, indices: np.ndarray) -> None:
         """With ``willneed`` on, tell the kernel where the checked ``indices`` lie (handles open),

@@ -286,7 +286,12 @@ class Hdf5Reader(StoreReader):
         """Sample ``i`` into ``out`` (a C-contiguous (C, H, W) uint8 array)."""
         try:
             if self._direct:
-                mask, data = self._images.id.read_direct_chunk((i, 0, 0, 0), out=out.reshape(-1))
+                try:
+                    mask, data = self._images.id.read_direct_chunk((i, 0, 0, 0), out=out.reshape(-1))
+                except (OSError, KeyError, RuntimeError):
+                    # a chunk never written (HDF5 reads its fill value), or damage: h5py's own read says which
+                    out[...] = self._images[i]
+                    return
                 if mask != 0 or len(data) != out.size:
                     raise StoreCorruptError(f"{self.path}: chunk of sample {i} holds {len(data)} bytes "
                                             f"(filter mask {mask}), expected {out.size} raw bytes")
