@@ -80,6 +80,16 @@ def test_in_place_reads_equal_native_reads_and_the_source(stores, name, data):
 
 
 @pytest.mark.parametrize("name", ["small.lmdb", "big.h5"])
+def test_in_place_batches_without_the_compiled_kernel(stores, monkeypatch, name):
+    """The gather's pure path (one memmove per sample) where numba is not used."""
+    paths, samples = stores
+    monkeypatch.setenv("DLSTORE_COMPILED", "0")
+    reader, _ = _readers(paths[name])
+    order = np.random.default_rng(5).integers(0, N, 30)
+    np.testing.assert_array_equal(reader.get_batch(order), samples[name][order])
+
+
+@pytest.mark.parametrize("name", ["small.lmdb", "big.h5"])
 def test_fused_crop_flip_reads_in_place_and_equals_the_native_path(stores, name):
     """StoreDataset.get_batch (the lead's gather) takes the addresses and gives the pixels the
     native path gives for the same generator."""
