@@ -44,6 +44,8 @@ from .readahead import Extents, advise, advised_ahead
 
 # samples of a batch looked up in the page cache before it is advised: all there, no advice
 PROBES = 8
+# how far back a sample may start from the one before it and still count as in order: a page
+ORDER_SLACK = 4096
 
 
 class SampleLayout(NamedTuple):
@@ -51,8 +53,9 @@ class SampleLayout(NamedTuple):
 
     read_path: str          # "in place" (gatherable: each sample one uncompressed run of bytes) or "native"
     reason: str             # why, in a sentence
-    in_order: bool | None   # every sample's bytes after the one before's (None: places unknown): a block
-    #                         of consecutive samples is then one range of the file, as block shuffle assumes
+    in_order: bool | None   # every sample's bytes after the one before's, give or take a page (None: places
+    #                         unknown): a block of consecutive samples is then one range of the file, as
+    #                         block shuffle and the window advice assume
 
 
 class StoreReader(SampleChecks, ForkSafe):
@@ -166,7 +169,9 @@ class StoreReader(SampleChecks, ForkSafe):
         if extents is not None:
             file_no, offset = np.asarray(extents.file_no), np.asarray(extents.offset)
             same = file_no[1:] == file_no[:-1]
-            in_order = bool((file_no[1:] >= file_no[:-1]).all() and (offset[1:][same] >= offset[:-1][same]).all())
+            # (within a page: LMDB packs the small values of a leaf page from its end down)
+            in_order = bool((file_no[1:] >= file_no[:-1]).all()
+                            and (offset[1:][same] >= offset[:-1][same] - ORDER_SLACK).all())
         return SampleLayout(self.read_path, self.read_path_reason, in_order)
 
     def _advise_batch(self, indices: np.ndarray) -> None:

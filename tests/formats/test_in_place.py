@@ -6,6 +6,8 @@ contiguous dataset, a chunk never written; LMDB with its keys put in a random or
 
 from __future__ import annotations
 
+import json
+
 import h5py
 import lmdb
 import numpy as np
@@ -241,3 +243,38 @@ def test_lmdb_with_keys_put_out_of_order_reads_in_place(stores, tmp_path):
     assert layout.read_path == "in place" and layout.in_order is False
     assert dlstore.open_dataset(paths["big.lmdb"]).format_reader.sample_layout().in_order is True
 
+
+
+# --- what dlstore convert writes, and what dlstore info says ---------------------------------
+
+def _info(path) -> dict:
+    from click.testing import CliRunner
+
+    from dlstore.cli import main
+
+    result = CliRunner().invoke(main, ["info", str(path), "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)["summary"]
+
+
+def test_dlstore_convert_writes_gatherable_stores_and_info_says_so(tmp_path, stores):
+    from click.testing import CliRunner
+
+    from dlstore.cli import main
+    from dlstore.sources.demo import make_image_folder
+
+    paths, samples = stores
+    src = make_image_folder(tmp_path / "images", classes=2, per_class=6, size=(30, 40))
+    for suffix in ("lmdb", "h5"):
+        dst = tmp_path / f"cli.{suffix}"
+        result = CliRunner().invoke(main, ["convert", str(src), str(dst), "--static", "resize=24,center_crop=24",
+                                           "--workers", "0", "--quiet"])
+        assert result.exit_code == 0, result.output
+        summary = _info(dst)
+        assert (summary["read_path"], summary["gatherable"], summary["in_order"]) == ("in place", True, True)
+        text = CliRunner().invoke(main, ["info", str(dst)]).output
+        assert "layout    gatherable" in text and "read path in place: " in text
+    lzf = _hdf5_by_hand(tmp_path / "lzf.h5", paths["big.h5"], samples["big.h5"], chunks=(4, *BIG), compression="lzf")
+    summary = _info(lzf)
+    assert (summary["read_path"], summary["gatherable"], summary["in_order"]) == ("native", False, True)
+    assert "filtered (lzf)" in summary["read_path_reason"]
