@@ -64,8 +64,11 @@ def gather(data: np.ndarray, offsets: np.ndarray, out: np.ndarray) -> None:
     ``data``; the caller has checked that every one lies inside ``data``.
 
     One pass over the bytes: the compiled kernel (a memcpy per channel, the GIL released for
-    the batch) where numba imports, else one ``memmove`` per sample (the GIL released in
-    each); numpy's ``take`` would copy the overlapping rows of a strided view first.
+    the batch) where this process built it already (a fused crop did), else one ``memmove``
+    per sample (the GIL released in each). A plain read never builds the kernel itself:
+    numba's libraries, read from a cold disk, would cost a first epoch time and a
+    memory-limited process the page cache its store needs. numpy's ``take`` would copy the
+    overlapping rows of a strided view first.
     """
     from ..transforms import compiled
 
@@ -73,7 +76,7 @@ def gather(data: np.ndarray, offsets: np.ndarray, out: np.ndarray) -> None:
     if b == 0:
         return
     where = addresses(data, offsets)
-    if out.ndim == 4 and compiled.available():
+    if out.ndim == 4 and compiled.built():
         zeros = np.zeros(b, dtype=np.int64)
         compiled.crop_flip_at(where, out.shape[1:], out, zeros, zeros, np.zeros(b, dtype=np.bool_), (0, 0, 0, 0), 0)
         return
