@@ -22,8 +22,8 @@ disk; on the common 128 KiB setting a 4 MiB block would be read 3 % through).
 The calls cost more than they save on a warm cache, so a batch is first looked up in the
 page cache (``probe``: whether eight of its pages are cached, by ``mincore``) and not advised when
 all are there; even so a warm store pays 0.8-0.9x for the lookups, so the default is on only
-where reads cannot stay warm: a store larger than the page cache can keep (``cache_room``:
-half the memory, physical or the process's cgroup limit, and no more than is available), whatever its sample size (3 KB samples of a 1.45 GB LMDB store in a
+where reads cannot stay warm: a store larger than half the memory (physical, or the
+process's cgroup limit), whatever its sample size (3 KB samples of a 1.45 GB LMDB store in a
 926 MB cgroup: a full shuffle 2.7x, a sequential epoch 6.4x with it). The reader option
 ``willneed=True`` turns it on elsewhere (a cold first epoch, a network filesystem).
 """
@@ -38,7 +38,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from .._system import memory_available, memory_limit_bytes, resident
+from .._system import memory_limit_bytes, resident
 from ..errors import ArgumentError
 
 # A gap up to this is read with its neighbours: its pages cost less than another call, and
@@ -56,27 +56,13 @@ class Extents(NamedTuple):
     length: np.ndarray
 
 
-def cache_room() -> int | None:
-    """Bytes of page cache a store can count on keeping: half the memory (physical, or this
-    process's cgroup limit where lower), and no more than is available now (``memory_available``);
-    None when neither is known.
-
-    The second bound is for a process that fills most of its cgroup itself (torch, numba, the
-    model): a store under half the limit may then not stay cached, and the readahead meant for
-    a store that does reads neighbours only to evict them (docs/in-the-field.md).
-    """
-    limit = memory_limit_bytes()
-    available = memory_available()
-    bounds = [b for b in (None if limit is None else limit // 2, available) if b is not None]
-    return min(bounds) if bounds else None
-
-
 def willneed_default(count: int, sample_bytes: float) -> bool:
-    """On for a store of ``count`` samples larger than the page cache can keep (``cache_room``)."""
+    """On for a store of ``count`` samples larger than half the memory (physical, or this
+    process's cgroup limit where lower)."""
     if not hasattr(os, "posix_fadvise"):
         return False
-    room = cache_room()
-    return room is not None and count * sample_bytes > room
+    memory = memory_limit_bytes()
+    return memory is not None and count * sample_bytes > memory // 2
 
 
 _THREAD = threading.local()
@@ -94,15 +80,16 @@ def advised_ahead() -> bool:
 
 
 def readahead_default(store_bytes: int) -> bool:
-    """The map's OS readahead: on for a store the page cache can keep (``cache_room``).
+    """The map's OS readahead: on for a store that fits in half the memory (physical, or this
+    process's cgroup limit).
 
     A page fault in a map reads ``read_ahead_kb`` of the disk around it (8 MiB on some virtual
     disks): a store the page cache holds is read in that few, large reads whatever the order;
     a random read of a bigger one reads neighbours only to evict them (shards of 3 KB samples
     in a cgroup holding a quarter of the store: 9x the store's bytes read per epoch's worth).
     """
-    room = cache_room()
-    return room is None or store_bytes <= room
+    memory = memory_limit_bytes()
+    return memory is None or store_bytes <= memory // 2
 
 
 def choose_willneed(willneed: Any, count: int, sample_bytes: float) -> bool:

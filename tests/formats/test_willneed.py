@@ -245,24 +245,6 @@ def test_default_is_on_for_a_store_bigger_than_half_the_memory_whatever_its_samp
     assert dlstore.open_dataset(dst).reader.willneed is False
 
 
-@pytest.mark.parametrize("suffix", SUFFIXES)
-def test_defaults_follow_the_memory_left_not_only_the_limit(tmp_path, monkeypatch, suffix):
-    """A process that fills most of its cgroup itself: the store is under half the limit but
-    more than is left, so it cannot stay cached: advice on, map readahead off (the read-around
-    of each fault read such a store several times over in its first epoch)."""
-    import dlstore.formats.readahead as readahead
-
-    dst = _store(tmp_path, 12, suffix)
-    size = sum(f.stat().st_size for f in dst.rglob("*") if f.is_file()) if dst.is_dir() else dst.stat().st_size
-    monkeypatch.setattr(readahead, "memory_limit_bytes", lambda: 4 * size)
-    monkeypatch.setattr(readahead, "memory_available", lambda: size // 2)
-    reader = dlstore.open_dataset(dst).format_reader
-    assert (reader.willneed, reader.readahead) == (True, False)
-    monkeypatch.setattr(readahead, "memory_available", lambda: 3 * size)
-    reader = dlstore.open_dataset(dst).format_reader
-    assert (reader.willneed, reader.readahead) == (False, True)
-
-
 @pytest.mark.parametrize("suffix", [".shards", ".lmdb"])
 def test_readahead_off_reads_only_the_faulted_pages(tmp_path, suffix):
     """``readahead=False`` (the default for a store bigger than half the memory): reading a

@@ -89,8 +89,8 @@ class Hdf5Reader(StoreReader):
         willneed: before each batch is read, posix_fadvise(WILLNEED) each of its samples' chunks
             (fixed-shape stores in one file), so a cold batch has all its reads in flight at once
             (see ``readahead.py``); None: on only for a store that cannot stay cached.
-        readahead: OS readahead on the map of the file (in place); default: on where the page
-            cache can keep the file (``readahead.readahead_default``).
+        readahead: OS readahead on the map of the file (in place); default: on where the file
+            fits in half the memory (``readahead.readahead_default``).
         in_place: False reads every sample through h5py (``read_path`` "native").
     """
 

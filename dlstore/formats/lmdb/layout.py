@@ -46,9 +46,9 @@ values also lie in index order, so a block of consecutive samples is one range o
 
 Reading: the environment is opened ``readonly=True, lock=False`` (a published store never
 changes in place: it is replaced by rename, so readers need no lock table), lazily, once per
-process. ``readahead`` defaults to True when the page cache can keep the data file (half the
-memory, physical or the process's cgroup limit, and no more than is available:
-``readahead.cache_room``; readahead then fills it with fewer, larger reads) and to False otherwise (random reads of a store bigger than memory:
+process. ``readahead`` defaults to True when the data file is smaller than half the memory
+(physical, or the process's cgroup limit: the page cache will hold it, and readahead fills it
+with fewer, larger reads) and to False otherwise (random reads of a store bigger than memory:
 readahead would evict pages still needed for neighbours that are not); pass ``readahead=`` to choose.
 """
 

@@ -118,8 +118,8 @@ class LmdbReader(StoreReader):
     Args:
         path: the ``.lmdb`` folder.
         manifest: the already-read manifest (read from the store if None).
-        readahead: OS readahead on the data file; default: True where the page cache can keep
-            the file, else False (``readahead.readahead_default``). Readers of one store in one
+        readahead: OS readahead on the data file; default: True if the file is smaller than half
+            the memory, else False (``readahead.readahead_default``). Readers of one store in one
             process share one environment (py-lmdb allows a single open per process); the first
             one's setting applies.
         willneed: before each batch is copied out, posix_fadvise(WILLNEED) each of its values'
