@@ -278,3 +278,21 @@ def test_dlstore_convert_writes_gatherable_stores_and_info_says_so(tmp_path, sto
     summary = _info(lzf)
     assert (summary["read_path"], summary["gatherable"], summary["in_order"]) == ("native", False, True)
     assert "filtered (lzf)" in summary["read_path_reason"]
+
+
+def test_a_plain_in_place_read_does_not_load_numba(stores):
+    """The gather uses the compiled kernel only where a fused crop built it: importing numba for a
+    static read cost a cold first epoch its libraries' reads (and, in a small cgroup, cache room)."""
+    import subprocess
+    import sys
+
+    paths, _ = stores
+    code = ("import sys, numpy as np, dlstore\n"
+            f"for p in ({str(paths['small.lmdb'])!r}, {str(paths['big.h5'])!r}):\n"
+            "    r = dlstore.open_dataset(p).format_reader\n"
+            "    assert r.read_path == 'in place'\n"
+            "    r.get_batch(np.arange(5))\n"
+            "print('numba' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "False"
