@@ -143,7 +143,7 @@ def epoch_rate(ds, workers: int, epochs: int, seed: int) -> float:
 
     import dlstore
 
-    loader = dlstore.loader(ds, batch_size=64, shuffle=True, num_workers=workers,
+    loader = dlstore.loader(ds, batch_size=64, shuffle=True, num_workers=workers, persistent_workers=workers > 0,
                             generator=torch.Generator().manual_seed(seed))
     for _ in loader:          # warm: workers started, buffers, numba's kernel
         break

@@ -76,8 +76,8 @@ def test_in_place_reads_equal_native_reads_and_the_source(stores, name, data):
     if compiled.available():
         rng = np.random.default_rng(len(order))
         tops, lefts, flips = rng.integers(0, 9, len(order)), rng.integers(0, 9, len(order)), rng.random(len(order)) < .5
-        want = compiled.crop_flip(native.get_many(order.tolist()), np.empty(expected.shape, np.uint8), tops, lefts, flips,
-                                  (4, 4, 4, 4), 0)
+        want = compiled.crop_flip(native.get_many(order.tolist()), np.empty(expected.shape, np.uint8), tops, lefts,
+                                  flips, (4, 4, 4, 4), 0)
         np.testing.assert_array_equal(_kernel_in_place(reader, order, tops, lefts, flips, (4, 4, 4, 4)), want)
 
 

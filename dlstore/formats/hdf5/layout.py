@@ -57,7 +57,8 @@ import numpy as np
 FORMAT = "hdf5"
 FORMAT_VERSION = 1
 SUFFIXES = (".h5", ".hdf5")
-READER_OPTIONS = ("chunk_cache_bytes", "willneed", "readahead", "in_place")   # keyword options of Reader, see open_dataset(reader_options=)
+# keyword options of Reader, see open_dataset(reader_options=)
+READER_OPTIONS = ("chunk_cache_bytes", "willneed", "readahead", "in_place")
 MANIFEST_ATTR = "dlstore"
 COMPRESSIONS = ("none", "lzf", "gzip")
 LIBVER = ("v110", "latest")
@@ -65,4 +66,4 @@ VLEN_CHUNK = 1024
 INT_DTYPE = np.dtype("<i8")
 DEFAULT_BATCH_BYTES = 64 << 20  # sample bytes buffered before a write
 MAX_POINTER_CACHE = 64 << 20
-MAX_CHUNK_CACHE = 256 << 20   # default chunk cache where a chunk holds several samples (two chunks, at most this)
+MAX_CHUNK_CACHE = 256 << 20   # default chunk cache where a chunk holds several samples: two chunks, at most this

@@ -148,8 +148,11 @@ class Hdf5Reader(StoreReader):
                 raise StoreCorruptError(f"{self.path}: unknown HDF5 layout kind {self.kind!r}")
             self.read_path, self.read_path_reason = _choose_path(images, self.shape, in_place)
         if chunk_cache_bytes is None:
-            chunk_cache_bytes = (min(MAX_POINTER_CACHE, 16 * self.count + (1 << 20)) if self.kind == "variable"
-                                 else 0 if self._rows == 1 else min(2 * self._rows * int(np.prod(self.shape)), MAX_CHUNK_CACHE))
+            if self.kind == "variable":
+                chunk_cache_bytes = min(MAX_POINTER_CACHE, 16 * self.count + (1 << 20))
+            else:
+                chunk_cache_bytes = 0 if self._rows == 1 else min(2 * self._rows * int(np.prod(self.shape)),
+                                                                  MAX_CHUNK_CACHE)
         self.chunk_cache_bytes = int(chunk_cache_bytes)
         file_bytes = self.path.stat().st_size
         self.willneed = choose_willneed(willneed, self.count, file_bytes / max(1, self.count))
