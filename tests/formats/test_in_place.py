@@ -81,11 +81,16 @@ def test_in_place_reads_equal_native_reads_and_the_source(stores, name, data):
         np.testing.assert_array_equal(_kernel_in_place(reader, order, tops, lefts, flips, (4, 4, 4, 4)), want)
 
 
+@pytest.mark.parametrize("small", [True, False], ids=["numpy index", "memmove"])
 @pytest.mark.parametrize("name", ["small.lmdb", "big.h5"])
-def test_in_place_batches_without_the_compiled_kernel(stores, monkeypatch, name):
-    """The gather's pure path (one memmove per sample) where numba is not used."""
+def test_in_place_batches_without_the_compiled_kernel(stores, monkeypatch, name, small):
+    """The gather's pure paths where numba is not used: one numpy index of the map (small
+    samples), one memmove per sample (large ones)."""
+    from dlstore.formats import inplace
+
     paths, samples = stores
     monkeypatch.setenv("DLSTORE_COMPILED", "0")
+    monkeypatch.setattr(inplace, "SMALL_SAMPLE", 1 << 30 if small else 0)
     reader, _ = _readers(paths[name])
     order = np.random.default_rng(5).integers(0, N, 30)
     np.testing.assert_array_equal(reader.get_batch(order), samples[name][order])

@@ -319,8 +319,8 @@ class LmdbReader(StoreReader):
         if self._values is None:
             self._values = (np.full(self.count, -1, dtype=np.int64), np.zeros(self.count, dtype=np.int64))
         offsets, lengths = self._values
-        wanted = np.unique(indices)
-        unknown = wanted[offsets[wanted] < 0].tolist()
+        missing = offsets[indices] < 0
+        unknown = np.unique(indices[missing]).tolist() if missing.any() else []
         if unknown:
             with self._env.begin(buffers=True) as txn:
                 cursor = txn.cursor()
