@@ -139,7 +139,7 @@ def child(args: argparse.Namespace) -> None:
                        "rate": samples / seconds, "read_bytes": after[0] - before[0], "majflt": after[1] - before[1]})
     status = dict(line.split(":\t") for line in Path("/proc/self/status").read_text().splitlines() if ":\t" in line)
     print(json.dumps({"epochs": epochs, "hwm": int(status["VmHWM"].split()[0]) * 1024,
-                      "read_path": ds.format_reader.read_path, **info}))
+                      "read_path": ds.reader.read_path, **info}))
 
 
 def run_child(store: Path, order: str, seed: int, args: argparse.Namespace, cgroup: MemoryCgroup | None,

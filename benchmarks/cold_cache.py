@@ -217,7 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             dlstore.convert((images, np.arange(args.images) % 10), stores[fmt], workers=0, progress=False)
         del images
         mb = {fmt: sum(f.stat().st_size for f in data_files(s)) / 1e6 for fmt, s in stores.items()}
-        args.read_paths = {fmt: dlstore.open_dataset(s).format_reader.read_path for fmt, s in stores.items()}
+        args.read_paths = {fmt: dlstore.open_dataset(s).reader.read_path for fmt, s in stores.items()}
         print(f"stores: {args.images} x 3x{args.size}x{args.size}, " +
               ", ".join(f"{fmt} {v:,.0f} MB ({args.read_paths[fmt]})" for fmt, v in mb.items()) + f"; {uptime()}",
               flush=True)

@@ -93,7 +93,7 @@ def stages(path: Path, repeats: int, seed: int = 0) -> dict[str, float]:
 
     rng = np.random.default_rng(seed)
     fused, plain = dlstore.open_dataset(path, transform=crop_flip()), dlstore.open_dataset(path)
-    reader = fused.format_reader
+    reader = fused.reader
     idx = rng.permutation(len(fused))[:64]
     for _ in range(3):
         fused.get_batch(idx)

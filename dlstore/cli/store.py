@@ -127,8 +127,9 @@ def info(store, as_json):
     virtual = m["layout"].get("virtual") if m["format"] == "hdf5" else None
     if virtual and (Path(store).parent / virtual["folder"]).is_dir():  # per-rank files of a torchrun conversion
         size += disk_usage(Path(store).parent / virtual["folder"])
-    layout = ds.format_reader.sample_layout()
-    gatherable = layout.read_path == "in place" and ds.format_reader.shape is not None
+    raw = getattr(ds.reader, "raw", ds.reader)   # (an encoded store's records: what its reader reads)
+    layout = raw.sample_layout()
+    gatherable = layout.read_path == "in place" and raw.shape is not None
     if as_json:
         import json
 
@@ -170,7 +171,7 @@ def info(store, as_json):
     order = {True: "in index order", False: "not in index order (consecutive samples lie apart in the file: "
              "block shuffle reads them as random reads)", None: "order unknown"}[layout.in_order]
     kept = "gatherable (each sample one uncompressed run of bytes at a known offset)" if gatherable else (
-        "not gatherable" + (" (variable shapes)" if ds.format_reader.shape is None else ""))
+        "not gatherable" + (" (samples of varying size)" if raw.shape is None else ""))
     click.echo(f"layout    {kept}, {order}")
     click.echo(f"read path {layout.read_path}: {layout.reason}")
     click.echo(f"size      {human_bytes(size)} ({size / max(m['count'], 1):,.0f} B/sample)")

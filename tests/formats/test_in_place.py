@@ -47,8 +47,8 @@ def stores(tmp_path_factory):
 
 
 def _readers(path, **options):
-    in_place = dlstore.open_dataset(path, reader_options=options or None).format_reader
-    native = dlstore.open_dataset(path, reader_options={"in_place": False}).format_reader
+    in_place = dlstore.open_dataset(path, reader_options=options or None).reader
+    native = dlstore.open_dataset(path, reader_options={"in_place": False}).reader
     return in_place, native
 
 
@@ -107,8 +107,8 @@ def test_fused_crop_flip_reads_in_place_and_equals_the_native_path(stores, name)
     slow = dlstore.open_dataset(paths[name], transform=transform, reader_options={"in_place": False})
     idx = list(range(N))[::-1] + [5, 5]
     calls = []
-    addresses = fast.format_reader.sample_addresses
-    fast.format_reader.sample_addresses = lambda i: calls.append(len(i)) or addresses(i)
+    addresses = fast.reader.sample_addresses
+    fast.reader.sample_addresses = lambda i: calls.append(len(i)) or addresses(i)
     a, _ = fast.get_batch(idx, generator=torch.Generator().manual_seed(3))
     b, _ = slow.get_batch(idx, generator=torch.Generator().manual_seed(3))
     assert torch.equal(a, b)
@@ -146,7 +146,7 @@ def test_sample_sums_are_checked_on_the_in_place_path(stores, tmp_path, name):
     assert at > 0 and bytes(raw).find(samples[name][7].tobytes(), at + 1) < 0
     raw[at + 5] ^= 0xFF
     data.write_bytes(bytes(raw))
-    reader = dlstore.open_dataset(dst, check="sample").format_reader
+    reader = dlstore.open_dataset(dst, check="sample").reader
     assert reader.read_path == "in place"
     assert reader.sample_addresses(np.array([3, 4])) is not None
     with pytest.raises(StoreCorruptError, match="sample 7 fails its CRC32"):
@@ -185,7 +185,7 @@ def test_hand_written_hdf5_reads_the_samples_h5py_reads(stores, tmp_path, case):
     create, expected_path = HAND_WRITTEN[case]
     images = samples["big.h5"]
     dst = _hdf5_by_hand(tmp_path / "hand.h5", paths["big.h5"], images, **create)
-    reader = dlstore.open_dataset(dst).format_reader
+    reader = dlstore.open_dataset(dst).reader
     order = np.random.default_rng(1).integers(0, N, 40)
     with h5py.File(dst, "r") as f:
         reference = np.stack([f["images"][i] for i in order])       # what h5py reads
@@ -211,7 +211,7 @@ def test_a_chunk_never_written_reads_h5pys_fill_and_turns_the_reader_native(stor
                 images[i] = samples["big.h5"][i]
         f["labels"] = labels
         f.attrs["dlstore"] = manifest
-    reader = dlstore.open_dataset(dst).format_reader
+    reader = dlstore.open_dataset(dst).reader
     assert reader.read_path == "in place"            # what the dataset's properties allow ...
     batch = reader.get_batch(np.array([5, 6, 7]))
     assert reader.read_path == "native" and "sample 6 was never written" in reader.read_path_reason
@@ -246,7 +246,7 @@ def test_lmdb_with_keys_put_out_of_order_reads_in_place(stores, tmp_path):
     assert reader.read_path == "in place"
     layout = reader.sample_layout()
     assert layout.read_path == "in place" and layout.in_order is False
-    assert dlstore.open_dataset(paths["big.lmdb"]).format_reader.sample_layout().in_order is True
+    assert dlstore.open_dataset(paths["big.lmdb"]).reader.sample_layout().in_order is True
 
 
 
@@ -294,7 +294,7 @@ def test_a_plain_in_place_read_does_not_load_numba(stores):
     paths, _ = stores
     code = ("import sys, numpy as np, dlstore\n"
             f"for p in ({str(paths['small.lmdb'])!r}, {str(paths['big.h5'])!r}):\n"
-            "    r = dlstore.open_dataset(p).format_reader\n"
+            "    r = dlstore.open_dataset(p).reader\n"
             "    assert r.read_path == 'in place'\n"
             "    r.get_batch(np.arange(5))\n"
             "print('numba' in sys.modules)\n")
