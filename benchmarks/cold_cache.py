@@ -217,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             dlstore.convert((images, np.arange(args.images) % 10), stores[fmt], workers=0, progress=False)
         del images
         mb = {fmt: sum(f.stat().st_size for f in data_files(s)) / 1e6 for fmt, s in stores.items()}
+        args.read_paths = {fmt: dlstore.open_dataset(s).reader.read_path for fmt, s in stores.items()}
         print(f"stores: {args.images} x 3x{args.size}x{args.size}, " +
-              ", ".join(f"{fmt} {v:,.0f} MB" for fmt, v in mb.items()) + f"; {uptime()}", flush=True)
+              ", ".join(f"{fmt} {v:,.0f} MB ({args.read_paths[fmt]})" for fmt, v in mb.items()) + f"; {uptime()}",
+              flush=True)
         runs: dict[str, list[dict]] = {cell_name(*c): [] for c in cells()}
         warm: dict[str, list[dict]] = {fmt: [] for fmt in FORMATS}
         for r in range(args.rounds):

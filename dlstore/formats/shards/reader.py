@@ -14,6 +14,7 @@ import numpy as np
 from ...errors import StoreCorruptError, VariableShapeError
 from ...sources.origins import Origins
 from ..checks import batch_out, check_indices, safe_member
+from ..inplace import IN_PLACE
 from ..integrity import check_sidecar_seal
 from ..manifest import loads as load_manifest_text
 from ..pins import StorePin, check_identity
@@ -49,6 +50,7 @@ class ShardReader(StoreReader):
 
     format = FORMAT
     _handles = ("_maps", "_map_lock")
+    read_path, read_path_reason = IN_PLACE, "samples read from maps of the shard files"
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
                  readahead: bool | None = None, willneed: bool | None = None):
