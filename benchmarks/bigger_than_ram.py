@@ -117,7 +117,7 @@ def child(args: argparse.Namespace) -> None:
         sampler = dlstore.BlockShuffleSampler(ds, seed=args.seed)
         info = {"block_size": sampler.block_size, "window": sampler.window}
     dl = dlstore.loader(ds, args.batch_size, shuffle=args.order == "random", sampler=sampler, backend="threads",
-                        threads=args.threads, generator=torch.Generator().manual_seed(args.seed))
+                        num_threads=args.threads, generator=torch.Generator().manual_seed(args.seed))
     import resource
 
     def counters() -> tuple[int, int]:   # bytes this process had read from the disk, major faults
