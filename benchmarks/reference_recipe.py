@@ -215,14 +215,15 @@ def build(name: str, src: Path, store: Path, batch: int, classes: int, passes: i
     pin = torch.cuda.is_available()          # train.py passes pin_memory=True
     folder = datasets.ImageFolder(str(src), preset)
     loaders: dict[str, Any] = {
-        "original": DataLoader(folder, batch_size=batch, sampler=RandomSampler(folder, num_samples=passes * len(folder)), num_workers=workers,
-                               pin_memory=pin, collate_fn=collate_fn)}
+        "original": DataLoader(folder, batch_size=batch, sampler=RandomSampler(folder, num_samples=passes * len(folder)),
+                               num_workers=workers, pin_memory=pin, collate_fn=collate_fn)}
     ds = dlstore.open_dataset(store, preset)
-    loaders["dlstore"] = dlstore.Loader(ds, batch_size=batch, sampler=RandomSampler(ds, num_samples=passes * len(ds)), num_workers=workers,
-                                        pin_memory=pin, collate_fn=collate_fn)
+    loaders["dlstore"] = dlstore.Loader(ds, batch_size=batch, sampler=RandomSampler(ds, num_samples=passes * len(ds)),
+                                        num_workers=workers, pin_memory=pin, collate_fn=collate_fn)
     if name in THREADS1:
-        loaders["dlstore_threads1"] = dlstore.Loader(ds, batch_size=batch, sampler=RandomSampler(ds, num_samples=passes * len(ds)),
-                                                     pin_memory=pin, collate_fn=collate_fn, num_threads=1)
+        loaders["dlstore_threads1"] = dlstore.Loader(
+            ds, batch_size=batch, sampler=RandomSampler(ds, num_samples=passes * len(ds)), pin_memory=pin,
+            collate_fn=collate_fn, num_threads=1)
     return loaders
 
 
@@ -309,7 +310,8 @@ def profile(src: Path, store: Path, batch: int, n: int = 64) -> dict[str, Any]:
         top = sorted(stats.items(), key=lambda kv: -kv[1][2])[:5]
         samples = len(batches) * batch
         out[f"dlstore get_batch, {'v2' if use_v2 else 'v1'} preset"] = {
-            "total": total, **{f"{name} (tottime, cProfile)": t / samples * 1e3 for (_, _, name), (_, _, t, _, _) in top}}
+            "total": total,
+            **{f"{name} (tottime, cProfile)": t / samples * 1e3 for (_, _, name), (_, _, t, _, _) in top}}
     return out
 
 
@@ -360,7 +362,8 @@ def main() -> None:
             t1 = f"{s['speedup_threads1_steady']:.2f}" if "speedup_threads1_steady" in s else ""
             target = f">= {s['target']:.0f}x: {'met' if s['speedup_steady'] >= s['target'] else 'NOT met'}" \
                 if "target" in s else "(context)"
-            print(f"  {c:<11} {s['dlstore_backend']:<10} {m['original']['steady']:>9.0f} {m['dlstore']['steady']:>9.0f} "
+            print(f"  {c:<11} {s['dlstore_backend']:<10} {m['original']['steady']:>9.0f} "
+                  f"{m['dlstore']['steady']:>9.0f} "
                   f"{s['speedup_steady']:>8.2f}x {s['speedup_whole']:>7.2f}x {t1:>11}  {target}")
         prof = profile(src, store, args.batch_size) if args.profile else None
         if prof:

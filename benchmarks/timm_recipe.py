@@ -2,7 +2,8 @@
 
 timm's training data path (train.py, timm 1.0): ``create_dataset`` (an ``ImageDataset`` over the
 JPEGs), ``create_loader`` (``dataset.transform = create_transform(...)``: timm's
-``RandomResizedCropAndInterpolation`` with train.py's default ``--train-interpolation random``,
+``RandomResizedCropAndInterpolation`` with train.py's default ``--train-interpolation random``
+(``--train-interpolation bilinear``: one that runs on tensors),
 a flip, ``RandAugment`` on PIL images, ``MaybePILToTensor``; a ``DataLoader`` with
 ``FastCollateMixup`` as ``collate_fn``; a ``PrefetchLoader`` that converts to float, normalises
 and runs ``RandomErasing`` (``--reprob``) on the batch). Measured, on the same photos, the store
@@ -60,21 +61,21 @@ STATIC = "resize_max=512"
 LOADERS = ("timm", "dlstore dataset", "dlstore loader")
 
 
-def loader_options(workers: int, batch: int) -> dict[str, Any]:
+def loader_options(workers: int, batch: int, interpolation: str) -> dict[str, Any]:
     """create_loader's arguments as train.py passes them for this recipe (CPU, prefetcher on)."""
     return dict(input_size=(3, SIZE, SIZE), batch_size=batch, is_training=True, re_prob=REPROB, re_mode="pixel",
-                auto_augment=AA, interpolation="random", num_workers=workers, device=torch.device("cpu"),
+                auto_augment=AA, interpolation=interpolation, num_workers=workers, device=torch.device("cpu"),
                 use_prefetcher=True, mean=timm_data.IMAGENET_DEFAULT_MEAN, std=timm_data.IMAGENET_DEFAULT_STD)
 
 
-def build(kind: str, src: Path, store: Path, workers: int, batch: int, classes: int) -> Any:
+def build(kind: str, src: Path, store: Path, workers: int, batch: int, classes: int, interpolation: str) -> Any:
     collate_fn = timm_data.FastCollateMixup(mixup_alpha=MIXUP, cutmix_alpha=CUTMIX, label_smoothing=0.1,
                                             num_classes=classes)
     if kind == "timm":
         dataset = timm_data.create_dataset("", root=str(src), split="", is_training=True)
     else:
         dataset = dlstore.open_dataset(store)
-    loader = timm_data.create_loader(dataset, collate_fn=collate_fn, **loader_options(workers, batch))
+    loader = timm_data.create_loader(dataset, collate_fn=collate_fn, **loader_options(workers, batch, interpolation))
     if kind == "dlstore loader":
         loader.loader = dlstore.Loader(dataset, batch_size=batch, shuffle=True, drop_last=True, num_workers=workers,
                                        collate_fn=collate_fn, persistent_workers=workers > 0)
@@ -110,12 +111,12 @@ def _ms(fn: Any, n: int) -> float:
     return (time.perf_counter() - start) / n * 1e3
 
 
-def profile(src: Path, store: Path, classes: int, batch: int, n: int = 64) -> dict[str, Any]:
+def profile(src: Path, store: Path, classes: int, batch: int, interpolation: str, n: int = 64) -> dict[str, Any]:
     """Milliseconds per sample of each step, timed alone in this thread."""
     from torchvision.transforms.v2 import functional as F
 
     ds = dlstore.open_dataset(store)
-    pipeline = timm_data.create_transform(SIZE, is_training=True, auto_augment=AA, interpolation="random",
+    pipeline = timm_data.create_transform(SIZE, is_training=True, auto_augment=AA, interpolation=interpolation,
                                           use_prefetcher=True)
     crop, flip, rand_augment, to_tensor = pipeline.transforms
     paths = [p for p, _ in timm_data.create_dataset("", root=str(src), split="", is_training=True).reader.samples[:n]]
@@ -140,7 +141,9 @@ def profile(src: Path, store: Path, classes: int, batch: int, n: int = 64) -> di
             lambda k: ds.read_batch(batches[k % len(batches)]), len(batches)) / batch,
         "decode: ToPILImage of a stored sample (what timm's PIL ops then need)": _ms(
             lambda i: F.to_pil_image(ds.read(i % n)), n) - _ms(lambda i: ds.read(i % n), n),
-        "RandomResizedCropAndInterpolation(224, random) on PIL": _ms(lambda i: crop(images[i % n]), n),
+        f"RandomResizedCropAndInterpolation(224, {interpolation}) on PIL": _ms(lambda i: crop(images[i % n]), n),
+        f"the same crop on the stored uint8 tensor (torchvision's v1 kernel)": _ms(
+            lambda i: crop(ds.read(i % n)), n) - _ms(lambda i: ds.read(i % n), n),
         "RandomHorizontalFlip on PIL": _ms(lambda i: flip(crops[i % n]), n),
         "RandAugment rand-m9-mstd0.5 on PIL": _ms(lambda i: rand_augment(crops[i % n]), n),
         "MaybePILToTensor": _ms(lambda i: to_tensor(crops[i % n]), n),
@@ -158,6 +161,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch-size", type=int, default=32)
     parser.add_argument("--workers", default="0,2", help="comma-separated worker counts")
+    parser.add_argument("--train-interpolation", default="random", help="train.py's (default random)")
     parser.add_argument("--torch-threads", type=int, default=1)
     parser.add_argument("--profile", action="store_true", help="time each step per sample, alone")
     parser.add_argument("--out", default=str(Path(__file__).resolve().parent / "results" / "timm_recipe.json"))
@@ -185,7 +189,8 @@ def main() -> None:
         if timm_classes != ds.class_to_idx:
             raise SystemExit(f"class order differs: timm {timm_classes}, store {ds.class_to_idx}")
         classes = len(ds.classes)
-        configs = {(w, k): build(k, src, store, w, args.batch_size, classes) for w in worker_counts for k in LOADERS}
+        configs = {(w, k): build(k, src, store, w, args.batch_size, classes, args.train_interpolation)
+                   for w in worker_counts for k in LOADERS}
         for (w, k), loader in configs.items():
             inner = getattr(loader, "loader", loader)
             print(f"  workers {w}, {k}: {type(inner).__name__}" + (f" ({inner.backend})" if k == "dlstore loader"
@@ -215,7 +220,7 @@ def main() -> None:
             close = getattr(getattr(loader, "loader", None), "close", None)
             if close is not None:
                 close()
-        prof = profile(src, store, classes, args.batch_size) if args.profile else None
+        prof = profile(src, store, classes, args.batch_size, args.train_interpolation) if args.profile else None
         if prof:
             print("\nper sample, timed alone (ms):")
             for name, ms in prof.items():
@@ -229,7 +234,8 @@ def main() -> None:
             "load": {"before": load_before, "after": load_after},
             "config": {"images": len(ds), "source": kind, "static": STATIC, "encoding": "jpeg", "quality": 90,
                        "size": SIZE, "aa": AA, "reprob": REPROB, "mixup": MIXUP, "cutmix": CUTMIX,
-                       "train_interpolation": "random", "batch_size": args.batch_size, "rounds": args.rounds,
+                       "train_interpolation": args.train_interpolation, "batch_size": args.batch_size,
+                       "rounds": args.rounds,
                        "epochs_per_measurement": 2, "torch_threads": args.torch_threads, "workers": worker_counts,
                        "model": "AdaptiveAvgPool2d(4) + Linear, SGD",
                        "source_mean_pixels": float(np.mean([w * h for w, h in sizes])),
