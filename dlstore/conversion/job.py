@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -150,15 +151,26 @@ def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, Any]], bar
     ``check()`` runs every few hundred items and may raise to stop (distributed aborts).
     """
     source = job.source
-    n_classes = None if source.classes is None else len(source.classes)
-    seen = job.labels_seen
     # One walk over the keys, shared by the decoder (which reads a bounded window ahead)
     # and the writer loop; tee buffers only that window.
     todo, ahead = itertools.tee(source.item_keys(start))
     chunk = _CHUNK if source.origin_kind == "path" else _CHUNK_IN_MEMORY
     results = _decoded(ahead, source.loader(job.decode), job.spec, job.codec, job.workers, chunk,
                        where=None if job.journal is None else source.where)
-    for pos, (key, (result, printed)) in enumerate(zip(todo, results), start=start):
+    # Closed here, in this thread, when writing fails: left to the garbage collector, the pool's
+    # shutdown can run in the pool's own manager thread, which cannot join itself.
+    with contextlib.closing(results):
+        _write_results(job, writer, start, zip(todo, results), skipped, bar, on_file_done, check)
+
+
+def _write_results(job: _Job, writer: Any, start: int, results: Iterable[Any], skipped: list[dict[str, Any]],
+                   bar: Any, on_file_done: Callable[[int], None] | None,
+                   check: Callable[[], None] | None) -> None:
+    """The writer loop of :func:`_feed`: check each decoded item, add it or record it as skipped."""
+    source = job.source
+    n_classes = None if source.classes is None else len(source.classes)
+    seen = job.labels_seen
+    for pos, (key, (result, printed)) in enumerate(results, start=start):
         if job.journal is not None:
             job.journal.append(source.origin(key), printed)
         if not isinstance(result, str):

@@ -14,6 +14,7 @@ import multiprocessing
 import os
 import pickle
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -164,7 +165,9 @@ def _decoded(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]], spec
         if broken:
             _abandon(pool)
         else:
-            pool.shutdown(wait=True, cancel_futures=True)
+            # (wait, except in the pool's own manager thread, where a finaliser may run this)
+            manager = getattr(pool, "_executor_manager_thread", None)
+            pool.shutdown(wait=manager is not threading.current_thread(), cancel_futures=True)
 
 
 def _result(future: Any, pool: ProcessPoolExecutor) -> list[Result]:
