@@ -185,7 +185,7 @@ def info(store, as_json):
     kept = "gatherable (each sample one uncompressed run of bytes at a known offset)" if gatherable else (
         "not gatherable" + (" (samples of varying size)" if raw.shape is None else ""))
     click.echo(f"layout    {kept}, {order}")
-    click.echo(f"read path {layout.read_path}: {layout.reason}")
+    click.echo(f"reads     {layout.read_path}: {layout.reason}")
     click.echo(f"size      {human_bytes(size)} ({size / max(m['count'], 1):,.0f} B/sample)")
     unit = "files" if source.get("kind", "folder") in ("folder", "list") else "items"
     click.echo(f"source    {source.get('root')} ({source.get('files')} {unit}, {source.get('kind', 'folder')})")

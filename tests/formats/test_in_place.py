@@ -278,7 +278,7 @@ def test_dlstore_convert_writes_gatherable_stores_and_info_says_so(tmp_path, sto
         summary = _info(dst)
         assert (summary["read_path"], summary["gatherable"], summary["in_order"]) == ("in place", True, True)
         text = CliRunner().invoke(main, ["info", str(dst)]).output
-        assert "layout    gatherable" in text and "read path in place: " in text
+        assert "layout    gatherable" in text and "reads     in place: " in text
     lzf = _hdf5_by_hand(tmp_path / "lzf.h5", paths["big.h5"], samples["big.h5"], chunks=(4, *BIG), compression="lzf")
     summary = _info(lzf)
     assert (summary["read_path"], summary["gatherable"], summary["in_order"]) == ("native", False, True)
