@@ -156,6 +156,20 @@ def test_seed_none_is_a_fresh_order_each_run_as_dataloader(store):
     assert _same(c, _epoch(dlstore.loader(ds, 4, shuffle=True)))    # torch.manual_seed makes it repeat
 
 
+@pytest.mark.parametrize("options", [{"backend": "dataloader"}, {"backend": "dataloader", "num_workers": 2},
+                                     {"num_workers": 2}], ids=["dataloader-0", "dataloader-2", "ring"])
+def test_seed_none_gives_every_back_end_the_same_epochs(store, options):
+    """With seed=None the pass seeds come from torch's generator, and only from them: a back-end that
+    draws more from it (torch's DataLoader draws a base seed per iterator) would move the next epoch."""
+    ds = dlstore.open_dataset(store, transform=CROP_FLIP)
+    runs = []
+    for kind in ({"backend": "threads"}, options):
+        torch.manual_seed(11)
+        loader = dlstore.loader(ds, 4, shuffle=True, **kind)
+        runs.append([_epoch(loader) for _ in range(2)])
+    assert _same(runs[0][0], runs[1][0]) and _same(runs[0][1], runs[1][1])
+
+
 def test_ranks_draw_apart(store):
     """The same seed on two ranks (a rank set by hand): other samples and other augmentation draws."""
     ds = dlstore.open_dataset(store, transform=v2.RandomHorizontalFlip())
@@ -261,6 +275,18 @@ def test_the_reference_scripts_mixup_collate_runs_and_is_reproducible(store, opt
     assert all(not torch.equal(a, b) for (a, _), (b, _) in zip(got, plain))          # mixed
     again = _epoch(dlstore.loader(ds, 4, shuffle=True, seed=3, collate_fn=collate, backend="threads"))
     assert _same(got, again)          # the same draws on every back-end, from the batch's seed
+
+
+def test_a_seeded_collate_fn_beside_per_sample_ops_on_threads(store):
+    """Loader threads seed the global generators for per-sample ops while the iterating thread seeds
+    them for the collate_fn: the two take turns, so every epoch is the DataLoader back-end's."""
+    ds = dlstore.open_dataset(store, transform=v2.Compose([*PER_SAMPLE.transforms, v2.ToDtype(torch.float32)]))
+    collate = MixUpCutMix()
+    want = _epoch(dlstore.loader(ds, 2, shuffle=True, seed=5, collate_fn=collate, backend="dataloader"))
+    for _ in range(4):      # a race shows on some runs only
+        got = _epoch(dlstore.loader(ds, 2, shuffle=True, seed=5, collate_fn=collate, backend="threads",
+                                    num_threads=2))
+        assert _same(got, want)
 
 
 def test_collate_fn_gets_what_dataloader_gives_it(store):

@@ -115,9 +115,11 @@ class DataLoaderBackend:
             options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
                            multiprocessing_context=multiprocessing_context)
         batches = _Batches(dataset, collate_fn if self.collates else None)
+        # its own generator: the base seed torch's iterator draws (for its workers' seeds, which the tasks'
+        # seeds make moot) must not move torch's default generator, the pass generator with seed=None
         self.dataloader = DataLoader(batches, sampler=self.tasks, batch_size=None, collate_fn=_as_is,
                                      num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
-                                     **options)
+                                     generator=torch.Generator(), **options)
 
     def begin(self, run: PassPlan) -> Iterator[Any]:
         """The pass's batches; the workers start here (``iter`` of the DataLoader)."""
