@@ -129,6 +129,23 @@ def tensor_safe(t: Any) -> bool:
     return True
 
 
+def on_tensor(t: Any) -> Any:
+    """What runs on the store's uint8 tensor for a tensor-safe op the pipeline gave a PIL image.
+
+    The op itself, except a v1 ``RandomResizedCrop`` or timm's ``RandomResizedCropAndInterpolation``
+    (one mode): v2's ``RandomResizedCrop`` with the same parameters and draws. Given PIL, the op
+    resampled with PIL's antialiased filter; v2's uint8 kernel is closer to that than v1's float
+    tensor kernel, and faster (docs/fidelity.md measures both)."""
+    if name_of(t) not in ("RandomResizedCrop", "RandomResizedCropAndInterpolation") or version(t) == "v2":
+        return t
+    from torchvision.transforms import v2
+
+    if not isinstance(t.interpolation, v2.InterpolationMode):    # timm's "random": a mode drawn per call
+        return t
+    return v2.RandomResizedCrop(list(t.size), scale=tuple(t.scale), ratio=tuple(t.ratio),
+                                interpolation=t.interpolation, antialias=getattr(t, "antialias", True))
+
+
 def needs_pil(t: Any) -> bool:
     """Whether ``t`` is known to need a PIL image: timm's auto-augmentations (PIL's ImageOps and
     enhancers) and its crop with a mode kept on PIL, a torchvision op given a PIL-only argument."""
