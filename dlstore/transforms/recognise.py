@@ -132,18 +132,16 @@ def tensor_safe(t: Any) -> bool:
 def on_tensor(t: Any) -> Any:
     """What runs on the store's uint8 tensor for a tensor-safe op the pipeline gave a PIL image.
 
-    The op itself, except a v1 ``RandomResizedCrop`` or timm's ``RandomResizedCropAndInterpolation``
-    (one mode): v2's ``RandomResizedCrop`` with the same parameters and draws. Given PIL, the op
-    resampled with PIL's antialiased filter; v2's uint8 kernel is closer to that than v1's float
-    tensor kernel, and faster (docs/fidelity.md measures both)."""
-    if name_of(t) not in ("RandomResizedCrop", "RandomResizedCropAndInterpolation") or version(t) == "v2":
+    The op itself, except torchvision's v1 ``RandomResizedCrop``: v2's with the same parameters
+    (the same draws). Given PIL, the op resampled with PIL's antialiased filter; v2's uint8 kernel is
+    closer to that than v1's float tensor kernel, and faster (docs/fidelity.md measures both). timm's
+    crop keeps its own op: it draws from Python's ``random``, v2's from torch's generator."""
+    if name_of(t) != "RandomResizedCrop" or library(t) != "torchvision" or version(t) == "v2":
         return t
     from torchvision.transforms import v2
 
-    if not isinstance(t.interpolation, v2.InterpolationMode):    # timm's "random": a mode drawn per call
-        return t
     return v2.RandomResizedCrop(list(t.size), scale=tuple(t.scale), ratio=tuple(t.ratio),
-                                interpolation=t.interpolation, antialias=getattr(t, "antialias", True))
+                                interpolation=t.interpolation, antialias=t.antialias)
 
 
 def needs_pil(t: Any) -> bool:

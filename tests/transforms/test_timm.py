@@ -38,11 +38,11 @@ def test_training_transform_runs_per_batch_with_reprob_after_normalize():
     t = timm_data.create_transform(32, is_training=True, re_prob=0.25, re_mode="pixel")
     planned = plan(t, parse_static("resize_max=64"))
     head, tail = planned.split(fixed_shape=False)
-    assert _names(head) == ["RandomResizedCrop"]   # v2's twin (given PIL in timm's pipeline); fixes the size
+    assert _names(head) == ["RandomResizedCropAndInterpolation"]      # fixes the size of a resize_max store
     assert _names(tail) == ["BatchRandomHorizontalFlip", "PerSample", "BatchNormalize", "WholeBatch"]
     assert tail[2].divide and tail[2].mean == pytest.approx([0.485, 0.456, 0.406])   # not dragged per sample
     steps = planned.split(fixed_shape=True)[1]
-    assert _names(steps)[0] == "BatchRandomResizedCrop" and steps[0].kernel == "v2"   # v2's uint8 kernel
+    assert _names(steps)[0] == "BatchRandomResizedCrop" and steps[0].kernel == "v1"
     random_interpolation = timm_data.create_transform(32, is_training=True, interpolation="random")
     head, _ = plan(random_interpolation, []).split(fixed_shape=False)
     assert _names(head) == ["OnPIL"]       # 'random' interpolation: timm's own op on a PIL image
