@@ -14,7 +14,6 @@ import multiprocessing
 import os
 import pickle
 import signal
-import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -165,9 +164,9 @@ def _decoded(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]], spec
         if broken:
             _abandon(pool)
         else:
-            # (wait, except in the pool's own manager thread, where a finaliser may run this)
-            manager = getattr(pool, "_executor_manager_thread", None)
-            pool.shutdown(wait=manager is not threading.current_thread(), cancel_futures=True)
+            # (the caller closes this generator in its own thread: a finaliser in the pool's
+            # manager thread could not wait for that thread)
+            pool.shutdown(wait=True, cancel_futures=True)
 
 
 def _result(future: Any, pool: ProcessPoolExecutor) -> list[Result]:
