@@ -59,6 +59,7 @@ from torchvision.transforms import InterpolationMode
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, uptime, write_json
+from _photos import base_photos, derived_photo, photo_store
 
 import dlstore
 
@@ -113,17 +114,9 @@ def collate_for(mixup_alpha: float, cutmix_alpha: float, num_classes: int) -> Ca
 
 # --- the images ---------------------------------------------------------------------------
 
-def _base_photos() -> list[np.ndarray] | None:
-    try:
-        from sklearn.datasets import load_sample_images
-    except ImportError:
-        return None
-    return list(load_sample_images().images)
-
-
 def make_photos(root: Path, count: int, classes: int = 10, seed: int = 0) -> str:
     """``count`` JPEGs of ImageNet-like sizes in ``classes`` class folders; returns what they are."""
-    bases = _base_photos()
+    bases = base_photos()
     if bases is None:
         from dlstore.sources.demo import make_image_folder
         make_image_folder(root, classes=classes, per_class=math.ceil(count / classes), size=(375, 500), quality=85)
@@ -132,20 +125,10 @@ def make_photos(root: Path, count: int, classes: int = 10, seed: int = 0) -> str
     for k in range(count):
         shorter = int(rng.integers(333, 376))
         h, w = (shorter, 500) if rng.random() < 0.75 else (500, shorter)
-        base = bases[k % len(bases)]
-        bh, bw = base.shape[:2]
-        area = rng.uniform(0.3, 1.0) * bh * bw
-        ch = int(min(bh, math.sqrt(area * h / w)))
-        cw = int(min(bw, ch * w / h))
-        top, left = int(rng.integers(0, bh - ch + 1)), int(rng.integers(0, bw - cw + 1))
-        crop = base[top:top + ch, left:left + cw]
-        if rng.random() < 0.5:
-            crop = crop[:, ::-1]
-        crop = np.clip(crop * rng.uniform(0.8, 1.2, 3), 0, 255).astype(np.uint8)
         folder = root / f"class_{k % classes:02d}"
         folder.mkdir(parents=True, exist_ok=True)
-        Image.fromarray(crop).resize((w, h), Image.BICUBIC).save(folder / f"img_{k:05d}.jpg",
-                                                                 quality=int(rng.integers(75, 96)))
+        derived_photo(rng, bases[k % len(bases)], h, w).save(folder / f"img_{k:05d}.jpg",
+                                                             quality=int(rng.integers(75, 96)))
     return ("derived from scikit-learn's 2 real photos (china.jpg, flower.jpg): crops, flips, colour gains, "
             "bicubic resize to 500 x 333-375 (3 in 4 landscape), JPEG q75-95")
 
@@ -338,14 +321,7 @@ def main() -> None:
     load_before = uptime()
     print(f"uptime before: {load_before}")
     with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        if args.photos:
-            src, kind = Path(args.photos), f"real photos from {args.photos}"
-        else:
-            src = tmp_path / "train"
-            kind = make_photos(src, args.images)
-        store = tmp_path / "train.shards"
-        converted = dlstore.convert(src, store, static=STATIC, encoding="jpeg", quality=90, progress=False)
+        src, kind, store, converted = photo_store(tmp, args.photos, make_photos, args.images, STATIC)
         print(converted)
         classes = len(datasets.ImageFolder(str(src)).classes)
         sizes = [Image.open(p).size for p in sorted(src.rglob("*.jpg"))]

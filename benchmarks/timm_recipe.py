@@ -50,6 +50,7 @@ from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, uptime, write_json
+from _photos import photo_store
 from reference_recipe import TinyModel, make_photos, tree_bytes
 
 import dlstore
@@ -142,7 +143,7 @@ def profile(src: Path, store: Path, classes: int, batch: int, interpolation: str
         "decode: ToPILImage of a stored sample (what timm's PIL ops then need)": _ms(
             lambda i: F.to_pil_image(ds.read(i % n)), n) - _ms(lambda i: ds.read(i % n), n),
         f"RandomResizedCropAndInterpolation(224, {interpolation}) on PIL": _ms(lambda i: crop(images[i % n]), n),
-        f"the same crop on the stored uint8 tensor (torchvision's v1 kernel)": _ms(
+        "the same crop on the stored uint8 tensor (torchvision's v1 kernel)": _ms(
             lambda i: crop(ds.read(i % n)), n) - _ms(lambda i: ds.read(i % n), n),
         "RandomHorizontalFlip on PIL": _ms(lambda i: flip(crops[i % n]), n),
         "RandAugment rand-m9-mstd0.5 on PIL": _ms(lambda i: rand_augment(crops[i % n]), n),
@@ -175,14 +176,7 @@ def main() -> None:
     load_before = uptime()
     print(f"uptime before: {load_before}")
     with tempfile.TemporaryDirectory() as tmp:
-        tmp_path = Path(tmp)
-        if args.photos:
-            src, kind = Path(args.photos), f"real photos from {args.photos}"
-        else:
-            src = tmp_path / "train"
-            kind = make_photos(src, args.images)
-        store = tmp_path / "train.shards"
-        converted = dlstore.convert(src, store, static=STATIC, encoding="jpeg", quality=90, progress=False)
+        src, kind, store, converted = photo_store(tmp, args.photos, make_photos, args.images, STATIC)
         print(converted)
         ds = dlstore.open_dataset(store)
         timm_classes = timm_data.create_dataset("", root=str(src), split="", is_training=True).reader.class_to_idx
