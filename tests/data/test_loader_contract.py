@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import json
 import os
 import subprocess
@@ -333,6 +335,47 @@ def test_default_collate_costs_nothing(store, monkeypatch):
 def test_argument_errors_name_the_fix(store, options, match):
     with pytest.raises(ArgumentError, match=match):
         dlstore.loader(dlstore.open_dataset(store), 4, **options)
+
+
+def test_argument_type_errors_are_argument_errors(store):
+    with pytest.raises(ArgumentError, match="num_workers is a keyword argument"):     # an ArgumentTypeError
+        dlstore.loader(dlstore.open_dataset(store), 4, True, 2)
+    with pytest.raises(ArgumentError, match="in_order=False is not supported"):
+        dlstore.loader(dlstore.open_dataset(store), 4, in_order=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_device_cuda_without_cuda_is_refused_at_once(store):
+    with pytest.raises(ArgumentError, match="CUDA is not available here; use device='cpu'"):
+        dlstore.loader(dlstore.open_dataset(store, transform=FLOAT), 4, device="cuda")
+
+
+def test_every_positional_argument_in_dataloaders_order(store):
+    """DataLoader's 13 positional parameters, given by position to both entries, land where DataLoader's do."""
+    ds = dlstore.open_dataset(store)
+    names = [p for p in inspect.signature(DataLoader).parameters][:13]
+    values = [ds, 4, False, None, None, 1, default_collate, False, True, 7.5, None, None, torch.Generator()]
+    for entry in (dlstore.loader, dlstore.Loader):
+        dl = entry(*values, backend="dataloader")
+        for name, value in zip(names, values):
+            if name not in ("sampler", "batch_sampler"):     # (filled in from shuffle and batch_size, as DataLoader's)
+                assert getattr(dl, name) is value, name
+
+
+def _sleep(_worker_id: int) -> None:
+    time.sleep(3)
+
+
+@pytest.mark.parametrize("options", [{"num_workers": 1}, {"backend": "dataloader", "num_workers": 1}],
+                         ids=["ring", "dataloader"])
+def test_timeout_is_dataloaders_for_worker_processes(store, options):
+    """No batch from the workers within ``timeout`` seconds: an error, as DataLoader raises one."""
+    ds = dlstore.open_dataset(store)
+    slow = dlstore.loader(ds, 4, timeout=1, worker_init_fn=_sleep, **options)
+    with pytest.raises(RuntimeError, match="timed out after 1 seconds|in timeout=1 s"):
+        next(iter(slow))
+    ok = dlstore.loader(ds, 4, timeout=30, worker_init_fn=_sleep, **options)
+    assert len(list(ok)) == len(ok)
 
 
 # --- each argument reaches what it governs ----------------------------------------------------------
