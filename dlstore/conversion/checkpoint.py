@@ -58,8 +58,8 @@ def remove_staging(staged: Path) -> None:
 
 def load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dict[str, Any] | None:
     """The checkpoint of an interrupted run with the same job, or None (start over)."""
-    if not hasattr(job.module.Writer, "resume"):
-        log(f"{job.module.FORMAT} conversions cannot resume; starting over")
+    if not hasattr(job.store_format.Writer, "resume"):
+        log(f"{job.store_format.name} conversions cannot resume; starting over")
         return None
     path = progress_path(staged)
     if not path.is_file():
@@ -124,7 +124,7 @@ def resume_writer(job: _Job, staged: Path, checkpoint: dict[str, Any], log: Call
     for writing again), the staging then removed: the conversion starts over. Any other failure
     to reopen (the file locked by a reader, no permission) is raised, the staging kept."""
     try:
-        writer = job.module.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
+        writer = job.store_format.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
     except WriterKilledError as exc:
         log(f"the interrupted conversion cannot be resumed ({exc}); starting over")
         remove_staging(staged)

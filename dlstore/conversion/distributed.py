@@ -28,7 +28,7 @@ of the same folder: same sample order, labels, sample bytes):
              together (the mapping uses a relative path). HDF5 finds the parts by
              name, and an overwrite publishes the new ``DST.parts`` before the new
              ``DST``: ``DST``'s manifest records each part's own checksums, and a
-             reader refuses parts that are not those (formats.integrity.hold_virtual_sources).
+             reader refuses parts that are not those (formats.hdf5.virtual.hold_virtual_sources).
     lmdb     a merge step on rank 0 copies the parts' records in order into one
              environment (LMDB has one writer at a time and no cross-environment
              view); this copies the sample data once.
@@ -167,7 +167,7 @@ def _part_name(rank: int, suffix: str) -> str:
     return f"part-{rank:05d}{suffix}"
 
 
-def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, job_for: Any,
+def convert_distributed(group: Any, open_src: Any, dst: Path, *, store_format: Any, job_for: Any,
                         overwrite: bool, resume: bool, progress: bool, log: Any) -> Any:
     """Run the conversion ``dlstore.convert`` describes on every rank of ``group``; see the module doc.
 
@@ -180,7 +180,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
     """
     ex = Exchange(group)
     rank, world = ex.rank, ex.world
-    fmt = module.FORMAT
+    fmt = store_format
     work = work_path(dst)
     lock: DestinationLock | None = None
     stage = "check"  # then "convert", "assemble", "done": what rank 0 keeps for --resume depends on it
@@ -197,7 +197,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
                 candidate = DestinationLock(dst, log)
                 candidate.acquire()
                 lock = candidate  # from here on this conversion owns the work and staging paths
-                if fmt == "hdf5":
+                if fmt.keeps_parts:
                     check_parts_folder(dst, overwrite)
                 source = open_src()
                 if source.empty_classes:
@@ -231,7 +231,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
 
         # --- phase 1: every rank converts its range into a part ---------------------------
         job = job_for(part)
-        part_path = work / "parts" / _part_name(rank, module.SUFFIXES[0])
+        part_path = work / "parts" / _part_name(rank, fmt.suffixes[0])
         status = RankStatus(rank)
         own: BaseException | None = None
         try:
@@ -264,15 +264,15 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, jo
                 full_job = job_for(part)  # carries root/classes/spec; samples unused below
                 seen = [s.labels_seen for s in statuses if s.labels_seen]
                 full_job.labels_seen[:] = [max(x[0] for x in seen), max(x[1] for x in seen)]
-                parts = [work / "parts" / _part_name(r, module.SUFFIXES[0]) for r in range(world)]
+                parts = [work / "parts" / _part_name(r, fmt.suffixes[0]) for r in range(world)]
                 counts = [s.count for s in statuses]
                 assemble(full_job, dst, parts, counts, count, skipped, total, overwrite, _finish)
                 stage = "done"
                 size = disk_usage(dst)
-                if fmt == "hdf5" and hdf5_parts_path(dst).exists():
+                if fmt.keeps_parts and hdf5_parts_path(dst).exists():
                     size += disk_usage(hdf5_parts_path(dst))
                 result = ConvertResult(
-                    path=dst, store_format=fmt, count=count, classes=full_job.classes(), shape=job.shape,
+                    path=dst, store_format=fmt.name, count=count, classes=full_job.classes(), shape=job.shape,
                     static=job.spec,
                     nbytes=size, seconds=time.perf_counter() - start, workers=job.workers, skipped=skipped,
                     empty_classes=part.empty_classes, resumed=sum(s.resumed for s in statuses))

@@ -91,7 +91,7 @@ class _Job:
     source: Any  # anything with the source interface (dlstore.sources)
     spec: StaticSpec
     shape: tuple[int, int, int] | None
-    module: Any
+    store_format: Any   # the formats.protocol.Format the store is written in
     decode: dict[str, Any]
     workers: int
     on_error: str
@@ -120,7 +120,7 @@ class _Job:
     def _fingerprint(self) -> dict[str, Any]:
         # Computed once: it hashes the whole file listing, and every checkpoint records it.
         return {
-            "format": self.module.FORMAT, "format_version": self.module.FORMAT_VERSION,
+            "format": self.store_format.name, "format_version": self.store_format.version,
             "static": self.spec, "decode": self.decode, "on_error": self.on_error, "codec": list(self.codec),
             "options": {k: v for k, v in sorted(self.options.items())},
             **self.source.fingerprint(),
@@ -268,9 +268,9 @@ def _finish(job: _Job, writer: Any, count: int, skipped: list[dict[str, Any]], *
 def manifest_for(job: _Job, *, count: int, skipped: list[dict[str, Any]], files: int,
                  checksums: dict[str, str], layout: dict[str, Any]) -> dict[str, Any]:
     """The manifest of a store that ``job`` produced (one writer, or assembled from parts)."""
-    source, module = job.source, job.module
+    source, fmt = job.source, job.store_format
     return make_manifest(
-        format=module.FORMAT, format_version=module.FORMAT_VERSION, count=count, shape=job.record_shape,
+        format=fmt.name, format_version=fmt.version, count=count, shape=job.record_shape,
         classes=job.classes(), static=job.spec, encoding=job.codec[0], decoded_shape=job.shape,
         quality=job.codec[1] if job.codec[0] == "jpeg" else None,
         source={**source.describe(), "files": files, "skipped": skipped, "decode": job.decode},

@@ -62,14 +62,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _check_writer_options(module: Any, fmt: str, options: dict[str, Any]) -> None:
+def _check_writer_options(fmt: Any, options: dict[str, Any]) -> None:
     """Refuse a keyword the format's Writer does not take (a typo would be ignored otherwise)."""
-    params = inspect.signature(module.Writer.__init__).parameters
+    params = inspect.signature(fmt.Writer.__init__).parameters
     valid = sorted(name for name, p in params.items()
                    if p.kind == p.KEYWORD_ONLY and not name.startswith("_") and name != "shape")
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ArgumentError(f"{', '.join(unknown)}: not an option of {fmt} stores; valid: "
+        raise ArgumentError(f"{', '.join(unknown)}: not an option of {fmt.name} stores; valid: "
                             f"{', '.join(valid) or 'none'}")
 
 
@@ -227,12 +227,11 @@ def convert(
     if store_format is not None and not isinstance(store_format, str):
         raise ArgumentTypeError(f"store_format must be None (from dst's suffix) or one of "
                                 f"{', '.join(formats.names())}, got {store_format!r}")
-    fmt = formats.format_for_destination(dst) if store_format is None else store_format
-    module = formats.get_format(fmt)
+    fmt = formats.get_format(formats.format_for_destination(dst) if store_format is None else store_format)
     spec = parse_static(static)
     check_class_order(class_order)
-    _check_writer_options(module, fmt, format_options)
-    if shard_size is not None and fmt == "shards":   # the other formats have no data files to size
+    _check_writer_options(fmt, format_options)
+    if shard_size is not None and fmt.sized_data_files:   # the other formats have no data files to size
         format_options["shard_size"] = shard_size
     decode = {"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels}
     codec = (encoding, int(quality))
@@ -255,11 +254,11 @@ def convert(
         part_workers = max(0, int(workers))
 
         def job_for(part: Any) -> _Job:
-            return _Job(source=part, spec=spec, shape=sample_shape(spec, part), module=module, decode=decode,
+            return _Job(source=part, spec=spec, shape=sample_shape(spec, part), store_format=fmt, decode=decode,
                         workers=usable_workers(part.loader(decode), part_workers, log), on_error=on_error,
                         options=format_options, codec=codec)
 
-        return convert_distributed(group, open_src, dst, module=module, job_for=job_for, overwrite=overwrite,
+        return convert_distributed(group, open_src, dst, store_format=fmt, job_for=job_for, overwrite=overwrite,
                                    resume=resume, progress=progress, log=log)
     seen = check_destination(dst, overwrite, log)
     source = open_src()
@@ -268,7 +267,7 @@ def convert(
             f"label index: {', '.join(source.empty_classes)}")
     workers = usable_cpus() if workers is None else max(0, int(workers))
     workers = usable_workers(source.loader(decode), workers, log)
-    job = _Job(source=source, spec=spec, shape=sample_shape(spec, source), module=module, decode=decode,
+    job = _Job(source=source, spec=spec, shape=sample_shape(spec, source), store_format=fmt, decode=decode,
                workers=workers, on_error=on_error, options=format_options, codec=codec)
 
     lock = DestinationLock(dst, log)
@@ -283,7 +282,7 @@ def convert(
             count, skipped, resumed = _run(job, staged, checkpoint, progress, dst.name, log)
             replaced = dst.exists()
             publish(staged, dst, overwrite, seen=seen)
-            if replaced and module.FORMAT == "hdf5":   # a distributed store replaced by this one: its parts
+            if replaced and fmt.keeps_parts:   # a distributed store replaced by this one: its parts
                 remove_old_parts(dst)
         except SourceChangedError:
             raise   # the interrupted run's work stays: the original files may be put back
@@ -303,7 +302,7 @@ def convert(
     finally:
         lock.release()
     return ConvertResult(
-        path=dst, store_format=fmt, count=count, classes=job.classes(), shape=job.shape, static=spec,
+        path=dst, store_format=fmt.name, count=count, classes=job.classes(), shape=job.shape, static=spec,
         nbytes=disk_usage(dst), seconds=seconds, workers=workers, skipped=skipped,
         empty_classes=source.empty_classes,
         targets=None if job.targets is None else (job.targets.length, job.targets.dtype.name), resumed=resumed,
@@ -314,10 +313,10 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
          name: str, log: Callable[[str], None]) -> tuple[int, list[dict[str, str]], int]:
     """Decode, write and finish into ``staged``; return (sample count, skipped files, samples of
     them an interrupted run had written)."""
-    source, module = job.source, job.module
+    source, fmt = job.source, job.store_format
     writer = None if checkpoint is None else resume_writer(job, staged, checkpoint, log)
     if writer is None:
-        writer = module.Writer(staged, shape=job.record_shape, **job.options)
+        writer = fmt.Writer(staged, shape=job.record_shape, **job.options)
         start, skipped = 0, []
     else:
         start, skipped = checkpoint["source_pos"], list(checkpoint["skipped"])

@@ -291,7 +291,7 @@ def test_ranks_stop_converting_when_another_rank_has_failed(tmp_path):
     for i in range(300):
         (tmp_path / "src" / "c" / f"{i:04d}.png").write_bytes(buf.getvalue())
     job = _Job(source=scan(tmp_path / "src"), spec=parse_static(""), shape=None,
-               module=formats.get_format("shards"), decode={}, workers=0, on_error="fail", options={})
+               store_format=formats.get_format("shards"), decode={}, workers=0, on_error="fail", options={})
     work = tmp_path / "work"
     work.mkdir()
     count, _, _ = convert_part(job, work / "part-00000.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
@@ -410,7 +410,7 @@ def test_reader_opening_an_hdf5_store_mid_overwrite_never_mixes_two_stores(rgb_f
 
     publish = assemble.publish
     monkeypatch.setattr(assemble, "publish", publish_after_a_reader)
-    assemble._publish_hdf5(other / "s.h5.parts", other / "s.h5", dst, True)
+    assemble.publish_with_parts(other / "s.h5.parts", other / "s.h5", dst, True)
     if "pixels" in seen:   # (what the reader got, spelt out in the failure)
         got = seen["pixels"]
         foreign = sum(not torch.equal(got[i], old_pixels[i]) for i in range(24))
