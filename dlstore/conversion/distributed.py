@@ -83,7 +83,7 @@ from .assemble import (
     remove_with_siblings,
 )
 from .destination import check_destination, remove_path, staging_path
-from .job import ConvertResult, _feed, _finish, disk_usage
+from .job import ConvertResult, disk_usage, feed_writer, finish_writer
 from .lock import DestinationLock
 from .parts import PLAN, convert_part, keep_for_resume, resumable, write_json
 from .ranks import (
@@ -171,7 +171,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, store_format: A
                         overwrite: bool, resume: bool, progress: bool, log: Any) -> Any:
     """Run the conversion ``dlstore.convert`` describes on every rank of ``group``; see the module doc.
 
-    ``open_src()`` opens the source; ``job_for(source)`` builds the conversion's ``_Job`` for a
+    ``open_src()`` opens the source; ``job_for(source)`` builds the conversion's ``Job`` for a
     part of it. A file listing (folder, list file) is opened by rank 0 and its parts are sent
     to the ranks; an in-memory source (dataset, arrays), which every rank was given, is only
     measured by rank 0 and each rank takes its own part of its own copy. ``resume`` continues
@@ -236,7 +236,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, store_format: A
         own: BaseException | None = None
         try:
             status.count, status.skipped, status.resumed = convert_part(
-                job, part_path, first, total, work, rank, world, progress, dst.name, _feed, _finish,
+                job, part_path, first, total, work, rank, world, progress, dst.name, feed_writer, finish_writer,
                 resume=resumed, log=log)
             status.labels_seen = list(job.labels_seen)
         except BaseException as exc:  # noqa: BLE001 - reported to all ranks, then re-raised below
@@ -266,7 +266,7 @@ def convert_distributed(group: Any, open_src: Any, dst: Path, *, store_format: A
                 full_job.labels_seen[:] = [max(x[0] for x in seen), max(x[1] for x in seen)]
                 parts = [work / "parts" / _part_name(r, fmt.suffixes[0]) for r in range(world)]
                 counts = [s.count for s in statuses]
-                assemble(full_job, dst, parts, counts, count, skipped, total, overwrite, _finish)
+                assemble(full_job, dst, parts, counts, count, skipped, total, overwrite, finish_writer)
                 stage = "done"
                 size = disk_usage(dst)
                 if fmt.keeps_parts and hdf5_parts_path(dst).exists():

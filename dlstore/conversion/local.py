@@ -52,7 +52,7 @@ from .checkpoint import (
     save_checkpoint,
     targets_path,
 )
-from .job import ON_ERROR, ConvertResult, _feed, _finish, _Job, disk_usage
+from .job import ON_ERROR, ConvertResult, Job, disk_usage, feed_writer, finish_writer
 from .lock import DestinationLock
 from .pool import apply_static_any, usable_workers
 
@@ -253,8 +253,8 @@ def convert(
             workers = max(1, usable_cpus() // local)
         part_workers = max(0, int(workers))
 
-        def job_for(part: Any) -> _Job:
-            return _Job(source=part, spec=spec, shape=sample_shape(spec, part), store_format=fmt, decode=decode,
+        def job_for(part: Any) -> Job:
+            return Job(source=part, spec=spec, shape=sample_shape(spec, part), store_format=fmt, decode=decode,
                         workers=usable_workers(part.loader(decode), part_workers, log), on_error=on_error,
                         options=format_options, codec=codec)
 
@@ -267,7 +267,7 @@ def convert(
             f"label index: {', '.join(source.empty_classes)}")
     workers = usable_cpus() if workers is None else max(0, int(workers))
     workers = usable_workers(source.loader(decode), workers, log)
-    job = _Job(source=source, spec=spec, shape=sample_shape(spec, source), store_format=fmt, decode=decode,
+    job = Job(source=source, spec=spec, shape=sample_shape(spec, source), store_format=fmt, decode=decode,
                workers=workers, on_error=on_error, options=format_options, codec=codec)
 
     lock = DestinationLock(dst, log)
@@ -309,7 +309,7 @@ def convert(
     )
 
 
-def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: bool,
+def _run(job: Job, staged: Path, checkpoint: dict[str, Any] | None, progress: bool,
          name: str, log: Callable[[str], None]) -> tuple[int, list[dict[str, str]], int]:
     """Decode, write and finish into ``staged``; return (sample count, skipped files, samples of
     them an interrupted run had written)."""
@@ -327,12 +327,12 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
     try:
         with tqdm(total=len(source), initial=start, unit="img", desc=f"convert {name}",
                   disable=not progress, dynamic_ncols=True) as bar:
-            _feed(job, writer, start, skipped, bar,
+            feed_writer(job, writer, start, skipped, bar,
                   (lambda pos: save_checkpoint(staged, job, writer, pos, skipped)) if resumable else None)
         count = len(source) - len(skipped)
         if count == 0:
             raise SourceError(f"{source.root}: no file could be converted ({len(skipped)} skipped)")
-        _finish(job, writer, count, skipped, files=len(source))
+        finish_writer(job, writer, count, skipped, files=len(source))
         if resumable:
             progress_path(staged).unlink(missing_ok=True)
             targets_path(staged).unlink(missing_ok=True)
