@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 from ..errors import StoreNotFoundError, UnknownFormatError
@@ -38,9 +39,10 @@ def get_format(name: str) -> Format:
     return importlib.import_module(_MODULES[name]).FORMAT
 
 
-def all_formats() -> list[Format]:
-    """Every registered ``Format``, in registry order (which is also the order of detection)."""
-    return [get_format(name) for name in _MODULES]
+def all_formats() -> Iterator[Format]:
+    """Every registered ``Format``, in registry order (which is also the order of detection), each
+    imported as the iteration reaches it: detecting a shards store imports neither h5py nor lmdb."""
+    return (get_format(name) for name in _MODULES)
 
 
 def format_for_destination(dst: str | os.PathLike) -> str:

@@ -35,6 +35,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from . import all_formats
 from .verdicts import listing
 
 
@@ -42,8 +43,6 @@ def not_a_store(path: Path, *, damaged: bool = False) -> str | None:
     """None where ``path`` holds a dlstore store (of any format) exactly as dlstore wrote it, else what
     is there instead. ``damaged``: a store that differs from its seal, holding nothing dlstore can
     name as someone's addition, counts as one (``overwrite="damaged"``)."""
-    from . import all_formats
-
     path = Path(path)
     if path.is_symlink():
         return f"a symbolic link (to {os.readlink(path)}); give the real path, or remove the link yourself"

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import inspect
 import json
+import subprocess
+import sys
 
 import h5py
 import lmdb
@@ -119,3 +121,13 @@ def test_only_formats_that_move_their_parts_assemble_them(tmp_path):
         if fmt.merges_parts:
             with pytest.raises(NotImplementedError):
                 fmt.assemble_parts([], [], tmp_path / "x", "x.parts")
+
+
+def test_detecting_a_shards_store_imports_no_other_format(stores):
+    # Detection asks the formats in registry order and imports each only when it is asked: a shards
+    # store's readers (and their worker processes) never pay for importing h5py or lmdb.
+    code = ("import sys, dlstore; ds = dlstore.open_dataset(sys.argv[1]); ds[0]; "
+            "print(sorted(m for m in ('h5py', 'lmdb') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, str(stores["shards"])], capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == "[]"
