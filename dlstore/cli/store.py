@@ -75,7 +75,8 @@ def convert(src, dst, root, fmt, static, workers, overwrite, overwrite_damaged, 
         fail(RuntimeError(f"cannot join the torchrun process group ({exc})"))
     options = {}
     if compression != "none":
-        if (fmt or formats.SUFFIXES.get(Path(dst).suffix.lower())) != "hdf5":
+        name = fmt or formats.SUFFIXES.get(Path(dst).suffix.lower())
+        if name is None or compression not in formats.get_format(name).compressions:
             fail(ValueError(f"--compression {compression} applies to hdf5 stores only; "
                              f"use a .h5 DST or --format hdf5, or leave --compression out"))
         options["compression"] = compression
@@ -135,7 +136,7 @@ def info(store, as_json):
         fail(exc)
     m = ds.manifest
     size = disk_usage(Path(store))
-    virtual = m["layout"].get("virtual") if m["format"] == "hdf5" else None
+    virtual = m["layout"].get("virtual") if formats.get_format(m["format"]).keeps_parts else None
     if virtual and (Path(store).parent / virtual["folder"]).is_dir():  # per-rank files of a torchrun conversion
         size += disk_usage(Path(store).parent / virtual["folder"])
     raw = getattr(ds.reader, "raw", ds.reader)   # (an encoded store's records: what its reader reads)

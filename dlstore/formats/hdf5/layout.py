@@ -39,7 +39,7 @@ chunks that split a sample, a chunk never written, a virtual dataset and variabl
 samples read through h5py (``read_path`` "native", ``read_path_reason`` says which).
 
 Reading: the file opens read-only, lazily, once per process, with the file locking of a plain
-``h5py.File(path, "r")``, which can then share the file with an open dataset (``hdf5_open``
+``h5py.File(path, "r")``, which can then share the file with an open dataset (``opening``
 says how, and what happens where locks are not supported). The chunk cache is sized for
 random access to one-sample chunks: a chunk is reused only when the same sample is read
 again, which the OS page cache already serves, so fixed-shape stores get no chunk cache

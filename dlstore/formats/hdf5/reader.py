@@ -17,19 +17,16 @@ from ...errors import (
 )
 from ...sources.origins import Origins
 from ..checks import library_errors_as_damage
-from ..hdf5_open import open_readonly
 from ..inplace import IN_PLACE, NATIVE, inside, map_file, views
-from ..integrity import (
-    check_virtual_sources,
-    hold_virtual_sources,
-    userblock_seal,
-)
+from ..integrity import userblock_seal
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
 from ..pins import StorePin, check_identity
 from ..readahead import Extents, choose_willneed, readahead_default
 from ..reader import StoreReader
 from ..targets import read_hdf5
+from .opening import open_readonly
+from .virtual import check_virtual_sources, hold_virtual_sources
 from .layout import (
     FORMAT,
     FORMAT_VERSION,

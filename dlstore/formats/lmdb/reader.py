@@ -18,7 +18,7 @@ from ...errors import (
     StoreCorruptError,
 )
 from ...sources.origins import Origins
-from .._lmdb_env import data_file, shared
+from .environment import data_file, shared
 from ..inplace import IN_PLACE, NATIVE, map_file, views
 from ..integrity import (
     SUMS_DTYPE,
