@@ -6,11 +6,12 @@ outside a format package asks that object; it never compares a format's name. A 
 is a new package with a ``Format`` subclass and one line in the registry.
 
 A sample is a set of named fields (``FIELDS``): ``image`` (the uint8 CHW record, raw or
-encoded) and ``target`` (the int64 label, with an optional per-sample target vector). A
-further per-sample array, such as a segmentation mask, becomes a field by adding its name to a
-format's ``fields`` and its native place to that format's layout, Writer and Reader (a shards
-``masks-*.npy`` file, an LMDB key per sample, an HDF5 dataset): the conversion engine and the
-datasets hand fields through by name, so no module outside the format packages gains a branch.
+encoded) and ``target`` (the int64 label, with an optional per-sample target vector). Today
+the Writer's ``add(sample, label)`` and the readers take these two by position; a further
+per-sample array (a segmentation mask) is to become a field with its name in a format's
+``fields``, a native place in that format's layout, Writer and Reader (a shards
+``masks-*.npy`` file, an LMDB key per sample, an HDF5 dataset), and ``add``/the batch reads
+taking fields by name: docs/store-layout.md.
 """
 
 from __future__ import annotations
