@@ -72,6 +72,7 @@ def make_manifest(
     targets: dict[str, Any] | None = None,
     class_order: str | None = None,
 ) -> dict[str, Any]:
+    """A manifest (``dumps`` writes it): one keyword per field it records, hence many."""
     sample: dict[str, Any] = {"dtype": "uint8", "layout": "CHW", "encoding": encoding,
                               "shape": None if shape is None else list(shape)}
     if encoding != "raw":

@@ -178,6 +178,7 @@ def run_profile(dataset: Any, kwargs: dict[str, Any], *, steps: int, step: Calla
 
     A plain ``DataLoader`` reads through a ``TimedDataset`` (per-sample latency in every worker);
     ``dlstore.loader`` needs the store itself, so its batches are timed by ``batch_build_time``.
+    Its keywords are ``dlstore profile``'s options, one for one.
     """
     from .throughput import uses_store_loader
     from .timed_dataset import TimedDataset

@@ -20,7 +20,7 @@ MIN_WINDOW = 0.25
 class TuneSearch:
     """The steps of ``tune`` (module doc): the sweep, the refinement, the confirmation, over one
     list of trials; every trial window fixed up front, so the budget decides how many settings are
-    measured, not how long each is."""
+    measured, not how long each is. It takes ``tune``'s options as they are: hence many."""
 
     def __init__(self, measure: Callable[[dict[str, Any], float], Trial], clock: Callable[[], float], *,
                  budget: float, repeats: int, noise: float, log: Callable[[str], None] | None, batch_size: int,

@@ -76,6 +76,8 @@ def copy_row_reversed(dst: Any, start: int, src: Any, last: int, n: int) -> None
 @jit
 def kernel(addresses: Any, out: Any, ys: Any, xs: Any, flips: Any, fill: Any,
            c: int, h: int, w: int, th: int, tw: int) -> None:
+    """Crop (padded with ``fill``) and flip each sample at ``addresses[j]`` into ``out[j]``; numba
+    takes arrays and ints only, so the batch's geometry comes as separate arguments."""
     size = c * h * w
     for j in range(out.shape[0]):
         src = numba.carray(as_pointer(addresses[j]), (size,), np.uint8)

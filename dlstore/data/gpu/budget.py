@@ -37,7 +37,8 @@ def free_memory(device: torch.device, headroom: int | None) -> tuple[int | None,
 def overflow_message(name: Any, n: int, shape: tuple[int, int, int], dtype: torch.dtype, device: torch.device,
                      needed: int, uint8_bytes: int, work: int, limit: int, max_memory: int | None, keep: int,
                      on_overflow: str) -> str:
-    """The DeviceMemoryError message: what the preload needs, what is free, and the options."""
+    """The DeviceMemoryError message: what the preload needs, what is free, and the options (each
+    a number the message quotes: hence many arguments)."""
     c, h, w = shape
     dtype_name = str(dtype).removeprefix("torch.")
     where = (f"max_memory={human_bytes(limit)}" if max_memory is not None and limit == max_memory

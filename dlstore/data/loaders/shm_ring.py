@@ -84,6 +84,9 @@ class RingBackend:
         multiprocessing_context: ``"fork"``, ``"spawn"``, ``"forkserver"``, a context, or None.
         worker_init_fn: called with the worker id in each worker, before its first batch.
         fallback: makes the back-end to use instead when /dev/shm cannot hold the ring (auto's choice).
+        timeout: seconds to wait for a batch from the workers (0: no limit).
+
+    The Loader's worker arguments pass through as they are: hence more than ten.
     """
 
     name = "ring"
