@@ -244,3 +244,21 @@ def evict(path: Path) -> None:
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
+
+
+class LastItemDoes:
+    """A real map-style dataset of 4 uint8 images whose last ``__getitem__`` first runs ``act()``:
+    a user (or another program) acting on the destination while a conversion reads its source."""
+
+    def __init__(self, act: Callable[[], object]):
+        self.act = act
+
+    def __len__(self) -> int:
+        return 4
+
+    def __getitem__(self, i: int):
+        import torch
+
+        if i == len(self) - 1:
+            self.act()
+        return torch.full((3, 8, 8), i, dtype=torch.uint8), i

@@ -13,6 +13,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
+from _helpers import LastItemDoes
 from click.testing import CliRunner
 
 import dlstore
@@ -212,26 +213,10 @@ def test_a_damaged_store_is_replaced_only_when_said_to_be(imgs, tmp_path, run, f
     assert not_a_store(dst) is None
 
 
-class _OccupiesDestinationLate(torch.utils.data.Dataset):
-    """A real dataset that, while the last item is read, has a user folder appear at ``dst``."""
-
-    def __init__(self, dst: Path):
-        self.dst = dst
-
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, i):
-        if i == len(self) - 1:
-            self.dst.mkdir()
-            (self.dst / "notes.txt").write_text("written during the conversion")
-        return torch.full((3, 8, 8), i, dtype=torch.uint8), i
-
-
 def test_a_destination_occupied_during_the_conversion_is_not_replaced(tmp_path):
     dst = tmp_path / "late.shards"
     with pytest.raises(NotAStoreError, match="notes.txt"):
-        dlstore.convert(_OccupiesDestinationLate(dst), dst, workers=0, progress=False, overwrite=True)
+        dlstore.convert(LastItemDoes(lambda: _occupy(dst)), dst, workers=0, progress=False, overwrite=True)
     assert (dst / "notes.txt").read_text() == "written during the conversion"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["late.shards"]
 
@@ -268,27 +253,12 @@ def test_the_command_line_takes_an_empty_folder_too(imgs, tmp_path):
     assert len(dlstore.open_dataset(dst)) == 6
 
 
-class _FillsTheFolder(torch.utils.data.Dataset):
-    """While the last item is read, a user saves a file into the (empty) destination folder."""
-
-    def __init__(self, dst: Path):
-        self.dst = dst
-
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, i):
-        if i == len(self) - 1:
-            (self.dst / "notes.txt").write_text("saved during the conversion")
-        return torch.full((3, 8, 8), i, dtype=torch.uint8), i
-
-
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_an_empty_folder_filled_during_the_conversion_is_kept(tmp_path, overwrite):
     dst = tmp_path / "out.shards"
     dst.mkdir()
     with pytest.raises(StoreExistsError, match="notes.txt" if overwrite else "already exists"):
-        dlstore.convert(_FillsTheFolder(dst), dst, workers=0, progress=False, overwrite=overwrite)
+        dlstore.convert(LastItemDoes(lambda: (dst / "notes.txt").write_text("saved during the conversion")), dst, workers=0, progress=False, overwrite=overwrite)
     assert os.listdir(dst) == ["notes.txt"] and (dst / "notes.txt").read_text() == "saved during the conversion"
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out.shards"]
 
@@ -338,3 +308,9 @@ def test_shard_size_takes_the_command_lines_sizes(imgs, tmp_path):
         dlstore.convert(imgs, tmp_path / "x.shards", shard_size="lots", workers=0, progress=False)
     result = CliRunner().invoke(main, ["convert", str(imgs), str(tmp_path / "x.shards"), "--shard-size", "lots"])
     assert result.exit_code == 2 and "error: --shard-size lots: 'lots' is not a size" in result.output, result.output
+
+
+def _occupy(dst: Path) -> None:
+    """A user folder appears at ``dst`` during the conversion."""
+    dst.mkdir()
+    (dst / "notes.txt").write_text("written during the conversion")

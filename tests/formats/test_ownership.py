@@ -13,6 +13,7 @@ import lmdb
 import numpy as np
 import pytest
 import torch
+from _helpers import LastItemDoes
 from click.testing import CliRunner
 
 import dlstore
@@ -159,27 +160,11 @@ def test_a_shards_file_edited_in_place_is_damage(imgs, tmp_path):
     assert dlstore.verify(dst, deep=True).ok
 
 
-class _AddsToTheOldStore(torch.utils.data.Dataset):
-    """While the last item is read, a user adds a dataset to the HDF5 store about to be replaced."""
-
-    def __init__(self, dst: Path):
-        self.dst = dst
-
-    def __len__(self):
-        return 4
-
-    def __getitem__(self, i):
-        if i == len(self) - 1:
-            with h5py.File(self.dst, "r+") as f:
-                f["added_meanwhile"] = [1, 2, 3]
-        return torch.full((3, 8, 8), i, dtype=torch.uint8), i
-
-
 def test_data_added_while_the_conversion_runs_is_seen_at_the_end(tmp_path):
     dst = tmp_path / "s.h5"
     dlstore.convert(torch.zeros(4, 3, 8, 8, dtype=torch.uint8).numpy(), dst, workers=0, progress=False)
     with pytest.raises(NotAStoreError, match="dataset /added_meanwhile"):
-        dlstore.convert(_AddsToTheOldStore(dst), dst, workers=0, progress=False, overwrite=True)
+        dlstore.convert(LastItemDoes(lambda: _add_dataset(dst)), dst, workers=0, progress=False, overwrite=True)
     with h5py.File(dst, "r") as f:
         assert list(f["added_meanwhile"][()]) == [1, 2, 3]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s.h5"]
@@ -189,3 +174,9 @@ def test_overwrite_takes_only_true_false_or_damaged(imgs, tmp_path):
     with pytest.raises(dlstore.ArgumentError, match="overwrite must be"):
         dlstore.convert(imgs, tmp_path / "s.shards", workers=0, progress=False, overwrite="yes")
     assert not any(tmp_path.iterdir())
+
+
+def _add_dataset(dst: Path) -> None:
+    """A user adds a dataset to the HDF5 store about to be replaced."""
+    with h5py.File(dst, "r+") as f:
+        f["added_meanwhile"] = [1, 2, 3]
