@@ -153,7 +153,7 @@ class ShareSampler(Sampler[int]):
             drawn = int(torch.empty((), dtype=torch.int64).random_(generator=self.generator).item())
             generator = torch.Generator()
             generator.manual_seed(int(np.random.SeedSequence([drawn & (2**64 - 1), self.rank])
-                                      .generate_state(1, dtype=np.uint64)[0] >> 1))
+                                      .generate_state(1, dtype=np.uint64)[0]) >> 1)
             order = torch.randperm(self.local, generator=generator)
         else:
             order = torch.arange(self.local)

@@ -43,7 +43,7 @@ def batch_seed(base: int, epoch: int, k: int, rank: int = 0, stream: int = 0) ->
 
 def epoch_seed(seed: int, epoch: int) -> int:
     """The seed of epoch ``epoch``'s pass generator for a loader of seed ``seed``."""
-    return int(np.random.SeedSequence([seed & _MASK, epoch & _MASK]).generate_state(1, dtype=np.uint64)[0] >> 1)
+    return int(np.random.SeedSequence([seed & _MASK, epoch & _MASK]).generate_state(1, dtype=np.uint64)[0]) >> 1
 
 
 def check_seed(seed: Any) -> int | None:
