@@ -56,7 +56,7 @@ DEFAULT_CHUNK_BYTES = 64 << 20
 CONVERT_BLOCK_BYTES = 8 << 20
 
 
-def _check_device(device: Any) -> torch.device:
+def check_device(device: Any) -> torch.device:
     """``device`` as a torch.device that exists here; ArgumentError naming it otherwise."""
     try:
         dev = torch.device(device)
@@ -184,7 +184,7 @@ class GPUDataset(Dataset):
         self.padding: tuple[int, int, int, int] = as_padding(padding)
         self.padding_mode = padding_mode
         self.padding_fill = as_fill(padding_fill, "GPUDataset padding_fill")
-        self.device = _check_device(device)
+        self.device = check_device(device)
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = dtype

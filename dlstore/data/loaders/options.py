@@ -101,14 +101,10 @@ def not_applying(given: dict[str, Any], why: str) -> None:
 
 
 def check_device(device: Any) -> torch.device:
-    try:
-        checked = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ArgumentError(f"dlstore.loader: device={device!r} is not a torch device ({exc})") from exc
-    if checked.type == "cuda" and not torch.cuda.is_available():
-        raise ArgumentError(f"dlstore.loader: device={device!r} but CUDA is not available here; use device='cpu' "
-                            "(the same stage on the CPU) or leave device out")
-    return checked
+    """``device`` as a torch.device that exists here (GPUDataset's check: one rule for both)."""
+    from ..gpu.dataset import check_device as usable
+
+    return usable(device)
 
 
 def check_pin_memory(pin_memory: bool) -> bool:
