@@ -5,8 +5,8 @@ For each format (shards, LMDB, HDF5), interleaved in a shuffled order within eac
 * sequential: the store's data files read front to back in 8 MiB reads, 4 in flight (the disk's rate);
 * a cold random epoch (every sample once, shuffled) through each read path, with the
   readers' ``willneed`` off (before) and on (after):
-    threads  ``dlstore.loader(ds, batch_size, shuffle=True, threads=2)``
-    ring     ``dlstore.loader(ds, batch_size, shuffle=True, num_workers=2, shm_ring=True)``
+    threads  ``dlstore.loader(ds, batch_size, shuffle=True, backend="threads", num_threads=2)``
+    ring     ``dlstore.loader(ds, batch_size, shuffle=True, num_workers=2, backend="ring")``
     dl0/dl2  ``torch.utils.data.DataLoader(ds, batch_size, shuffle=True, num_workers=0/2)``
              over ``open_dataset(path)`` (its ``__getitems__`` and the default collate)
 
@@ -100,9 +100,9 @@ def make_loader(ds, path: str, batch_size: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     if path == "threads":
-        return dlstore.loader(ds, batch_size=batch_size, shuffle=True, threads=2, generator=g)
+        return dlstore.loader(ds, batch_size=batch_size, shuffle=True, backend="threads", num_threads=2, generator=g)
     if path == "ring":
-        return dlstore.loader(ds, batch_size=batch_size, shuffle=True, num_workers=2, shm_ring=True, generator=g)
+        return dlstore.loader(ds, batch_size=batch_size, shuffle=True, num_workers=2, backend="ring", generator=g)
     workers = {"dl0": 0, "dl2": 2}[path]
     return torch.utils.data.DataLoader(ds, batch_size=batch_size, shuffle=True, num_workers=workers, generator=g)
 
@@ -217,8 +217,10 @@ def main(argv: list[str] | None = None) -> int:
             dlstore.convert((images, np.arange(args.images) % 10), stores[fmt], workers=0, progress=False)
         del images
         mb = {fmt: sum(f.stat().st_size for f in data_files(s)) / 1e6 for fmt, s in stores.items()}
+        args.read_paths = {fmt: dlstore.open_dataset(s).reader.read_path for fmt, s in stores.items()}
         print(f"stores: {args.images} x 3x{args.size}x{args.size}, " +
-              ", ".join(f"{fmt} {v:,.0f} MB" for fmt, v in mb.items()) + f"; {uptime()}", flush=True)
+              ", ".join(f"{fmt} {v:,.0f} MB ({args.read_paths[fmt]})" for fmt, v in mb.items()) + f"; {uptime()}",
+              flush=True)
         runs: dict[str, list[dict]] = {cell_name(*c): [] for c in cells()}
         warm: dict[str, list[dict]] = {fmt: [] for fmt in FORMATS}
         for r in range(args.rounds):

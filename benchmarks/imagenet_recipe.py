@@ -91,6 +91,7 @@ from torchvision.transforms.v2 import functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import machine_info, write_json
+from _photos import base_photos, derived_photo
 
 import dlstore
 from dlstore.sources import pil_loader
@@ -103,14 +104,6 @@ FFCV_SKIPPED = "ffcv not installed: skipped"
 
 def uptime() -> str:
     return subprocess.run(["uptime"], capture_output=True, text=True, check=False).stdout.strip()
-
-
-def _base_photos() -> list[np.ndarray] | None:
-    try:
-        from sklearn.datasets import load_sample_images
-    except ImportError:
-        return None
-    return list(load_sample_images().images)
 
 
 def _synthetic(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
@@ -130,7 +123,7 @@ def _synthetic(rng: np.random.Generator, h: int, w: int) -> np.ndarray:
 def make_photos(root: Path, count: int, classes: int = 10, seed: int = 0) -> str:
     """``count`` JPEGs of 500-1200 px (longer side) in ``classes`` class folders; returns what they are."""
     rng = np.random.default_rng(seed)
-    bases = _base_photos()
+    bases = base_photos()
     for k in range(count):
         longer = int(rng.integers(500, 1201))
         shorter = longer * 3 // 4
@@ -138,17 +131,7 @@ def make_photos(root: Path, count: int, classes: int = 10, seed: int = 0) -> str
         if bases is None:
             img = Image.fromarray(_synthetic(rng, h, w))
         else:
-            base = bases[k % len(bases)]
-            bh, bw = base.shape[:2]
-            area = rng.uniform(0.3, 1.0) * bh * bw
-            ch = int(min(bh, math.sqrt(area * h / w)))
-            cw = int(min(bw, ch * w / h))
-            top, left = int(rng.integers(0, bh - ch + 1)), int(rng.integers(0, bw - cw + 1))
-            crop = base[top:top + ch, left:left + cw]
-            if rng.random() < 0.5:
-                crop = crop[:, ::-1]
-            crop = np.clip(crop * rng.uniform(0.8, 1.2, 3), 0, 255).astype(np.uint8)
-            img = Image.fromarray(crop).resize((w, h), Image.BICUBIC)
+            img = derived_photo(rng, bases[k % len(bases)], h, w)
         folder = root / f"class_{k % classes:02d}"
         folder.mkdir(parents=True, exist_ok=True)
         img.save(folder / f"img_{k:05d}.jpg", quality=int(rng.integers(75, 96)))

@@ -38,7 +38,7 @@ class ArgumentError(DlstoreError, ValueError):
     """An argument has a value dlstore cannot use; the message names it and what is valid."""
 
 
-class ArgumentTypeError(DlstoreError, TypeError):
+class ArgumentTypeError(ArgumentError, TypeError):
     """An argument has a type dlstore cannot use; the message names it and what is accepted."""
 
 

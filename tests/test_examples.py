@@ -179,6 +179,68 @@ def test_timm_pipeline_split_as_given_equals_the_torchvision_reference(timm_stor
     assert got.max() < 2.7     # (1 - 0.406) / 0.225: the largest normalised value
 
 
+def _seed_all(seed: int) -> None:
+    random.seed(seed)           # timm's crop interpolation, RandAugment and RandomErasing draw from Python's random,
+    np.random.seed(seed)        # some of timm's ops from numpy's,
+    torch.manual_seed(seed)     # torchvision's flip and timm's pixel-mode erasing from torch's
+
+
+def test_timm_train_py_default_with_rand_augment_equals_timm_on_its_pil_image(timm_store, varsize_folder):
+    """train.py's --train-interpolation random --aa rand-m9-mstd0.5 --reprob 0.25 --remode pixel,
+    assigned as create_loader assigns it: exactly timm's pipeline on timm's own decoded image.
+
+    The crop (random interpolation) and RandAugment get a PIL image made from the stored sample,
+    which on this store (no static op, raw) holds the decoded original: ImageFolder's pixels. The
+    flip between them runs on the tensor (the same pixels as on PIL)."""
+    import timm.data          # the timm_store fixture skips without timm
+
+    _, _, _, store = timm_store
+    pipeline = timm.data.create_transform(32, is_training=True, auto_augment="rand-m9-mstd0.5",
+                                          interpolation="random", re_prob=0.25, re_mode="pixel")
+    ds = dlstore.open_dataset(store)
+    ds.transform = pipeline                    # what timm's create_loader does
+    assert "RandAugment" in repr(ds) and "OnPIL" in repr(ds)
+    reference = timm.data.create_dataset("", root=str(varsize_folder), split="", is_training=True)
+    assert reference.reader.class_to_idx == ds.class_to_idx
+    for i in range(len(ds)):
+        path, target = reference.reader.samples[i]
+        assert Path(path).name == Path(ds.samples[i][0]).name and target == ds.targets[i]
+        image, _ = reference[i]                # timm's ImageDataset: the PIL image, no transform set
+        _seed_all(i)
+        got = ds[i][0]
+        _seed_all(i)
+        want = pipeline(image)
+        assert got.dtype == torch.float32 and torch.equal(got, want), i
+
+
+def test_timm_eval_static_from_the_pretrained_config(timm_store, varsize_folder, tmp_path):
+    import timm.data
+
+    example = timm_store[0]
+    assert example.eval_static("resnet50") == "resize=235:bicubic,center_crop=224x224"   # 224 / 0.95
+    assert example.eval_static("resnet50", use_test_size=True) == "resize=288:bicubic,center_crop=288x288"
+    config = {"input_size": (3, 24, 24), "interpolation": "bicubic", "crop_pct": 0.875}
+    spec = example.eval_static(config)
+    assert spec == "resize=27:bicubic,center_crop=24x24"                                   # floor(24 / 0.875)
+    with pytest.raises(ValueError, match="no pretrained config"):
+        example.eval_static("no_such_model")
+    # The eval store made with it reads back as timm's own eval path on timm's own dataset, bit for bit.
+    store = dlstore.convert(varsize_folder, tmp_path / "val.shards", static=spec, workers=0, progress=False).path
+    ds = dlstore.open_dataset(store)
+    reference = timm.data.create_dataset("", root=str(varsize_folder), split="", is_training=False)
+    loaders = []
+    for dataset in (reference, ds):
+        loaders.append(timm.data.create_loader(dataset, batch_size=4, is_training=False, use_prefetcher=False,
+                                               num_workers=0, **example.data_config(config)))
+    assert [type(op).__name__ for op in ds.already_applied] == ["Resize", "CenterCrop"]
+    for (want, want_labels), (got, got_labels) in zip(*loaders):
+        assert got.dtype == torch.float32 and torch.equal(got, want) and torch.equal(got_labels, want_labels)
+    # another crop_pct (another model's config) on that store: refused, never resized again
+    with pytest.raises(dlstore.StaticMismatchError):
+        dlstore.open_dataset(store, transform=timm.data.create_transform(
+            **example.data_config({**config, "crop_pct": 0.95}), is_training=False))
+
+
 # --- Lightning ------------------------------------------------------------------------------
 
 @pytest.mark.slow

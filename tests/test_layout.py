@@ -74,6 +74,14 @@ LIBRARY_PRIVATES = {
     "conversion.pool:_result_queue": "ProcessPoolExecutor's result pipe, closed to free a stuck manager thread",
     "conversion.pool:_writer": "ProcessPoolExecutor's result pipe, closed to free a stuck manager thread",
 }
+# Format names: only the registry and each format's own package branch on one (DESIGN.md, Seams);
+# elsewhere the ``Format`` object answers (``formats.get_format(name).keeps_parts``, ...).
+FORMAT_NAMES = ("shards", "lmdb", "hdf5")
+FORMAT_NAME_HOMES = ("formats", "formats.shards", "formats.lmdb", "formats.hdf5")
+# A constant equal to a format's name that names something else (module:constant -> what).
+NOT_A_FORMAT = {
+    "tools.bench.probes:lmdb": "the versions of the libraries dlstore uses, keyed by name (the lmdb library)",
+}
 
 
 # --- building the graph ---------------------------------------------------------------------
@@ -301,6 +309,32 @@ def private_members(root: Path, allowed: dict[str, str] | None = None) -> list[s
     return [f"{module}:{line}: {text}" for module, line, text in sorted(found)]
 
 
+def format_name_branches(root: Path, allowed: dict[str, str] | None = None) -> list[str]:
+    """``module:line: expression`` for each comparison (``==``, ``!=``, ``in``, a ``match`` case) and each
+    dict key on a format's name outside the registry and that format's package: a branch on the name
+    (a message or help text that names a format is no branch). ``allowed``: ``module:name`` -> why."""
+    allowed = allowed or {}
+    found = []
+    for module, path in module_files(root).items():
+        where = module.partition(".")[2]
+        if any(where == home or where.startswith(home + ".") and home != "formats" for home in FORMAT_NAME_HOMES):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Compare):
+                operands = [node.left, *node.comparators]
+            elif isinstance(node, ast.Dict):
+                operands = [key for key in node.keys if key is not None]
+            elif isinstance(node, ast.MatchValue):
+                operands = [node.value]
+            else:
+                continue
+            operands += [e for o in operands if isinstance(o, (ast.Tuple, ast.List, ast.Set)) for e in o.elts]
+            names = {o.value for o in operands if isinstance(o, ast.Constant) and o.value in FORMAT_NAMES}
+            if any(f"{where}:{name}" not in allowed for name in names):
+                found.append((module, node.lineno, ast.unparse(node)))
+    return [f"{module}:{line}: {text}" for module, line, text in sorted(found)]
+
+
 def line_counts(root: Path) -> dict[str, int]:
     return {module: len(path.read_text().splitlines()) for module, path in module_files(root).items()}
 
@@ -348,6 +382,14 @@ def test_objects_meet_through_public_members():
     stale = [entry for entry in LIBRARY_PRIVATES
              if entry.split(":")[1] not in files[f"{ROOT.name}.{entry.split(':')[0]}"].read_text()]
     assert not stale, f"LIBRARY_PRIVATES lists uses that are gone: {stale}"
+
+
+def test_no_module_outside_a_format_branches_on_its_name():
+    found = format_name_branches(ROOT, NOT_A_FORMAT)
+    assert not found, ("format names compared or used as keys outside the registry and the format's package "
+                       "(ask the Format object, formats.get_format(name), instead):\n" + "\n".join(found))
+    probes = module_files(ROOT)["dlstore.tools.bench.probes"].read_text()
+    assert all(entry.split(":")[1] in probes for entry in NOT_A_FORMAT), "NOT_A_FORMAT lists uses that are gone"
 
 
 def test_no_module_is_named_like_a_standard_module_or_builtin():
@@ -402,6 +444,17 @@ FAKE = {
         "from .._system import usable, _limit\n"
         "from . import _own\n"
         "from ._own import _x\n"),
+    # format-name branches outside the registry and the format's package (reported), and messages (not)
+    "cli/store.py": (
+        "def f(fmt, m, n):\n"
+        "    if fmt == 'hdf5' or m['format'] != 'lmdb':\n"
+        "        return {'shards': 1}\n"
+        "    if fmt in ('x', 'lmdb'):\n"
+        "        raise ValueError(f'{fmt}: use a .h5 file or --format hdf5')\n"
+        "    match n:\n"
+        "        case 'shards':\n"
+        "            return 'shards'\n"),
+    "formats/c/__init__.py": "def f(fmt):\n    return fmt == 'hdf5'\n",
     # private members of another module's object (reported), and of this module's own class (not)
     "data/gpu/__init__.py": "",
     "data/gpu/loader.py": (
@@ -501,3 +554,19 @@ def test_fake_private_members_are_reported(fake):
         "pkg.data.gpu.loader:3: ds._finish",
         "pkg.data.gpu.loader:4: getattr(ds, '_held', getattr(ds, 'data'))",
     ]
+
+
+def test_fake_format_name_branches_are_reported(fake):
+    (fake / "formats" / "__init__.py").write_text("_MODULES = {'hdf5': 'pkg.formats.c'}\n")   # the registry
+    (fake / "formats" / "hdf5").mkdir()
+    (fake / "formats" / "hdf5" / "__init__.py").write_text("def f(fmt):\n    return fmt == 'hdf5'\n")
+    assert format_name_branches(fake) == [
+        "pkg.cli.store:2: fmt == 'hdf5'",
+        "pkg.cli.store:2: m['format'] != 'lmdb'",
+        "pkg.cli.store:3: {'shards': 1}",
+        "pkg.cli.store:4: fmt in ('x', 'lmdb')",
+        "pkg.cli.store:7: 'shards'",
+        "pkg.formats.c:2: fmt == 'hdf5'",
+    ]
+    assert format_name_branches(fake, {"cli.store:shards": "why"})[2:4] == [
+        "pkg.cli.store:4: fmt in ('x', 'lmdb')", "pkg.formats.c:2: fmt == 'hdf5'"]

@@ -75,7 +75,8 @@ def convert(src, dst, root, fmt, static, workers, overwrite, overwrite_damaged, 
         fail(RuntimeError(f"cannot join the torchrun process group ({exc})"))
     options = {}
     if compression != "none":
-        if (fmt or formats.SUFFIXES.get(Path(dst).suffix.lower())) != "hdf5":
+        name = fmt or formats.SUFFIXES.get(Path(dst).suffix.lower())
+        if name is None or compression not in formats.get_format(name).compressions:
             fail(ValueError(f"--compression {compression} applies to hdf5 stores only; "
                              f"use a .h5 DST or --format hdf5, or leave --compression out"))
         options["compression"] = compression
@@ -135,9 +136,12 @@ def info(store, as_json):
         fail(exc)
     m = ds.manifest
     size = disk_usage(Path(store))
-    virtual = m["layout"].get("virtual") if m["format"] == "hdf5" else None
+    virtual = m["layout"].get("virtual") if formats.get_format(m["format"]).keeps_parts else None
     if virtual and (Path(store).parent / virtual["folder"]).is_dir():  # per-rank files of a torchrun conversion
         size += disk_usage(Path(store).parent / virtual["folder"])
+    raw = getattr(ds.reader, "raw", ds.reader)   # (an encoded store's records: what its reader reads)
+    layout = raw.sample_layout()
+    gatherable = layout.read_path == "in place" and raw.shape is not None
     if as_json:
         import json
 
@@ -150,7 +154,8 @@ def info(store, as_json):
                                                              for i, name in enumerate(ds.classes)},
                    "class_order": m.get("class_order"), "skipped": len(m["source"].get("skipped", [])),
                    "provenance": (m["layout"].get("provenance") or {}).get("kind"),
-                   "targets": m.get("targets")}
+                   "targets": m.get("targets"), "read_path": layout.read_path,
+                   "read_path_reason": layout.reason, "gatherable": gatherable, "in_order": layout.in_order}
         click.echo(json.dumps({"summary": summary, "manifest": m}, indent=1, sort_keys=True, ensure_ascii=False))
         return
     shape = "x".join(map(str, ds.shape)) if ds.shape else "variable (per-sample shapes)"
@@ -176,6 +181,12 @@ def info(store, as_json):
         encoding += f" (quality {m['sample']['quality']})"
     click.echo(f"sample    {shape} {m['sample']['dtype']} {m['sample']['layout']}, encoding {encoding}")
     click.echo(f"static    {describe(m['static'])}")
+    order = {True: "in index order", False: "not in index order (consecutive samples lie apart in the file: "
+             "block shuffle reads them as random reads)", None: "order unknown"}[layout.in_order]
+    kept = "gatherable (each sample one uncompressed run of bytes at a known offset)" if gatherable else (
+        "not gatherable" + (" (samples of varying size)" if raw.shape is None else ""))
+    click.echo(f"layout    {kept}, {order}")
+    click.echo(f"reads     {layout.read_path}: {layout.reason}")
     click.echo(f"size      {human_bytes(size)} ({size / max(m['count'], 1):,.0f} B/sample)")
     unit = "files" if source.get("kind", "folder") in ("folder", "list") else "items"
     click.echo(f"source    {source.get('root')} ({source.get('files')} {unit}, {source.get('kind', 'folder')})")

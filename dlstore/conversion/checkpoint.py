@@ -24,7 +24,7 @@ from typing import Any
 from ..errors import SourceError, WriterKilledError
 from ..formats.targets import PARTIAL_SUFFIX
 from .destination import remove_path
-from .job import _Job
+from .job import Job
 from .journal import SUFFIX as JOURNAL_SUFFIX
 from .journal import changed_files, refuse
 
@@ -56,10 +56,10 @@ def remove_staging(staged: Path) -> None:
         remove_path(sibling)
 
 
-def load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dict[str, Any] | None:
+def load_checkpoint(staged: Path, job: Job, log: Callable[[str], None]) -> dict[str, Any] | None:
     """The checkpoint of an interrupted run with the same job, or None (start over)."""
-    if not hasattr(job.module.Writer, "resume"):
-        log(f"{job.module.FORMAT} conversions cannot resume; starting over")
+    if not hasattr(job.store_format.Writer, "resume"):
+        log(f"{job.store_format.name} conversions cannot resume; starting over")
         return None
     path = progress_path(staged)
     if not path.is_file():
@@ -77,7 +77,7 @@ def load_checkpoint(staged: Path, job: _Job, log: Callable[[str], None]) -> dict
     return checkpoint
 
 
-def _converted_files_unchanged(staged: Path, job: _Job, checkpoint: dict[str, Any],
+def _converted_files_unchanged(staged: Path, job: Job, checkpoint: dict[str, Any],
                                log: Callable[[str], None]) -> bool:
     """True if the files the interrupted run converted are the ones it converted (their prints,
     in the journal, match); False (start over) where it cannot be checked; SourceChangedError
@@ -96,7 +96,7 @@ def _converted_files_unchanged(staged: Path, job: _Job, checkpoint: dict[str, An
     return True
 
 
-def save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skipped: list) -> None:
+def save_checkpoint(staged: Path, job: Job, writer: Any, source_pos: int, skipped: list) -> None:
     state = {"job": job.fingerprint(), "source_pos": source_pos, "skipped": skipped, "labels_seen": job.labels_seen,
              "writer": writer.checkpoint()}
     if job.journal is not None:   # the prints of the files converted so far, appended beside the checkpoint
@@ -118,13 +118,13 @@ def save_checkpoint(staged: Path, job: _Job, writer: Any, source_pos: int, skipp
     os.replace(tmp, path)
 
 
-def resume_writer(job: _Job, staged: Path, checkpoint: dict[str, Any], log: Callable[[str], None]) -> Any:
+def resume_writer(job: Job, staged: Path, checkpoint: dict[str, Any], log: Callable[[str], None]) -> Any:
     """The interrupted conversion's writer, reopened, with the job's state restored; None where
     its file can never be reopened (an HDF5 file whose writer was killed: HDF5 refuses to open it
     for writing again), the staging then removed: the conversion starts over. Any other failure
     to reopen (the file locked by a reader, no permission) is raised, the staging kept."""
     try:
-        writer = job.module.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
+        writer = job.store_format.Writer.resume(staged, checkpoint["writer"], shape=job.record_shape, **job.options)
     except WriterKilledError as exc:
         log(f"the interrupted conversion cannot be resumed ({exc}); starting over")
         remove_staging(staged)

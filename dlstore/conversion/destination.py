@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import NotAStoreError, StoreExistsError
 from ..formats.ownership import not_a_store, signature
+from ..formats.synced import fsync_dir
 
 
 def staging_path(dst: Path) -> Path:
@@ -29,14 +30,6 @@ def remove_path(path: Path) -> None:
         shutil.rmtree(path)
     elif path.exists() or path.is_symlink():
         path.unlink()
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def check_apart(dst: Path, src: Path, *, scanned: bool) -> None:

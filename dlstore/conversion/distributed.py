@@ -28,7 +28,7 @@ of the same folder: same sample order, labels, sample bytes):
              together (the mapping uses a relative path). HDF5 finds the parts by
              name, and an overwrite publishes the new ``DST.parts`` before the new
              ``DST``: ``DST``'s manifest records each part's own checksums, and a
-             reader refuses parts that are not those (formats.integrity.hold_virtual_sources).
+             reader refuses parts that are not those (formats.hdf5.virtual.hold_virtual_sources).
     lmdb     a merge step on rank 0 copies the parts' records in order into one
              environment (LMDB has one writer at a time and no cross-environment
              view); this copies the sample data once.
@@ -72,6 +72,7 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -83,7 +84,7 @@ from .assemble import (
     remove_with_siblings,
 )
 from .destination import check_destination, remove_path, staging_path
-from .job import ConvertResult, _feed, _finish, disk_usage
+from .job import ConvertResult, disk_usage, feed_writer, finish_writer
 from .lock import DestinationLock
 from .parts import PLAN, convert_part, keep_for_resume, resumable, write_json
 from .ranks import (
@@ -167,138 +168,163 @@ def _part_name(rank: int, suffix: str) -> str:
     return f"part-{rank:05d}{suffix}"
 
 
-def convert_distributed(group: Any, open_src: Any, dst: Path, *, module: Any, job_for: Any,
+def convert_distributed(group: Any, open_src: Any, dst: Path, *, store_format: Any, job_for: Any,
                         overwrite: bool, resume: bool, progress: bool, log: Any) -> Any:
     """Run the conversion ``dlstore.convert`` describes on every rank of ``group``; see the module doc.
 
-    ``open_src()`` opens the source; ``job_for(source)`` builds the conversion's ``_Job`` for a
+    ``open_src()`` opens the source; ``job_for(source)`` builds the conversion's ``Job`` for a
     part of it. A file listing (folder, list file) is opened by rank 0 and its parts are sent
     to the ranks; an in-memory source (dataset, arrays), which every rank was given, is only
     measured by rank 0 and each rank takes its own part of its own copy. ``resume`` continues
     the interrupted conversion kept in the work folder (same ranks, same settings).
     Every rank returns the same ConvertResult (``workers`` is per rank).
     """
-    ex = Exchange(group)
-    rank, world = ex.rank, ex.world
-    fmt = module.FORMAT
-    work = work_path(dst)
-    lock: DestinationLock | None = None
-    stage = "check"  # then "convert", "assemble", "done": what rank 0 keeps for --resume depends on it
+    run = _RankRun(Exchange(group), dst, store_format, work_path(dst), log)
     keep = False
-    statuses: list[RankStatus] = []
-    start = time.perf_counter()
     try:
-        # --- phase 0: rank 0 checks, locks, scans, hands out ranges ---------------------
-        error: BaseException | None = None
-        parts_msg = None
-        if rank == 0:
-            try:
-                check_destination(dst, overwrite, log)
-                candidate = DestinationLock(dst, log)
-                candidate.acquire()
-                lock = candidate  # from here on this conversion owns the work and staging paths
-                if fmt == "hdf5":
-                    check_parts_folder(dst, overwrite)
-                source = open_src()
-                if source.empty_classes:
-                    log(f"warning: {len(source.empty_classes)} class folder(s) hold no image and keep their "
-                        f"label index: {', '.join(source.empty_classes)}")
-                total = len(source)
-                plan = json.loads(json.dumps({"ranks": world, "job": job_for(source).fingerprint()}))
-                resumed = resume and resumable(work, plan, dst, log)
-                if not resumed:
-                    remove_path(work)
-                    (work / "parts").mkdir(parents=True)
-                    write_json(work / PLAN, plan)
-                stage = "convert"
-                for r in failed_ranks(work):  # (markers of the interrupted run)
-                    (work / f"FAILED-rank-{r:05d}").unlink()
-                listing = source.origin_kind == "path"  # small and picklable: send it
-                parts_msg = [(source.part(a, b) if listing else (a, b), a, total, resumed)
-                             for a, b in part_ranges(total, world)]
-                del source
-            except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
-                error = exc
-        verdict = ex.broadcast(None if error is None else describe_error(error))
-        if verdict is not None:
-            if error is not None:
-                raise error
-            raise DistributedError(f"rank 0 could not start the distributed conversion: {verdict}")
-        part, first, total, resumed = ex.scatter(parts_msg)
-        del parts_msg
-        if isinstance(part, tuple):  # an in-memory source: this rank's part of its own copy
-            part = open_src().part(*part)
-
-        # --- phase 1: every rank converts its range into a part ---------------------------
-        job = job_for(part)
-        part_path = work / "parts" / _part_name(rank, module.SUFFIXES[0])
-        status = RankStatus(rank)
-        own: BaseException | None = None
-        try:
-            status.count, status.skipped, status.resumed = convert_part(
-                job, part_path, first, total, work, rank, world, progress, dst.name, _feed, _finish,
-                resume=resumed, log=log)
-            status.labels_seen = list(job.labels_seen)
-        except BaseException as exc:  # noqa: BLE001 - reported to all ranks, then re-raised below
-            own = exc
-            status.error = describe_error(exc)
-            status.aborted = isinstance(exc, DistributedError)
-            status.bad_input = isinstance(exc, SourceError) and not isinstance(exc, SourceChangedError)
-            if not status.aborted:
-                mark_failed(work, rank)
-        statuses = ex.gather(status)
-        if own is not None and isinstance(own, (KeyboardInterrupt, SystemExit)):
-            raise own
-        raise_if_failed(statuses, rank, own)
-
-        # --- phase 2: rank 0 assembles and publishes ---------------------------------------
-        stage = "assemble"
-        result = None
-        error = None
-        if rank == 0:
-            try:
-                count = sum(s.count for s in statuses)
-                skipped = [item for s in statuses for item in (s.skipped or [])]
-                if count == 0:
-                    raise SourceError(f"{part.root}: no file could be converted ({len(skipped)} skipped)")
-                full_job = job_for(part)  # carries root/classes/spec; samples unused below
-                seen = [s.labels_seen for s in statuses if s.labels_seen]
-                full_job.labels_seen[:] = [max(x[0] for x in seen), max(x[1] for x in seen)]
-                parts = [work / "parts" / _part_name(r, module.SUFFIXES[0]) for r in range(world)]
-                counts = [s.count for s in statuses]
-                assemble(full_job, dst, parts, counts, count, skipped, total, overwrite, _finish)
-                stage = "done"
-                size = disk_usage(dst)
-                if fmt == "hdf5" and hdf5_parts_path(dst).exists():
-                    size += disk_usage(hdf5_parts_path(dst))
-                result = ConvertResult(
-                    path=dst, store_format=fmt, count=count, classes=full_job.classes(), shape=job.shape,
-                    static=job.spec,
-                    nbytes=size, seconds=time.perf_counter() - start, workers=job.workers, skipped=skipped,
-                    empty_classes=part.empty_classes, resumed=sum(s.resumed for s in statuses))
-            except Exception as exc:  # noqa: BLE001 - reported to every rank
-                error = exc
-        verdict = ex.broadcast(("error", describe_error(error)) if error is not None else ("ok", result))
-        if verdict[0] == "error":
-            if error is not None:
-                raise error
-            raise DistributedError(f"rank 0 failed to assemble the store: {verdict[1]}; nothing was written")
-        result = verdict[1]
+        part, first, total, resumed = _hand_out_parts(run, open_src, job_for, overwrite, resume)
+        job = _convert_part(run, job_for(part), first, total, resumed, progress)
+        result = _assemble_on_rank0(run, part, job, job_for, total, overwrite)
         result.workers = job.workers
         return result
     except BaseException as exc:
-        if lock is not None and stage != "check":
-            keep = keep_for_resume(work, stage, fmt, exc, statuses)
+        if run.lock is not None and run.stage != "check":
+            keep = keep_for_resume(run.work, run.stage, store_format, exc, run.statuses)
             if keep:
-                log(f"partial conversion kept in {work}; run the same command with --resume on {world} ranks "
-                    "to continue")
+                log(f"partial conversion kept in {run.work}; run the same command with --resume on "
+                    f"{run.ex.world} ranks to continue")
         raise
     finally:
-        if lock is not None:
-            if stage != "check" and not keep:  # (check: this run has not touched the work folder)
-                remove_path(work)
-            if stage in ("assemble", "done"):  # (before: it may hold an interrupted single-process run)
+        if run.lock is not None:
+            if run.stage != "check" and not keep:  # (check: this run has not touched the work folder)
+                remove_path(run.work)
+            if run.stage in ("assemble", "done"):  # (before: it may hold an interrupted single-process run)
                 remove_with_siblings(staging_path(dst))
-            lock.release()
+            run.lock.release()
+
+
+@dataclass
+class _RankRun:
+    """One rank's distributed conversion: what its phases share."""
+
+    ex: Exchange
+    dst: Path
+    store_format: Any   # the formats.protocol.Format written
+    work: Path
+    log: Any
+    lock: DestinationLock | None = None   # rank 0, once it holds the destination
+    stage: str = "check"  # then "convert", "assemble", "done": what rank 0 keeps for --resume depends on it
+    statuses: list[RankStatus] = field(default_factory=list)
+    start: float = field(default_factory=time.perf_counter)
+
+
+def _hand_out_parts(run: _RankRun, open_src: Any, job_for: Any, overwrite: bool,
+                    resume: bool) -> tuple[Any, int, int, bool]:
+    """Phase 0: rank 0 checks, locks, scans and hands out ranges; every rank gets
+    (its part of the source, the part's first index, the source's length, whether it resumes)."""
+    ex, dst, work, log = run.ex, run.dst, run.work, run.log
+    error: BaseException | None = None
+    parts_msg = None
+    if ex.rank == 0:
+        try:
+            check_destination(dst, overwrite, log)
+            candidate = DestinationLock(dst, log)
+            candidate.acquire()
+            run.lock = candidate  # from here on this conversion owns the work and staging paths
+            if run.store_format.keeps_parts:
+                check_parts_folder(dst, overwrite)
+            source = open_src()
+            if source.empty_classes:
+                log(f"warning: {len(source.empty_classes)} class folder(s) hold no image and keep their "
+                    f"label index: {', '.join(source.empty_classes)}")
+            total = len(source)
+            plan = json.loads(json.dumps({"ranks": ex.world, "job": job_for(source).fingerprint()}))
+            resumed = resume and resumable(work, plan, dst, log)
+            if not resumed:
+                remove_path(work)
+                (work / "parts").mkdir(parents=True)
+                write_json(work / PLAN, plan)
+            run.stage = "convert"
+            for r in failed_ranks(work):  # (markers of the interrupted run)
+                (work / f"FAILED-rank-{r:05d}").unlink()
+            listing = source.origin_kind == "path"  # small and picklable: send it
+            parts_msg = [(source.part(a, b) if listing else (a, b), a, total, resumed)
+                         for a, b in part_ranges(total, ex.world)]
+            del source
+        except Exception as exc:  # noqa: BLE001 - every failure is reported to every rank
+            error = exc
+    verdict = ex.broadcast(None if error is None else describe_error(error))
+    if verdict is not None:
+        if error is not None:
+            raise error
+        raise DistributedError(f"rank 0 could not start the distributed conversion: {verdict}")
+    part, first, total, resumed = ex.scatter(parts_msg)
+    del parts_msg
+    if isinstance(part, tuple):  # an in-memory source: this rank's part of its own copy
+        part = open_src().part(*part)
+    return part, first, total, resumed
+
+
+def _convert_part(run: _RankRun, job: Any, first: int, total: int, resumed: bool, progress: bool) -> Any:
+    """Phase 1: every rank converts its range into a part; every rank learns how every rank fared
+    (and raises if one failed). Returns this rank's job."""
+    ex, work = run.ex, run.work
+    part_path = work / "parts" / _part_name(ex.rank, run.store_format.suffixes[0])
+    status = RankStatus(ex.rank)
+    own: BaseException | None = None
+    try:
+        status.count, status.skipped, status.resumed = convert_part(
+            job, part_path, first, total, work, ex.rank, ex.world, progress, run.dst.name, feed_writer,
+            finish_writer, resume=resumed, log=run.log)
+        status.labels_seen = list(job.labels_seen)
+    except BaseException as exc:  # noqa: BLE001 - reported to all ranks, then re-raised below
+        own = exc
+        status.error = describe_error(exc)
+        status.aborted = isinstance(exc, DistributedError)
+        status.bad_input = isinstance(exc, SourceError) and not isinstance(exc, SourceChangedError)
+        if not status.aborted:
+            mark_failed(work, ex.rank)
+    run.statuses = ex.gather(status)
+    if own is not None and isinstance(own, (KeyboardInterrupt, SystemExit)):
+        raise own
+    raise_if_failed(run.statuses, ex.rank, own)
+    return job
+
+
+def _assemble_on_rank0(run: _RankRun, part: Any, job: Any, job_for: Any, total: int, overwrite: bool) -> ConvertResult:
+    """Phase 2: rank 0 assembles the parts and publishes the store; every rank gets its ConvertResult."""
+    ex, dst, statuses, fmt = run.ex, run.dst, run.statuses, run.store_format
+    run.stage = "assemble"
+    result = None
+    error = None
+    if ex.rank == 0:
+        try:
+            count = sum(s.count for s in statuses)
+            skipped = [item for s in statuses for item in (s.skipped or [])]
+            if count == 0:
+                raise SourceError(f"{part.root}: no file could be converted ({len(skipped)} skipped)")
+            full_job = job_for(part)  # carries root/classes/spec; samples unused below
+            seen = [s.labels_seen for s in statuses if s.labels_seen]
+            full_job.labels_seen[:] = [max(x[0] for x in seen), max(x[1] for x in seen)]
+            parts = [run.work / "parts" / _part_name(r, fmt.suffixes[0]) for r in range(ex.world)]
+            counts = [s.count for s in statuses]
+            assemble(full_job, dst, parts, counts, count, skipped, total, overwrite, finish_writer)
+            run.stage = "done"
+            size = disk_usage(dst)
+            if fmt.keeps_parts and hdf5_parts_path(dst).exists():
+                size += disk_usage(hdf5_parts_path(dst))
+            result = ConvertResult(
+                path=dst, store_format=fmt.name, count=count, classes=full_job.classes(), shape=job.shape,
+                static=job.spec,
+                nbytes=size, seconds=time.perf_counter() - run.start, workers=job.workers, skipped=skipped,
+                empty_classes=part.empty_classes, resumed=sum(s.resumed for s in statuses))
+        except Exception as exc:  # noqa: BLE001 - reported to every rank
+            error = exc
+    verdict = ex.broadcast(("error", describe_error(error)) if error is not None else ("ok", result))
+    if verdict[0] == "error":
+        if error is not None:
+            raise error
+        raise DistributedError(f"rank 0 failed to assemble the store: {verdict[1]}; nothing was written")
+    return verdict[1]
 
 

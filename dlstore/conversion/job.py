@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from ..sources.origins import Origins
 from ..transforms.static import StaticSpec, describe
 from ..units import human_bytes
 from .journal import Journal
-from .pool import _CHUNK, _CHUNK_IN_MEMORY, _decoded
+from .pool import CHUNK, CHUNK_IN_MEMORY, decode_in_order
 
 ON_ERROR = ("fail", "skip")
 
@@ -84,13 +85,13 @@ def disk_usage(path: Path) -> int:
 
 
 @dataclass
-class _Job:
+class Job:
     """Everything that determines a conversion's output (and so must match to resume)."""
 
     source: Any  # anything with the source interface (dlstore.sources)
     spec: StaticSpec
     shape: tuple[int, int, int] | None
-    module: Any
+    store_format: Any   # the formats.protocol.Format the store is written in
     decode: dict[str, Any]
     workers: int
     on_error: str
@@ -119,7 +120,7 @@ class _Job:
     def _fingerprint(self) -> dict[str, Any]:
         # Computed once: it hashes the whole file listing, and every checkpoint records it.
         return {
-            "format": self.module.FORMAT, "format_version": self.module.FORMAT_VERSION,
+            "format": self.store_format.name, "format_version": self.store_format.version,
             "static": self.spec, "decode": self.decode, "on_error": self.on_error, "codec": list(self.codec),
             "options": {k: v for k, v in sorted(self.options.items())},
             **self.source.fingerprint(),
@@ -141,24 +142,35 @@ class _Job:
         return self._fingerprint
 
 
-def _feed(job: _Job, writer: Any, start: int, skipped: list[dict[str, Any]], bar: Any,
-          on_file_done: Callable[[int], None] | None = None,
-          check: Callable[[], None] | None = None) -> None:
+def feed_writer(job: Job, writer: Any, start: int, skipped: list[dict[str, Any]], bar: Any,
+                on_file_done: Callable[[int], None] | None = None,
+                check: Callable[[], None] | None = None) -> None:
     """Load items ``start:`` of ``job.source`` in order, apply the static ops, add them to ``writer``.
 
     ``on_file_done(pos)`` runs when the writer completes a data file (checkpoints);
     ``check()`` runs every few hundred items and may raise to stop (distributed aborts).
     """
     source = job.source
-    n_classes = None if source.classes is None else len(source.classes)
-    seen = job.labels_seen
     # One walk over the keys, shared by the decoder (which reads a bounded window ahead)
     # and the writer loop; tee buffers only that window.
     todo, ahead = itertools.tee(source.item_keys(start))
-    chunk = _CHUNK if source.origin_kind == "path" else _CHUNK_IN_MEMORY
-    results = _decoded(ahead, source.loader(job.decode), job.spec, job.codec, job.workers, chunk,
+    chunk = CHUNK if source.origin_kind == "path" else CHUNK_IN_MEMORY
+    results = decode_in_order(ahead, source.loader(job.decode), job.spec, job.codec, job.workers, chunk,
                        where=None if job.journal is None else source.where)
-    for pos, (key, (result, printed)) in enumerate(zip(todo, results), start=start):
+    # Closed here, in this thread, when writing fails: left to the garbage collector, the pool's
+    # shutdown can run in the pool's own manager thread, which cannot join itself.
+    with contextlib.closing(results):
+        _write_results(job, writer, start, zip(todo, results), skipped, bar, on_file_done, check)
+
+
+def _write_results(job: Job, writer: Any, start: int, results: Iterable[Any], skipped: list[dict[str, Any]],
+                   bar: Any, on_file_done: Callable[[int], None] | None,
+                   check: Callable[[], None] | None) -> None:
+    """The writer loop of :func:`feed_writer`: check each decoded item, add it or record it as skipped."""
+    source = job.source
+    n_classes = None if source.classes is None else len(source.classes)
+    seen = job.labels_seen
+    for pos, (key, (result, printed)) in enumerate(results, start=start):
         if job.journal is not None:
             job.journal.append(source.origin(key), printed)
         if not isinstance(result, str):
@@ -207,7 +219,7 @@ def _shape_error(source: Any, key: Any, got: tuple[int, ...], expected: tuple[in
                               "one shape: add a resize + center_crop to the static ops)")
 
 
-def _target_row(job: _Job, where: str, label: Any) -> np.ndarray:
+def _target_row(job: Job, where: str, label: Any) -> np.ndarray:
     """``label``, the target vector of the item at ``where``, checked against the first item's kind."""
     spec = job.targets
     if spec is None:
@@ -230,8 +242,8 @@ def origins_for(source: Any, skipped: list[dict[str, Any]]) -> Origins:
     return Origins.build(kind, (o for o in origins if o not in dropped) if dropped else origins)
 
 
-def _finish(job: _Job, writer: Any, count: int, skipped: list[dict[str, Any]], *, files: int,
-            origins: Origins | None = None) -> dict[str, Any]:
+def finish_writer(job: Job, writer: Any, count: int, skipped: list[dict[str, Any]], *, files: int,
+                  origins: Origins | None = None) -> dict[str, Any]:
     """Complete ``writer`` and write its manifest; return the manifest.
 
     ``origins``: the samples' provenance (default: from the job's source, less ``skipped``).
@@ -253,12 +265,12 @@ def _finish(job: _Job, writer: Any, count: int, skipped: list[dict[str, Any]], *
     return manifest
 
 
-def manifest_for(job: _Job, *, count: int, skipped: list[dict[str, Any]], files: int,
+def manifest_for(job: Job, *, count: int, skipped: list[dict[str, Any]], files: int,
                  checksums: dict[str, str], layout: dict[str, Any]) -> dict[str, Any]:
     """The manifest of a store that ``job`` produced (one writer, or assembled from parts)."""
-    source, module = job.source, job.module
+    source, fmt = job.source, job.store_format
     return make_manifest(
-        format=module.FORMAT, format_version=module.FORMAT_VERSION, count=count, shape=job.record_shape,
+        format=fmt.name, format_version=fmt.version, count=count, shape=job.record_shape,
         classes=job.classes(), static=job.spec, encoding=job.codec[0], decoded_shape=job.shape,
         quality=job.codec[1] if job.codec[0] == "jpeg" else None,
         source={**source.describe(), "files": files, "skipped": skipped, "decode": job.decode},

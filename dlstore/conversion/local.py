@@ -14,6 +14,7 @@ import inspect
 import os
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -52,7 +53,7 @@ from .checkpoint import (
     save_checkpoint,
     targets_path,
 )
-from .job import ON_ERROR, ConvertResult, _feed, _finish, _Job, disk_usage
+from .job import ON_ERROR, ConvertResult, Job, disk_usage, feed_writer, finish_writer
 from .lock import DestinationLock
 from .pool import apply_static_any, usable_workers
 
@@ -62,14 +63,14 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, (int, np.integer)) and not isinstance(value, bool)
 
 
-def _check_writer_options(module: Any, fmt: str, options: dict[str, Any]) -> None:
+def _check_writer_options(fmt: Any, options: dict[str, Any]) -> None:
     """Refuse a keyword the format's Writer does not take (a typo would be ignored otherwise)."""
-    params = inspect.signature(module.Writer.__init__).parameters
+    params = inspect.signature(fmt.Writer.__init__).parameters
     valid = sorted(name for name, p in params.items()
                    if p.kind == p.KEYWORD_ONLY and not name.startswith("_") and name != "shape")
     unknown = sorted(set(options) - set(valid))
     if unknown:
-        raise ArgumentError(f"{', '.join(unknown)}: not an option of {fmt} stores; valid: "
+        raise ArgumentError(f"{', '.join(unknown)}: not an option of {fmt.name} stores; valid: "
                             f"{', '.join(valid) or 'none'}")
 
 
@@ -141,6 +142,9 @@ def convert(
     **format_options: Any,
 ) -> ConvertResult:
     """Convert a source of images into a store.
+
+    Its keyword arguments are the options of ``dlstore convert``, one for one, hence their number;
+    the steps below (``_resolve``, ``_convert_here``, ``_convert_on_ranks``) share a ``Conversion``.
 
     Sample ``i`` of the store is item ``i`` of the source after the static ops
     (torchvision's kernels, on what the source yields), whatever ``workers`` is.
@@ -220,22 +224,59 @@ def convert(
         ConversionInterrupted: a worker died; KeyboardInterrupt: interrupted. A
             resumable partial conversion is kept next to ``dst`` (``.NAME.dlstore-tmp``).
     """
+    conversion = _resolve(src, dst, store_format=store_format, static=static, workers=workers, overwrite=overwrite,
+                          on_error=on_error, resume=resume, exif_transpose=exif_transpose, max_pixels=max_pixels,
+                          encoding=encoding, quality=quality, shard_size=shard_size, progress=progress, log=log,
+                          root=root, image_key=image_key, label_key=label_key, mode=mode,
+                          class_order=class_order, format_options=format_options)
+    group = active_group(distributed)
+    if group is not None:
+        return _convert_on_ranks(conversion, group, workers)
+    return _convert_here(conversion, workers)
+
+
+@dataclass
+class Conversion:
+    """What ``convert`` was asked, checked and resolved: what its steps share."""
+
+    dst: Path
+    store_format: Any   # the formats.protocol.Format to write
+    spec: list[dict[str, Any]]
+    decode: dict[str, Any]
+    codec: tuple[str, int]
+    options: dict[str, Any]   # the Writer's keyword options
+    on_error: str
+    overwrite: bool | str
+    resume: bool
+    progress: bool
+    log: Callable[[str], None]
+    open_src: Callable[[], Any]
+
+    def job(self, source: Any, workers: int) -> Job:
+        """The job converting ``source`` (a whole source or a rank's part) with up to ``workers`` processes."""
+        workers = usable_workers(source.loader(self.decode), workers, self.log)
+        return Job(source=source, spec=self.spec, shape=sample_shape(self.spec, source),
+                   store_format=self.store_format, decode=self.decode, workers=workers, on_error=self.on_error,
+                   options=self.options, codec=self.codec)
+
+
+def _resolve(src: Any, dst: Any, *, store_format: Any, static: Any, workers: Any, overwrite: Any, on_error: Any,
+             resume: bool, exif_transpose: bool, max_pixels: Any, encoding: Any, quality: Any, shard_size: Any,
+             progress: bool, log: Callable[[str], None] | None, root: Any, image_key: Any, label_key: Any,
+             mode: Any, class_order: Any, format_options: dict[str, Any]) -> Conversion:
+    """``convert``'s arguments checked (the first unusable one raises, naming it) and resolved."""
     shard_size = _checked_arguments(dst, overwrite=overwrite, on_error=on_error, encoding=encoding,
                                     max_pixels=max_pixels, quality=quality, workers=workers, shard_size=shard_size)
-    log = log or (lambda message: None)
     dst = Path(dst)
     if store_format is not None and not isinstance(store_format, str):
         raise ArgumentTypeError(f"store_format must be None (from dst's suffix) or one of "
                                 f"{', '.join(formats.names())}, got {store_format!r}")
-    fmt = formats.format_for_destination(dst) if store_format is None else store_format
-    module = formats.get_format(fmt)
+    fmt = formats.get_format(formats.format_for_destination(dst) if store_format is None else store_format)
     spec = parse_static(static)
     check_class_order(class_order)
-    _check_writer_options(module, fmt, format_options)
-    if shard_size is not None and fmt == "shards":   # the other formats have no data files to size
+    _check_writer_options(fmt, format_options)
+    if shard_size is not None and fmt.sized_data_files:   # the other formats have no data files to size
         format_options["shard_size"] = shard_size
-    decode = {"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels}
-    codec = (encoding, int(quality))
     if root is not None and not isinstance(root, (str, os.PathLike)):
         raise ArgumentTypeError(f"root must be a path (str or os.PathLike), got {type(root).__name__}")
     if isinstance(src, (str, os.PathLike)):   # (a dataset or arrays have no path to protect)
@@ -247,77 +288,89 @@ def convert(
         return open_source(src, root=root, image_key=image_key, label_key=label_key, mode=mode,
                            class_order=class_order)
 
-    group = active_group(distributed)
-    if group is not None:
-        if workers is None:
-            local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or group.size()
-            workers = max(1, usable_cpus() // local)
-        part_workers = max(0, int(workers))
+    return Conversion(dst=dst, store_format=fmt, spec=spec,
+                      decode={"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels},
+                      codec=(encoding, int(quality)), options=format_options, on_error=on_error,
+                      overwrite=overwrite, resume=resume, progress=progress, log=log or (lambda message: None),
+                      open_src=open_src)
 
-        def job_for(part: Any) -> _Job:
-            return _Job(source=part, spec=spec, shape=sample_shape(spec, part), module=module, decode=decode,
-                        workers=usable_workers(part.loader(decode), part_workers, log), on_error=on_error,
-                        options=format_options, codec=codec)
 
-        return convert_distributed(group, open_src, dst, module=module, job_for=job_for, overwrite=overwrite,
-                                   resume=resume, progress=progress, log=log)
-    seen = check_destination(dst, overwrite, log)
-    source = open_src()
+def _convert_on_ranks(conversion: Conversion, group: Any, workers: int | None) -> ConvertResult:
+    """Every rank of ``group`` converts a part; rank 0 assembles them (``convert_distributed``)."""
+    if workers is None:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", "0")) or group.size()
+        workers = max(1, usable_cpus() // local)
+    part_workers = max(0, int(workers))
+    return convert_distributed(group, conversion.open_src, conversion.dst, store_format=conversion.store_format,
+                               job_for=lambda part: conversion.job(part, part_workers),
+                               overwrite=conversion.overwrite, resume=conversion.resume,
+                               progress=conversion.progress, log=conversion.log)
+
+
+def _convert_here(conversion: Conversion, workers: int | None) -> ConvertResult:
+    """This process converts the whole source, under the destination's lock."""
+    dst, log = conversion.dst, conversion.log
+    seen = check_destination(dst, conversion.overwrite, log)
+    source = conversion.open_src()
     if source.empty_classes:
         log(f"warning: {len(source.empty_classes)} class folder(s) hold no image and keep their "
             f"label index: {', '.join(source.empty_classes)}")
-    workers = usable_cpus() if workers is None else max(0, int(workers))
-    workers = usable_workers(source.loader(decode), workers, log)
-    job = _Job(source=source, spec=spec, shape=sample_shape(spec, source), module=module, decode=decode,
-               workers=workers, on_error=on_error, options=format_options, codec=codec)
-
+    job = conversion.job(source, usable_cpus() if workers is None else max(0, int(workers)))
     lock = DestinationLock(dst, log)
     lock.acquire()
     try:
-        staged = staging_path(dst)
         start = time.perf_counter()
-        checkpoint = load_checkpoint(staged, job, log) if resume else None
-        if checkpoint is None:
-            remove_staging(staged)  # left by a conversion that crashed, or not resumable
-        try:
-            count, skipped, resumed = _run(job, staged, checkpoint, progress, dst.name, log)
-            replaced = dst.exists()
-            publish(staged, dst, overwrite, seen=seen)
-            if replaced and module.FORMAT == "hdf5":   # a distributed store replaced by this one: its parts
-                remove_old_parts(dst)
-        except SourceChangedError:
-            raise   # the interrupted run's work stays: the original files may be put back
-        except (DecodeError, SourceError):
-            remove_staging(staged)  # bad input: nothing worth resuming
-            raise
-        except BaseException as exc:
-            if progress_path(staged).is_file() and staged.exists():
-                log(f"partial conversion kept in {staged}; run the same command with --resume to continue")
-            else:
-                remove_staging(staged)  # (an HDF5 writer removes a file it could not close intact)
-            mapped = write_error(staged, exc) if isinstance(exc, Exception) else None
-            if mapped is not None and mapped is not exc:
-                raise mapped from exc  # a full disk, EFBIG, EIO: named, not a traceback
-            raise
+        count, skipped, resumed = _convert_staged(conversion, job, seen)
         seconds = time.perf_counter() - start
     finally:
         lock.release()
     return ConvertResult(
-        path=dst, store_format=fmt, count=count, classes=job.classes(), shape=job.shape, static=spec,
-        nbytes=disk_usage(dst), seconds=seconds, workers=workers, skipped=skipped,
+        path=dst, store_format=job.store_format.name, count=count, classes=job.classes(), shape=job.shape,
+        static=conversion.spec, nbytes=disk_usage(dst), seconds=seconds, workers=job.workers, skipped=skipped,
         empty_classes=source.empty_classes,
         targets=None if job.targets is None else (job.targets.length, job.targets.dtype.name), resumed=resumed,
     )
 
 
-def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: bool,
+def _convert_staged(conversion: Conversion, job: Job, seen: Any) -> tuple[int, list[dict[str, str]], int]:
+    """Convert into the staging path (resuming where asked and possible) and publish it at the
+    destination; keep what ``--resume`` can continue after a failure, remove the rest."""
+    dst, log = conversion.dst, conversion.log
+    staged = staging_path(dst)
+    checkpoint = load_checkpoint(staged, job, log) if conversion.resume else None
+    if checkpoint is None:
+        remove_staging(staged)  # left by a conversion that crashed, or not resumable
+    try:
+        count, skipped, resumed = _run(job, staged, checkpoint, conversion.progress, dst.name, log)
+        replaced = dst.exists()
+        publish(staged, dst, conversion.overwrite, seen=seen)
+        if replaced and job.store_format.keeps_parts:   # a distributed store replaced by this one: its parts
+            remove_old_parts(dst)
+    except SourceChangedError:
+        raise   # the interrupted run's work stays: the original files may be put back
+    except (DecodeError, SourceError):
+        remove_staging(staged)  # bad input: nothing worth resuming
+        raise
+    except BaseException as exc:
+        if progress_path(staged).is_file() and staged.exists():
+            log(f"partial conversion kept in {staged}; run the same command with --resume to continue")
+        else:
+            remove_staging(staged)  # (an HDF5 writer removes a file it could not close intact)
+        mapped = write_error(staged, exc) if isinstance(exc, Exception) else None
+        if mapped is not None and mapped is not exc:
+            raise mapped from exc  # a full disk, EFBIG, EIO: named, not a traceback
+        raise
+    return count, skipped, resumed
+
+
+def _run(job: Job, staged: Path, checkpoint: dict[str, Any] | None, progress: bool,
          name: str, log: Callable[[str], None]) -> tuple[int, list[dict[str, str]], int]:
     """Decode, write and finish into ``staged``; return (sample count, skipped files, samples of
     them an interrupted run had written)."""
-    source, module = job.source, job.module
+    source, fmt = job.source, job.store_format
     writer = None if checkpoint is None else resume_writer(job, staged, checkpoint, log)
     if writer is None:
-        writer = module.Writer(staged, shape=job.record_shape, **job.options)
+        writer = fmt.Writer(staged, shape=job.record_shape, **job.options)
         start, skipped = 0, []
     else:
         start, skipped = checkpoint["source_pos"], list(checkpoint["skipped"])
@@ -328,12 +381,12 @@ def _run(job: _Job, staged: Path, checkpoint: dict[str, Any] | None, progress: b
     try:
         with tqdm(total=len(source), initial=start, unit="img", desc=f"convert {name}",
                   disable=not progress, dynamic_ncols=True) as bar:
-            _feed(job, writer, start, skipped, bar,
+            feed_writer(job, writer, start, skipped, bar,
                   (lambda pos: save_checkpoint(staged, job, writer, pos, skipped)) if resumable else None)
         count = len(source) - len(skipped)
         if count == 0:
             raise SourceError(f"{source.root}: no file could be converted ({len(skipped)} skipped)")
-        _finish(job, writer, count, skipped, files=len(source))
+        finish_writer(job, writer, count, skipped, files=len(source))
         if resumable:
             progress_path(staged).unlink(missing_ok=True)
             targets_path(staged).unlink(missing_ok=True)

@@ -52,10 +52,10 @@ def convert_part(job: Any, part_path: Path, first: int, total: int, work: Path, 
     if state is not None and "done" in state:
         job.labels_seen[:] = state["labels_seen"]
         return state["done"], state["skipped"], state["done"]
-    module, writer, pos, skipped, resumed = job.module, None, 0, [], 0
-    if state is not None and hasattr(module.Writer, "resume"):
+    fmt, writer, pos, skipped, resumed = job.store_format, None, 0, [], 0
+    if state is not None and hasattr(fmt.Writer, "resume"):
         try:
-            writer = module.Writer.resume(part_path, state["writer"], shape=job.record_shape, **job.options)
+            writer = fmt.Writer.resume(part_path, state["writer"], shape=job.record_shape, **job.options)
         except StoreCorruptError as exc:  # e.g. an HDF5 file whose writer was killed: the part starts over
             log(f"rank {rank}: its part cannot be resumed ({exc}); converting it again")
         else:
@@ -73,7 +73,7 @@ def convert_part(job: Any, part_path: Path, first: int, total: int, work: Path, 
         if job.journal is not None:
             job.journal.reset()
         remove_with_siblings(part_path)  # (a part written before the first checkpoint)
-        writer = module.Writer(part_path, shape=job.record_shape, **job.options)
+        writer = fmt.Writer(part_path, shape=job.record_shape, **job.options)
 
     def save(source_pos: int) -> None:
         state = {"job": fingerprint, "source_pos": source_pos, "skipped": skipped, "labels_seen": job.labels_seen,
@@ -124,11 +124,11 @@ def _converted_files_unchanged(job: Any, state: dict[str, Any], journal_path: Pa
     return True
 
 
-def keep_for_resume(work: Path, stage: str, fmt: str, exc: BaseException, statuses: list[RankStatus]) -> bool:
+def keep_for_resume(work: Path, stage: str, fmt: Any, exc: BaseException, statuses: list[RankStatus]) -> bool:
     """Whether the work folder holds something ``--resume`` can continue after ``exc``."""
     if (isinstance(exc, SourceError) and not isinstance(exc, SourceChangedError)) or any(s.bad_input for s in statuses):
         return False  # bad input: nothing worth resuming (changed files: the originals may be put back)
-    if stage != "convert" and not (stage == "assemble" and fmt == "lmdb"):  # shards, HDF5: parts moved
+    if stage != "convert" and not (stage == "assemble" and fmt.merges_parts):  # else the parts were moved
         return False
     return any(name.startswith("rank-") for name in listdir(work))
 

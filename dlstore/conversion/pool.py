@@ -29,8 +29,8 @@ from ..sources.decode import pil_loader
 from ..transforms.static import StaticSpec, apply_static_any
 from .journal import fileprint
 
-_CHUNK = 8  # items per task: amortises inter-process overhead, keeps ordering latency low
-_CHUNK_IN_MEMORY = 64  # an in-memory item (dataset, array) costs far less than a file: bigger tasks
+CHUNK = 8  # items per task: amortises inter-process overhead, keeps ordering latency low
+CHUNK_IN_MEMORY = 64  # an in-memory item (dataset, array) costs far less than a file: bigger tasks
 
 
 # --- decoding, in worker processes -------------------------------------------------------
@@ -120,9 +120,9 @@ def usable_workers(loader: Any, workers: int, log: Callable[[str], None]) -> int
     return workers
 
 
-def _decoded(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]], spec: StaticSpec,
-             codec: tuple[str, int], workers: int, chunk_size: int = _CHUNK,
-             where: Callable[[Any], str] | None = None) -> Iterator[Result]:
+def decode_in_order(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]], spec: StaticSpec,
+                    codec: tuple[str, int], workers: int, chunk_size: int = CHUNK,
+                    where: Callable[[Any], str] | None = None) -> Iterator[Result]:
     """Yield load + static results, with their files' prints where ``where`` gives each item's file,
     in the order of ``keys`` (consumed lazily: no list of all chunks)."""
     source = iter(keys)
@@ -164,6 +164,8 @@ def _decoded(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]], spec
         if broken:
             _abandon(pool)
         else:
+            # (the caller closes this generator in its own thread: a finaliser in the pool's
+            # manager thread could not wait for that thread)
             pool.shutdown(wait=True, cancel_futures=True)
 
 

@@ -38,8 +38,6 @@ from .device_decode import DeviceDecode, decodes_on_device
 from .indices import sample_index, sample_indices
 from .store_reader import check_mode, open_reader
 
-_FORMAT_CLASSES: dict[str, str] = {}   # format -> the name of its class (ShardsDataset, ...), see stores.py
-
 
 class StoreDataset(Dataset):
     """Map-style dataset over a dlstore store of any format.
@@ -83,11 +81,6 @@ class StoreDataset(Dataset):
     FORMAT: str | None = None   # set by the format-specific subclasses
     records_out = False         # get_batch hands out records and drawn boxes (device_decode.py), not pixels
 
-    def __init_subclass__(cls, **kwargs: Any):
-        super().__init_subclass__(**kwargs)
-        if cls.__dict__.get("FORMAT") is not None:   # a format's own class: named in WrongFormatError
-            _FORMAT_CLASSES.setdefault(cls.FORMAT, cls.__name__)
-
     def __init__(
         self,
         path: str | os.PathLike,
@@ -114,7 +107,7 @@ class StoreDataset(Dataset):
         if self.FORMAT is not None and self.format != self.FORMAT:
             raise WrongFormatError(
                 f"{self.path} is a {self.format} store, not {self.FORMAT}: open it with "
-                f"dlstore.{_FORMAT_CLASSES.get(self.format, 'StoreDataset')} or dlstore.open_dataset (which "
+                f"dlstore.{formats.get_format(self.format).dataset_class} or dlstore.open_dataset (which "
                 "detects the format)")
         self.reader = open_reader(self.path, self.format, reader_options, check)
         self.manifest: dict[str, Any] = self.reader.manifest

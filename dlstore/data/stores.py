@@ -36,7 +36,11 @@ class HDF5Dataset(StoreDataset):
     FORMAT = "hdf5"
 
 
-_CLASSES: dict[str, type[StoreDataset]] = {"shards": ShardsDataset, "lmdb": LMDBDataset, "hdf5": HDF5Dataset}
+
+def dataset_class(fmt: str) -> type[StoreDataset]:
+    """The dataset class of format ``fmt``: the class its ``Format`` names (``dataset_class``)."""
+    name = formats.get_format(fmt).dataset_class
+    return next(cls for cls in (ShardsDataset, LMDBDataset, HDF5Dataset) if cls.__name__ == name)
 
 
 def open_dataset(
@@ -108,7 +112,7 @@ def open_dataset(
     if not isinstance(path, (str, os.PathLike)):
         raise ArgumentTypeError(f"open_dataset takes the path of a store (str or os.PathLike), got "
                                 f"{type(path).__name__}")
-    cls = _CLASSES[formats.detect_format(path)]
+    cls = dataset_class(formats.detect_format(path))
     return cls(path, transform=transform, target_transform=target_transform, batch_transform=batch_transform,
                reader_options=reader_options, check=check, reduced_decode=reduced_decode,
                static_mismatch=static_mismatch, class_to_idx=class_to_idx)

@@ -31,6 +31,15 @@ def write_synced(path: Path, data: bytes) -> None:
         os.fsync(f.fileno())
 
 
+def fsync_dir(folder: Path) -> None:
+    """fsync a folder, so the entries created or renamed in it survive a crash."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def save_npy_synced(path: Path, array: Any) -> str:
     """``np.save`` (never pickled) + fsync; return the file's sha256 for the manifest."""
 

@@ -80,11 +80,11 @@ def verify(path: str | os.PathLike, *, deep: bool = False) -> VerifyReport:
     report = VerifyReport(Path(path))
     try:
         report.format = formats.detect_format(path)
-        module = formats.get_format(report.format)
+        fmt = formats.get_format(report.format)
     except (DlstoreError, OSError, ValueError) as exc:
         report.problem("open", str(exc))
         return report
-    if not _check_seal(module, Path(path), report):
+    if not _check_seal(fmt, Path(path), report):
         # A file that is not what was written may crash or hang LMDB/HDF5 (both seen with
         # damaged metadata pages): it is not handed to the library here; deep reads it apart.
         if deep:
@@ -95,26 +95,27 @@ def verify(path: str | os.PathLike, *, deep: bool = False) -> VerifyReport:
                                    "in a separate process to name the damaged samples; convert again or restore "
                                    "a copy")
         return report
-    if hasattr(module, "check_manifest_seal"):   # shards: the manifest is the one file without a digest in it
-        _check_seal_of(module.check_manifest_seal(path), report)
-    _verify_opened(module, Path(path), report, deep)
+    manifest_seal = fmt.check_manifest_seal(path)   # a manifest that is no part of a sealed data file
+    if manifest_seal is not None:
+        _check_seal_of(manifest_seal, report)
+    _verify_opened(fmt, Path(path), report, deep)
     return report
 
 
-def _verify_opened(module: Any, path: Path, report: VerifyReport, deep: bool,
+def _verify_opened(fmt: Any, path: Path, report: VerifyReport, deep: bool,
                    tick: Callable[[], None] | None = None) -> None:
     """Everything after the seal: open the store, check labels, targets, files, samples."""
     try:
-        reader = module.Reader(path)
+        reader = fmt.Reader(path)
     except (DlstoreError, OSError, ValueError) as exc:
         report.problem("open", str(exc))
         return
     manifest = reader.manifest
     report.count = manifest["count"]
-    _enable_sums(reader, manifest, report)
+    _enable_sums(reader, manifest, report, fmt)
     _check_labels(reader, manifest, report)
-    _check_targets(reader, manifest, report)
-    if report.format == "shards":
+    _check_targets(reader, manifest, report, fmt)
+    if fmt.file_checksums:
         _check_files(path, manifest, report)
         if deep:
             _check_samples(reader, manifest, report, digest=False, decode=True, tick=tick)
@@ -160,7 +161,7 @@ def _verify_apart(path: Path, report: VerifyReport) -> None:
         how = f"crashed ({signal.Signals(-child.exitcode).name})"
     else:
         how = f"failed (exit status {child.exitcode})"
-    library = "HDF5" if report.format == "hdf5" else "LMDB"
+    library = formats.get_format(report.format).library
     report.problem("open", f"{path}: damaged: {library} {how} reading it in a separate process, so the damaged "
                            "samples cannot be named; convert again or restore a copy")
 
@@ -182,13 +183,11 @@ def _apart_child(fmt: str, path: Path, send: Any, spec: tuple[int | None, bool])
     send.send((report.count, report.checked, report.problems))
 
 
-def _check_seal(module: Any, path: Path, report: VerifyReport) -> bool:
-    """LMDB/HDF5: the whole data file against its seal (bytes no sample checksum covers).
-
-    False if the file differs from its seal."""
-    if not hasattr(module, "check_seal"):
-        return True
-    return _check_seal_of(module.check_seal(path), report)
+def _check_seal(fmt: Any, path: Path, report: VerifyReport) -> bool:
+    """The whole data file against its seal (bytes no sample checksum covers), where the format
+    seals one (LMDB, HDF5). False if the file differs from its seal."""
+    seal = fmt.check_seal(path)
+    return True if seal is None else _check_seal_of(seal, report)
 
 
 def _check_seal_of(checked: tuple[Path, str | None], report: VerifyReport) -> bool:
@@ -204,7 +203,7 @@ def _check_seal_of(checked: tuple[Path, str | None], report: VerifyReport) -> bo
     return True
 
 
-def _enable_sums(reader: Any, manifest: dict[str, Any], report: VerifyReport) -> None:
+def _enable_sums(reader: Any, manifest: dict[str, Any], report: VerifyReport, fmt: Any) -> None:
     """Check each sample read below against its recorded CRC32 (stores that have the sums)."""
     if "sample_sums" not in manifest["layout"]:
         report.checked.append("per-sample CRC32: none (converted before dlstore recorded them)")
@@ -214,19 +213,19 @@ def _enable_sums(reader: Any, manifest: dict[str, Any], report: VerifyReport) ->
     except (DlstoreError, OSError, ValueError) as exc:
         report.problem("sample sums", str(exc))
         return
-    if report.format != "shards":   # shards: crc32.npy is one of the files whose sha256 is checked
+    if not fmt.file_checksums:   # else the sums' file is one of the files whose sha256 is checked
         digest = hashlib.sha256(np.asarray(reader.sums.sums, dtype="<u4").tobytes()).hexdigest()
         if manifest["checksums"]["files"].get("crc32") != digest:
             report.problem("crc32", "sha256 mismatch: the per-sample sums changed since conversion")
 
 
-def _check_targets(reader: Any, manifest: dict[str, Any], report: VerifyReport) -> None:
-    """Target vectors (LMDB, HDF5) against the sha256 recorded at conversion; shards: targets.npy is
-    one of the files whose sha256 is checked."""
+def _check_targets(reader: Any, manifest: dict[str, Any], report: VerifyReport, fmt: Any) -> None:
+    """Target vectors (LMDB, HDF5) against the sha256 recorded at conversion; a format with
+    ``file_checksums`` (shards: targets.npy) has them checked with the files."""
     targets = getattr(reader, "targets", None)
     if targets is None or "targets" not in manifest:
         return
-    if report.format == "shards":
+    if fmt.file_checksums:
         report.checked.append(f"targets: {targets.shape} {targets.dtype} (targets.npy checked with the files)")
         return
     expected = manifest["checksums"]["files"].get("targets")

@@ -43,6 +43,12 @@ def available() -> bool:
     return _build() is not None
 
 
+def built() -> bool:
+    """True once the kernel is built in this process and not switched off: what code that must
+    not pay for importing numba and building the kernel (a plain copy) checks, not ``available()``."""
+    return _kernel is not None and available()
+
+
 def unavailable_reason() -> str | None:
     """Why :func:`available` is False (None when it is True)."""
     if os.environ.get("DLSTORE_COMPILED", "1").strip().lower() in ("0", "false", "no", "off"):

@@ -33,6 +33,7 @@ from .recognise import (
     is_float_op,
     library,
     needs_pil,
+    on_tensor,
     scaling_replacement,
     short_repr,
     static_of,
@@ -141,7 +142,9 @@ def place(ops: Sequence[Any], *, taken: int = 0, taken_reason: str = "", state: 
         elif kind:
             _convert(walk, op, kind)
         elif walk.state == "pil" and tensor_safe(op):
-            walk.run(op)
+            twin = on_tensor(op)
+            walk.run(twin, "" if twin is op else f"{name}: given a PIL image in the pipeline; on the uint8 "
+                                                  "tensor it resamples with v2's kernel, the closer to PIL's")
         elif walk.state == "pil":
             why = ("as ImageFolder ran it; the store did not record it" if static_of(op) is not None else
                    "known to need one" if needs_pil(op) else "not proven to take a tensor")

@@ -129,6 +129,21 @@ def tensor_safe(t: Any) -> bool:
     return True
 
 
+def on_tensor(t: Any) -> Any:
+    """What runs on the store's uint8 tensor for a tensor-safe op the pipeline gave a PIL image.
+
+    The op itself, except torchvision's v1 ``RandomResizedCrop``: v2's with the same parameters
+    (the same draws). Given PIL, the op resampled with PIL's antialiased filter; v2's uint8 kernel is
+    closer to that than v1's float tensor kernel, and faster (docs/fidelity.md measures both). timm's
+    crop keeps its own op: it draws from Python's ``random``, v2's from torch's generator."""
+    if name_of(t) != "RandomResizedCrop" or library(t) != "torchvision" or version(t) == "v2":
+        return t
+    from torchvision.transforms import v2
+
+    return v2.RandomResizedCrop(list(t.size), scale=tuple(t.scale), ratio=tuple(t.ratio),
+                                interpolation=t.interpolation, antialias=t.antialias)
+
+
 def needs_pil(t: Any) -> bool:
     """Whether ``t`` is known to need a PIL image: timm's auto-augmentations (PIL's ImageOps and
     enhancers) and its crop with a mode kept on PIL, a torchvision op given a PIL-only argument."""

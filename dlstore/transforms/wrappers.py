@@ -102,7 +102,7 @@ class Pipeline:
 
 # The global generators are process-wide: a seeded step swaps their state, so steps of batches that
 # loader threads build at once take turns.
-_GLOBAL_GENERATORS = threading.RLock()
+GLOBAL_GENERATORS = threading.RLock()
 
 
 class _Seeded:
@@ -122,7 +122,7 @@ class _Seeded:
         device = images.device
         cuda = [device.index if device.index is not None else torch.cuda.current_device()] \
             if device.type == "cuda" else []
-        with _GLOBAL_GENERATORS:
+        with GLOBAL_GENERATORS:
             py_state, np_state = random.getstate(), np.random.get_state()
             try:
                 with torch.random.fork_rng(devices=cuda):

@@ -278,7 +278,7 @@ def test_ranks_stop_converting_when_another_rank_has_failed(tmp_path):
     from PIL import Image
 
     from dlstore import formats
-    from dlstore.conversion.job import _feed, _finish, _Job
+    from dlstore.conversion.job import Job, feed_writer, finish_writer
     from dlstore.conversion.parts import convert_part
     from dlstore.conversion.ranks import mark_failed
     from dlstore.sources import scan
@@ -290,15 +290,16 @@ def test_ranks_stop_converting_when_another_rank_has_failed(tmp_path):
     (tmp_path / "src" / "c").mkdir(parents=True)
     for i in range(300):
         (tmp_path / "src" / "c" / f"{i:04d}.png").write_bytes(buf.getvalue())
-    job = _Job(source=scan(tmp_path / "src"), spec=parse_static(""), shape=None,
-               module=formats.get_format("shards"), decode={}, workers=0, on_error="fail", options={})
+    job = Job(source=scan(tmp_path / "src"), spec=parse_static(""), shape=None,
+               store_format=formats.get_format("shards"), decode={}, workers=0, on_error="fail", options={})
     work = tmp_path / "work"
     work.mkdir()
-    count, _, _ = convert_part(job, work / "part-00000.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
+    count, _, _ = convert_part(job, work / "part-00000.shards", 0, 300, work, 0, 2, False, "x",
+                               feed_writer, finish_writer)
     assert count == 300  # no marker: the whole range
     mark_failed(work, 1)
     with pytest.raises(DistributedError, match="rank 1 failed; rank 0 stopped"):
-        convert_part(job, work / "part-00000b.shards", 0, 300, work, 0, 2, False, "x", _feed, _finish)
+        convert_part(job, work / "part-00000b.shards", 0, 300, work, 0, 2, False, "x", feed_writer, finish_writer)
     assert not (work / "part-00000b.shards" / "manifest.json").exists()  # stopped mid-range, not at the end
 
 
@@ -410,7 +411,7 @@ def test_reader_opening_an_hdf5_store_mid_overwrite_never_mixes_two_stores(rgb_f
 
     publish = assemble.publish
     monkeypatch.setattr(assemble, "publish", publish_after_a_reader)
-    assemble._publish_hdf5(other / "s.h5.parts", other / "s.h5", dst, True)
+    assemble.publish_with_parts(other / "s.h5.parts", other / "s.h5", dst, True)
     if "pixels" in seen:   # (what the reader got, spelt out in the failure)
         got = seen["pixels"]
         foreign = sum(not torch.equal(got[i], old_pixels[i]) for i in range(24))

@@ -10,6 +10,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import json
 import os
 import subprocess
@@ -156,6 +158,20 @@ def test_seed_none_is_a_fresh_order_each_run_as_dataloader(store):
     assert _same(c, _epoch(dlstore.loader(ds, 4, shuffle=True)))    # torch.manual_seed makes it repeat
 
 
+@pytest.mark.parametrize("options", [{"backend": "dataloader"}, {"backend": "dataloader", "num_workers": 2},
+                                     {"num_workers": 2}], ids=["dataloader-0", "dataloader-2", "ring"])
+def test_seed_none_gives_every_back_end_the_same_epochs(store, options):
+    """With seed=None the pass seeds come from torch's generator, and only from them: a back-end that
+    draws more from it (torch's DataLoader draws a base seed per iterator) would move the next epoch."""
+    ds = dlstore.open_dataset(store, transform=CROP_FLIP)
+    runs = []
+    for kind in ({"backend": "threads"}, options):
+        torch.manual_seed(11)
+        loader = dlstore.loader(ds, 4, shuffle=True, **kind)
+        runs.append([_epoch(loader) for _ in range(2)])
+    assert _same(runs[0][0], runs[1][0]) and _same(runs[0][1], runs[1][1])
+
+
 def test_ranks_draw_apart(store):
     """The same seed on two ranks (a rank set by hand): other samples and other augmentation draws."""
     ds = dlstore.open_dataset(store, transform=v2.RandomHorizontalFlip())
@@ -263,6 +279,18 @@ def test_the_reference_scripts_mixup_collate_runs_and_is_reproducible(store, opt
     assert _same(got, again)          # the same draws on every back-end, from the batch's seed
 
 
+def test_a_seeded_collate_fn_beside_per_sample_ops_on_threads(store):
+    """Loader threads seed the global generators for per-sample ops while the iterating thread seeds
+    them for the collate_fn: the two take turns, so every epoch is the DataLoader back-end's."""
+    ds = dlstore.open_dataset(store, transform=v2.Compose([*PER_SAMPLE.transforms, v2.ToDtype(torch.float32)]))
+    collate = MixUpCutMix()
+    want = _epoch(dlstore.loader(ds, 2, shuffle=True, seed=5, collate_fn=collate, backend="dataloader"))
+    for _ in range(4):      # a race shows on some runs only
+        got = _epoch(dlstore.loader(ds, 2, shuffle=True, seed=5, collate_fn=collate, backend="threads",
+                                    num_threads=2))
+        assert _same(got, want)
+
+
 def test_collate_fn_gets_what_dataloader_gives_it(store):
     """The samples as ds[i] gives them, (image, int target): the same call as torch's DataLoader makes."""
     ds = dlstore.open_dataset(store)
@@ -307,6 +335,47 @@ def test_default_collate_costs_nothing(store, monkeypatch):
 def test_argument_errors_name_the_fix(store, options, match):
     with pytest.raises(ArgumentError, match=match):
         dlstore.loader(dlstore.open_dataset(store), 4, **options)
+
+
+def test_argument_type_errors_are_argument_errors(store):
+    with pytest.raises(ArgumentError, match="num_workers is a keyword argument"):     # an ArgumentTypeError
+        dlstore.loader(dlstore.open_dataset(store), 4, True, 2)
+    with pytest.raises(ArgumentError, match="in_order=False is not supported"):
+        dlstore.loader(dlstore.open_dataset(store), 4, in_order=False)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_device_cuda_without_cuda_is_refused_at_once(store):
+    with pytest.raises(ArgumentError, match="CUDA is not available here; use device='cpu'"):
+        dlstore.loader(dlstore.open_dataset(store, transform=FLOAT), 4, device="cuda")
+
+
+def test_every_positional_argument_in_dataloaders_order(store):
+    """DataLoader's 13 positional parameters, given by position to both entries, land where DataLoader's do."""
+    ds = dlstore.open_dataset(store)
+    names = [p for p in inspect.signature(DataLoader).parameters][:13]
+    values = [ds, 4, False, None, None, 1, default_collate, False, True, 7.5, None, None, torch.Generator()]
+    for entry in (dlstore.loader, dlstore.Loader):
+        dl = entry(*values, backend="dataloader")
+        for name, value in zip(names, values):
+            if name not in ("sampler", "batch_sampler"):     # (filled in from shuffle and batch_size, as DataLoader's)
+                assert getattr(dl, name) is value, name
+
+
+def _sleep(_worker_id: int) -> None:
+    time.sleep(3)
+
+
+@pytest.mark.parametrize("options", [{"num_workers": 1}, {"backend": "dataloader", "num_workers": 1}],
+                         ids=["ring", "dataloader"])
+def test_timeout_is_dataloaders_for_worker_processes(store, options):
+    """No batch from the workers within ``timeout`` seconds: an error, as DataLoader raises one."""
+    ds = dlstore.open_dataset(store)
+    slow = dlstore.loader(ds, 4, timeout=1, worker_init_fn=_sleep, **options)
+    with pytest.raises(RuntimeError, match="timed out after 1 seconds|in timeout=1 s"):
+        next(iter(slow))
+    ok = dlstore.loader(ds, 4, timeout=30, worker_init_fn=_sleep, **options)
+    assert len(list(ok)) == len(ok)
 
 
 # --- each argument reaches what it governs ----------------------------------------------------------

@@ -217,22 +217,22 @@ def test_lmdb_readers_opened_and_dropped_in_several_threads(stores):
 def test_an_lmdb_environment_lives_as_long_as_its_last_reader(stores):
     import gc
 
-    from dlstore.formats import _lmdb_env
+    from dlstore.formats.lmdb import environment
     from dlstore.formats.lmdb import LmdbReader
 
     gc.collect()
-    before = _lmdb_env.open_count()
+    before = environment.open_count()
     first, second = LmdbReader(stores["lmdb"]), LmdbReader(stores["lmdb"])
-    assert _lmdb_env.open_count() == before          # metadata read, environment let go
+    assert environment.open_count() == before          # metadata read, environment let go
     a = first.get_batch(np.arange(3))
-    assert _lmdb_env.open_count() == before + 1
-    assert np.array_equal(second.get_batch(np.arange(3)), a) and _lmdb_env.open_count() == before + 1
+    assert environment.open_count() == before + 1
+    assert np.array_equal(second.get_batch(np.arange(3)), a) and environment.open_count() == before + 1
     del first
     gc.collect()
-    assert np.array_equal(second.get_batch(np.arange(3)), a) and _lmdb_env.open_count() == before + 1
+    assert np.array_equal(second.get_batch(np.arange(3)), a) and environment.open_count() == before + 1
     del second
     gc.collect()
-    assert _lmdb_env.open_count() == before
+    assert environment.open_count() == before
 
 
 def test_a_fork_while_a_thread_opens_a_reader_does_not_deadlock_the_child(stores):

@@ -119,8 +119,9 @@ def _spy(monkeypatch) -> dict:
 
 @pytest.mark.parametrize("fmt,options,path_taken", [
     ("shards", {"shard_size": 7}, "crop_flip_at"),     # in place, across 6 files
-    ("lmdb", {}, "crop_flip"),
-    ("hdf5", {}, "crop_flip"),
+    ("lmdb", {}, "crop_flip_at"),                      # in place: values read from a map of data.mdb
+    ("hdf5", {}, "crop_flip_at"),                      # in place: one uncompressed chunk per sample
+    ("hdf5", {"compression": "lzf"}, "crop_flip"),     # natively: h5py decodes each chunk, then the crop
 ])
 def test_get_batch_takes_the_compiled_kernel_and_gives_torchvision_pixels(tmp_path, monkeypatch, fmt, options,
                                                                            path_taken):

@@ -26,6 +26,8 @@ import numpy as np
 import torch
 from torch.utils.data import default_collate
 
+from ...transforms.wrappers import GLOBAL_GENERATORS
+
 
 def is_default(collate_fn: Any) -> bool:
     """Whether ``collate_fn`` is DataLoader's default (dlstore's batches are already collated)."""
@@ -48,6 +50,11 @@ def run_collate(collate_fn: Callable[[Any], Any], batch: Any, seed: int) -> Any:
     samples = as_samples(batch)
     devices = [d.index if d.index is not None else torch.cuda.current_device()
                for d in {batch[0].device} if d.type == "cuda"] if isinstance(batch[0], torch.Tensor) else []
+    with GLOBAL_GENERATORS:     # loader threads seed them for per-sample ops at the same time
+        return _seeded_call(collate_fn, samples, seed, devices)
+
+
+def _seeded_call(collate_fn: Callable[[Any], Any], samples: list[Any], seed: int, devices: list[int]) -> Any:
     py_state, np_state = random.getstate(), np.random.get_state()
     try:
         with torch.random.fork_rng(devices=devices):

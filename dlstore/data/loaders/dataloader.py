@@ -107,17 +107,19 @@ class DataLoaderBackend:
     def __init__(self, dataset: Any, *, num_workers: int, pin_memory: bool = False, persistent_workers: bool = False,
                  prefetch_factor: int | None = None, multiprocessing_context: Any = None,
                  worker_init_fn: Callable[[int], None] | None = None,
-                 collate_fn: Callable[[Any], Any] | None = None):
+                 collate_fn: Callable[[Any], Any] | None = None, timeout: float = 0):
         self.tasks = _Tasks()
         self.collates = num_workers > 0 and collate_fn is not None
         options: dict[str, Any] = {}
         if num_workers > 0:
             options.update(persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
-                           multiprocessing_context=multiprocessing_context)
+                           multiprocessing_context=multiprocessing_context, timeout=timeout)
         batches = _Batches(dataset, collate_fn if self.collates else None)
+        # its own generator: the base seed torch's iterator draws (for its workers' seeds, which the tasks'
+        # seeds make moot) must not move torch's default generator, the pass generator with seed=None
         self.dataloader = DataLoader(batches, sampler=self.tasks, batch_size=None, collate_fn=_as_is,
                                      num_workers=num_workers, pin_memory=pin_memory, worker_init_fn=worker_init_fn,
-                                     **options)
+                                     generator=torch.Generator(), **options)
 
     def begin(self, run: PassPlan) -> Iterator[Any]:
         """The pass's batches; the workers start here (``iter`` of the DataLoader)."""

@@ -51,8 +51,8 @@ from .state import Fit, PassState
 from .threads import ThreadBackend
 
 _KNOWN = ["dataset", "batch_size", "shuffle", "sampler", "batch_sampler", "num_workers", "collate_fn",
-          "pin_memory", "drop_last", "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor",
-          "persistent_workers", "backend", "num_threads", "seed", "distributed", "device", "dtype",
+          "pin_memory", "drop_last", "timeout", "worker_init_fn", "multiprocessing_context", "generator", "prefetch_factor",
+          "persistent_workers", "in_order", "backend", "num_threads", "seed", "distributed", "device", "dtype",
           "channels_last", "fused", "compile"]
 
 
@@ -80,6 +80,8 @@ class Loader:
         drop_last: drop a last, smaller batch.
         worker_init_fn, multiprocessing_context, persistent_workers: DataLoader's, for worker processes
             (``worker_init_fn`` with ``num_workers=0`` is never called, as with DataLoader).
+        timeout: DataLoader's: seconds to wait for a batch from the worker processes (0: no limit);
+            without workers (threads, a GPUDataset) it does not apply, as with DataLoader.
         generator: DataLoader's: the order and the draws come from it, advanced by each pass.
         prefetch_factor: batches built ahead per worker (thread or process); default 2.
         backend: ``"auto"``, ``"threads"``, ``"ring"``, ``"dataloader"`` or ``"resident"`` (options.py).
@@ -101,9 +103,10 @@ class Loader:
     def __init__(self, dataset: StoreDataset | GPUDataset, batch_size: int | None = 1, shuffle: bool = False,
                  sampler: Sampler | Iterable | None = None, batch_sampler: Sampler | Iterable | None = None,
                  num_workers: int = 0, collate_fn: Callable[[Any], Any] | None = None, pin_memory: bool = False,
-                 drop_last: bool = False, worker_init_fn: Callable[[int], None] | None = None,
+                 drop_last: bool = False, timeout: float = 0, worker_init_fn: Callable[[int], None] | None = None,
                  multiprocessing_context: Any = None, generator: torch.Generator | None = None, *,
-                 prefetch_factor: int | None = None, persistent_workers: bool = False, backend: str = "auto",
+                 prefetch_factor: int | None = None, persistent_workers: bool = False, in_order: bool = True,
+                 backend: str = "auto",
                  num_threads: int | None = None, seed: int | None = None, distributed: bool = False,
                  device: str | torch.device | None = None, dtype: torch.dtype | None = None,
                  channels_last: bool = False, fused: bool | None = None, compile: bool = False, **unknown: Any):
@@ -118,6 +121,10 @@ class Loader:
         self.prefetch_factor = opt.positive_int("prefetch_factor", prefetch_factor, none=True)
         self.persistent_workers = opt.flag("persistent_workers", persistent_workers)
         self.pin_memory = opt.flag("pin_memory", pin_memory)
+        self.timeout = opt.non_negative("timeout", timeout)
+        if in_order is not True:
+            raise ArgumentError("dlstore.loader: in_order=False is not supported: batches always come in the "
+                                "sampler's order (which is what makes an epoch reproducible)")
         self.worker_init_fn = worker_init_fn
         self.multiprocessing_context = multiprocessing_context
         self.generator = generator
@@ -257,7 +264,7 @@ class Loader:
             return DataLoaderBackend(host_ds, num_workers=self.num_workers, pin_memory=self.pin_memory,
                                      persistent_workers=self.persistent_workers, prefetch_factor=self.prefetch_factor,
                                      multiprocessing_context=self.multiprocessing_context,
-                                     worker_init_fn=self.worker_init_fn,
+                                     worker_init_fn=self.worker_init_fn, timeout=self.timeout,
                                      collate_fn=None if stage is not None or is_default(self.collate_fn)
                                      else self.collate_fn)
         if name == "dataloader":
@@ -272,7 +279,7 @@ class Loader:
                            batch_size=self.batch_size, pin_memory=self.pin_memory,
                            persistent_workers=self.persistent_workers,
                            multiprocessing_context=self.multiprocessing_context, worker_init_fn=self.worker_init_fn,
-                           fallback=dataloader if chosen else None)   # asked for: its error stands
+                           fallback=dataloader if chosen else None, timeout=self.timeout)   # asked for: its error stands
 
     # --- DataLoader's interface -----------------------------------------------------------
 
@@ -383,11 +390,11 @@ class Loader:
                 f"batches={len(self)}, backend={self.backend!r}{where}, {self._seeding.describe()}; {how})")
 
 
-def loader(dataset: StoreDataset | GPUDataset, batch_size: int | None = 1, shuffle: bool = False,
-           sampler: Any = None, batch_sampler: Any = None, num_workers: int = 0, **options: Any) -> Loader:
+def loader(dataset: StoreDataset | GPUDataset, *args: Any, **options: Any) -> Loader:
     """A :class:`Loader` over ``dataset``: ``dlstore.loader(ds, 64, shuffle=True)`` is
-    ``DataLoader(ds, 64, shuffle=True)`` for a store (the same arguments; see :class:`Loader`)."""
-    return Loader(dataset, batch_size, shuffle, sampler, batch_sampler, num_workers, **options)
+    ``DataLoader(ds, 64, shuffle=True)`` for a store (the same arguments, in the same order; see
+    :class:`Loader`)."""
+    return Loader(dataset, *args, **options)
 
 
 def _rank_of(sampler: Any, dataset: Any, group: tuple[int, int] | None) -> int:

@@ -70,6 +70,12 @@ def positive_int(name: str, value: Any, *, zero: bool = False, none: bool = Fals
     return value
 
 
+def non_negative(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+        raise ArgumentError(f"dlstore.loader: {name} must be a number >= 0, got {value!r}")
+    return value
+
+
 def flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ArgumentTypeError(f"dlstore.loader: {name} must be True or False, got {value!r}")
@@ -96,9 +102,13 @@ def not_applying(given: dict[str, Any], why: str) -> None:
 
 def check_device(device: Any) -> torch.device:
     try:
-        return torch.device(device)
+        checked = torch.device(device)
     except (RuntimeError, TypeError) as exc:
         raise ArgumentError(f"dlstore.loader: device={device!r} is not a torch device ({exc})") from exc
+    if checked.type == "cuda" and not torch.cuda.is_available():
+        raise ArgumentError(f"dlstore.loader: device={device!r} but CUDA is not available here; use device='cpu' "
+                            "(the same stage on the CPU) or leave device out")
+    return checked
 
 
 def check_pin_memory(pin_memory: bool) -> bool:

@@ -63,7 +63,8 @@ def batch_spec(dataset: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
     tensor. Reads sample 0 once, with its own generator; torch's global generator is left
     as it was.
     """
-    if getattr(dataset, "shape", None) is None or len(dataset) == 0:
+    fixed = getattr(dataset, "shape", None) is not None or getattr(dataset, "decode_crop", None) is not None
+    if not fixed or len(dataset) == 0:      # (a decode-time crop fixes the size of a variable-shape store)
         return None
     with torch.random.fork_rng(devices=[]):
         images, _ = dataset.get_batch([0], generator=torch.Generator().manual_seed(0))

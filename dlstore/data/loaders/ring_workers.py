@@ -109,7 +109,8 @@ class WorkerPool:
     """
 
     def __init__(self, dataset: Any, ring: Ring, workers: int, context: Any,
-                 worker_init_fn: Callable[[int], None] | None):
+                 worker_init_fn: Callable[[int], None] | None, timeout: float = 0):
+        self.timeout = timeout
         ctx = context if not isinstance(context, (str, type(None))) else tmp.get_context(context)
         self.tasks = TaskQueue(ctx)
         pipes = [ctx.Pipe(duplex=False) for _ in range(workers)]
@@ -129,10 +130,14 @@ class WorkerPool:
 
     def get(self, waiting_for: list[int]) -> tuple:
         """The next report of any worker; WorkerError once a worker has exited (it may have died
-        holding a task, or the task queue's lock, and the others would wait forever)."""
+        holding a task, or the task queue's lock, and the others would wait forever), or when none
+        reported for ``timeout`` seconds (0: wait as long as it takes)."""
         sentinels = {p.sentinel: p for p in self.procs}
         while True:
-            ready = wait([*self.results, *sentinels])
+            ready = wait([*self.results, *sentinels], timeout=self.timeout or None)
+            if not ready:       # DataLoader's timeout: no worker reported for that long
+                raise WorkerError(f"dlstore.loader: no batch from the worker processes in timeout={self.timeout} s "
+                                  f"(waiting for batches {waiting_for})")
             # the dead first: while the others keep reporting, their results are always ready and
             # a pass the survivors can finish alone would end without a word (seen in CI)
             dead = [p for p in self.procs if p.sentinel in ready or p.exitcode is not None]

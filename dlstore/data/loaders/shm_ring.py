@@ -91,8 +91,9 @@ class RingBackend:
     def __init__(self, dataset: Any, *, workers: int, prefetch: int, spec: tuple[tuple[int, ...], torch.dtype],
                  batch_size: int, pin_memory: bool = False, persistent_workers: bool = False,
                  multiprocessing_context: Any = None, worker_init_fn: Callable[[int], None] | None = None,
-                 fallback: Callable[[], Any] | None = None):
+                 fallback: Callable[[], Any] | None = None, timeout: float = 0):
         self.dataset = dataset
+        self.timeout = timeout
         self.workers = workers
         self.prefetch = max(prefetch, workers)
         self.spec = spec
@@ -114,7 +115,7 @@ class RingBackend:
             self._ring = Ring(self.ring_size, self.batch_size, shape, dtype)
         if self._pool is None:
             self._pool = WorkerPool(self.dataset, self._ring, self.workers, self.multiprocessing_context,
-                                    self.worker_init_fn)
+                                    self.worker_init_fn, self.timeout)
         return self._ring, self._pool
 
     def _stop_workers(self) -> None:

@@ -31,14 +31,23 @@ concatenated in sample order (the same digest an LMDB store of the same source r
 ``labels`` = sha256 of the int64 little-endian labels, ``shapes`` = sha256 of the int64
 little-endian shapes, ``targets`` = sha256 of the little-endian target vectors.
 
+Reading in place: with one uncompressed chunk per sample (the default), chunks of several whole
+samples, or a contiguous /images, every sample is a run of bytes at a known offset of the file
+(the chunk index, read once per reader with ``chunk_iter``), so a batch is gathered from a map
+of the file (``reader.py``; ``read_path`` "in place"); filtered chunks (lzf, gzip, shuffle),
+chunks that split a sample, a chunk never written, a virtual dataset and variable-length
+samples read through h5py (``read_path`` "native", ``read_path_reason`` says which).
+
 Reading: the file opens read-only, lazily, once per process, with the file locking of a plain
-``h5py.File(path, "r")``, which can then share the file with an open dataset (``hdf5_open``
+``h5py.File(path, "r")``, which can then share the file with an open dataset (``opening``
 says how, and what happens where locks are not supported). The chunk cache is sized for
 random access to one-sample chunks: a chunk is reused only when the same sample is read
 again, which the OS page cache already serves, so fixed-shape stores get no chunk cache
-(uncompressed samples are read with ``read_direct_chunk`` straight into the output array,
-bypassing HDF5's selection machinery and the cache); variable-shape stores cache all chunks
-of heap pointers (16 bytes per sample, up to 64 MiB; ``chunk_cache_bytes=`` chooses).
+(read natively, uncompressed samples are read with ``read_direct_chunk`` straight into the
+output array, bypassing HDF5's selection machinery and the cache); chunks of several samples
+read natively get a cache of two chunks (a batch is read in file order, so each chunk is
+decoded once); variable-shape stores cache all chunks of heap pointers (16 bytes per sample,
+up to 64 MiB). ``chunk_cache_bytes=`` chooses.
 """
 
 from __future__ import annotations
@@ -48,7 +57,8 @@ import numpy as np
 FORMAT = "hdf5"
 FORMAT_VERSION = 1
 SUFFIXES = (".h5", ".hdf5")
-READER_OPTIONS = ("chunk_cache_bytes", "willneed")   # keyword options of Reader, see open_dataset(reader_options=)
+# keyword options of Reader, see open_dataset(reader_options=)
+READER_OPTIONS = ("chunk_cache_bytes", "willneed", "readahead", "in_place")
 MANIFEST_ATTR = "dlstore"
 COMPRESSIONS = ("none", "lzf", "gzip")
 LIBVER = ("v110", "latest")
@@ -56,3 +66,4 @@ VLEN_CHUNK = 1024
 INT_DTYPE = np.dtype("<i8")
 DEFAULT_BATCH_BYTES = 64 << 20  # sample bytes buffered before a write
 MAX_POINTER_CACHE = 64 << 20
+MAX_CHUNK_CACHE = 256 << 20   # default chunk cache where a chunk holds several samples: two chunks, at most this

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -10,27 +11,27 @@ import h5py
 import numpy as np
 
 from ...errors import (
+    ArgumentError,
     StoreCorruptError,
     StoreNotFoundError,
 )
 from ...sources.origins import Origins
 from ..checks import library_errors_as_damage
-from ..hdf5_open import open_readonly
-from ..integrity import (
-    check_virtual_sources,
-    hold_virtual_sources,
-    userblock_seal,
-)
+from ..inplace import IN_PLACE, NATIVE, inside, map_file, views
+from ..integrity import userblock_seal
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
 from ..pins import StorePin, check_identity
-from ..readahead import Extents, choose_willneed
+from ..readahead import Extents, choose_willneed, readahead_default
 from ..reader import StoreReader
 from ..targets import read_hdf5
+from .opening import open_readonly
+from .virtual import check_virtual_sources, hold_virtual_sources
 from .layout import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST_ATTR,
+    MAX_CHUNK_CACHE,
     MAX_POINTER_CACHE,
     VLEN_CHUNK,
 )
@@ -65,28 +66,44 @@ def read_manifest(path: Path) -> dict[str, Any]:
 
 
 class Hdf5Reader(StoreReader):
-    """Reads samples of an HDF5 store into fresh uint8 arrays.
+    """Reads samples of an HDF5 store: in place from a map of the file where /images allows it,
+    else through h5py into fresh uint8 arrays.
+
+    In place (``read_path``): a fixed-shape /images whose chunks are uncompressed and hold whole
+    samples (dlstore writes one per chunk), or stored contiguously, has every sample at a known
+    offset of the file, read once per reader from the chunk index (``_sample_table``); a batch
+    is gathered from a map of the file (``inplace.py``). Anything else (filtered chunks, chunks
+    that split a sample, a chunk never written, variable-length samples, a virtual dataset)
+    reads through h5py, and ``read_path_reason`` says why.
 
     Args:
         path: the ``.h5`` file.
         manifest: the already-read manifest (read from the store if None).
         chunk_cache_bytes: HDF5 chunk cache per open file (``rdcc_nbytes``); default:
-            0 for fixed-shape stores, all pointer chunks (<= 64 MiB) for variable-shape
-            stores (see the module doc).
+            0 for fixed-shape stores of one sample per chunk, two chunks where a chunk holds
+            several (read natively, in file order, each chunk decoded once), all pointer chunks
+            (<= 64 MiB) for variable-shape stores (see the module doc).
         willneed: before each batch is read, posix_fadvise(WILLNEED) each of its samples' chunks
             (fixed-shape stores in one file), so a cold batch has all its reads in flight at once
             (see ``readahead.py``); None: on only for a store that cannot stay cached.
+        readahead: OS readahead on the map of the file (in place); default: on where the file
+            fits in half the memory (``readahead.readahead_default``).
+        in_place: False reads every sample through h5py (``read_path`` "native").
     """
 
     format = FORMAT
-    _handles = ("_file", "_images")
+    _handles = ("_file", "_images", "_data", "_table_lock")
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
-                 chunk_cache_bytes: int | None = None, willneed: bool | None = None):
+                 chunk_cache_bytes: int | None = None, willneed: bool | None = None,
+                 readahead: bool | None = None, in_place: bool = True):
         self.path = Path(path)
         self._file: h5py.File | None = None
         self._images: h5py.Dataset | None = None
+        self._data: np.ndarray | None = None      # a map of the file (in place)
         self._pid: int | None = None
+        if not isinstance(in_place, bool):
+            raise ArgumentError(f"in_place must be True or False, got {in_place!r}")
         self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see common
         self._identity = self._pin.identity
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
@@ -112,6 +129,8 @@ class Hdf5Reader(StoreReader):
                                             f"expects uint8 {(self.count, *self.shape)}")
                 self._direct = (images.chunks == (1, *self.shape)
                                 and images.id.get_create_plist().get_nfilters() == 0)
+                # samples per chunk (a contiguous dataset: one sample per place)
+                self._rows = images.chunks[0] if images.chunks is not None else 1
             elif self.kind == "variable":
                 self.shape = None
                 if images.shape != (self.count,) or h5py.check_vlen_dtype(images.dtype) != np.uint8:
@@ -121,13 +140,23 @@ class Hdf5Reader(StoreReader):
                 if (self.shapes <= 0).any():
                     raise StoreCorruptError(f"{self.path}: /shapes holds non-positive sizes")
                 self._direct = False
+                self._rows = 1
             else:
                 raise StoreCorruptError(f"{self.path}: unknown HDF5 layout kind {self.kind!r}")
+            self.read_path, self.read_path_reason = _choose_path(images, self.shape, in_place)
         if chunk_cache_bytes is None:
-            chunk_cache_bytes = 0 if self.kind == "fixed" else min(MAX_POINTER_CACHE, 16 * self.count + (1 << 20))
+            if self.kind == "variable":
+                chunk_cache_bytes = min(MAX_POINTER_CACHE, 16 * self.count + (1 << 20))
+            else:
+                chunk_cache_bytes = 0 if self._rows == 1 else min(2 * self._rows * int(np.prod(self.shape)),
+                                                                  MAX_CHUNK_CACHE)
         self.chunk_cache_bytes = int(chunk_cache_bytes)
-        self.willneed = choose_willneed(willneed, self.count, self.path.stat().st_size / max(1, self.count))
-        self._chunk_offsets: np.ndarray | None = None   # file offset of each sample's bytes (see _extents)
+        file_bytes = self.path.stat().st_size
+        self.willneed = choose_willneed(willneed, self.count, file_bytes / max(1, self.count))
+        self.readahead = readahead_default(file_bytes) if readahead is None else bool(readahead)
+        # (offsets, lengths), each (count,): in place each sample's bytes, else its chunk's
+        # (offset -1: never written); read once per reader (see _sample_table)
+        self._table: tuple[np.ndarray, np.ndarray] | None = None
 
     def _dataset(self, f: h5py.File, name: str) -> h5py.Dataset:
         obj = f.get(name)
@@ -154,7 +183,10 @@ class Hdf5Reader(StoreReader):
             self._images = self._file["images"]
             if self._images.is_virtual:   # every part held open from here on (see integrity)
                 hold_virtual_sources(self.path, self._images, self.manifest["layout"])
-        check_identity(self.path, self._identity)   # after the open: the old store's file, or this raises
+        if self.read_path == IN_PLACE:
+            self._data = map_file(self.path, self.readahead)
+        self._table_lock = threading.Lock()
+        check_identity(self.path, self._identity)   # after the opens: the old store's file, or this raises
 
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
         with _open_file(self.path) as f, library_errors_as_damage(self.path):   # (a replaced store's sums: no mix)
@@ -172,42 +204,94 @@ class Hdf5Reader(StoreReader):
         return Origins.from_arrays(spec.get("kind"), arrays, str(self.path), count=self.count)
 
     def _extents(self, indices: np.ndarray) -> Extents | None:
-        """Each sample's chunk in the .h5 file (fixed shapes, not a virtual dataset: a store's parts'
-        files are not advised). The chunk index is read once per reader, on first use: one call per
-        chunk (``chunk_iter``, ~1-4 us each), where a lookup per sample costs ~100 us."""
+        """Each sample's bytes (in place) or chunk in the .h5 file (fixed shapes, not a virtual
+        dataset: a store's parts' files are not advised)."""
         if self.kind != "fixed" or self._images.is_virtual:
             return None
-        if self._chunk_offsets is None:
-            self._chunk_offsets = self._chunk_table()
-        offsets, lengths = self._chunk_offsets[:, 0][indices], self._chunk_offsets[:, 1][indices]
-        return Extents([self.path], np.zeros(len(indices), dtype=np.int64), offsets, lengths)
+        offsets, lengths = self._sample_table()
+        return Extents([self.path], np.zeros(len(indices), dtype=np.int64), offsets[indices], lengths[indices])
 
-    def _chunk_table(self) -> np.ndarray:
-        """(byte offset, bytes) of every sample's chunk; (-1, 0) for one never written."""
-        table = np.zeros((self.count, 2), dtype=np.int64)
-        table[:, 0] = -1
-        ident = self._images.id
-        with library_errors_as_damage(self.path):
-            if self._images.chunks is None:   # contiguous (not what dlstore writes, but plain HDF5 may be)
-                start, size = ident.get_offset(), int(np.prod(self.shape))
-                if start is not None:
-                    table[:, 0] = start + np.arange(self.count, dtype=np.int64) * size
-                    table[:, 1] = size
-                return table
+    def _in_place(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        data = self._data
+        if data is None or self.read_path != IN_PLACE or not len(indices):
+            return None
+        offsets, _ = self._sample_table()
+        return (data, offsets[indices]) if self.read_path == IN_PLACE else None
 
-            def record(info: Any) -> None:
-                row = info.chunk_offset[0]
-                if 0 <= row < self.count:
-                    table[row] = info.byte_offset, info.size
-            if hasattr(ident, "chunk_iter"):   # (h5py built on HDF5 >= 1.14)
-                ident.chunk_iter(record)
-        return table
+    def _sample_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """(offset, bytes) of each sample in the file, read once per reader on first use: its own
+        bytes where it is read in place, else its chunk's (-1, 0: a chunk never written). The
+        chunk index is read in one call per chunk (``chunk_iter``, ~1-4 us each), where a lookup
+        per sample costs ~100 us. A layout that turns out not to allow the in-place read (a
+        chunk never written or of an unexpected size) switches this reader to h5py's reads."""
+        table = self._table
+        if table is not None:
+            return table
+        with self._table_lock:
+            if self._table is None:
+                with library_errors_as_damage(self.path):
+                    start, size, mask = self._chunk_places()
+                self._table = self._place_samples(start, size, mask)
+            return self._table
+
+    def _chunk_places(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(byte offset, stored bytes, filter mask) of each sample's chunk; (-1, 0, 0) for one
+        never written (a contiguous dataset: each sample its own place)."""
+        start = np.full(self.count, -1, dtype=np.int64)
+        size, mask = np.zeros(self.count, dtype=np.int64), np.zeros(self.count, dtype=np.int64)
+        ident, rows = self._images.id, self._rows
+        sample_bytes = int(np.prod(self.shape))
+        if self._images.chunks is None:
+            first = ident.get_offset()
+            if first is not None:
+                start[:] = first + np.arange(self.count, dtype=np.int64) * sample_bytes
+                size[:] = sample_bytes
+            return start, size, mask
+
+        def record(info: Any) -> None:
+            row = info.chunk_offset[0]
+            if 0 <= row < self.count:
+                stop = min(row + rows, self.count)
+                start[row:stop], size[row:stop], mask[row:stop] = info.byte_offset, info.size, info.filter_mask
+
+        if hasattr(ident, "chunk_iter"):   # (h5py built on HDF5 >= 1.14)
+            ident.chunk_iter(record)
+        else:
+            for k in range(ident.get_num_chunks()):
+                record(ident.get_chunk_info(k))
+        return start, size, mask
+
+    def _place_samples(self, start: np.ndarray, size: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The table of ``_sample_table`` from the chunks' places; sets ``read_path`` native where
+        the chunks do not hold every sample whole at the place the index gives."""
+        if self.read_path == IN_PLACE:
+            sample_bytes = int(np.prod(self.shape))
+            chunk_bytes = sample_bytes * self._rows
+            row = np.arange(self.count, dtype=np.int64) % self._rows
+            offsets = start + row * sample_bytes
+            why = None
+            if (start < 0).any():
+                why = f"the chunk of sample {int(np.argmax(start < 0))} was never written (h5py reads its fill value)"
+            elif (size != chunk_bytes).any() or mask.any():
+                bad = int(np.argmax((size != chunk_bytes) | (mask != 0)))
+                why = f"the chunk of sample {bad} holds {int(size[bad])} bytes, not {chunk_bytes} raw ones"
+            elif not inside(offsets, sample_bytes, len(self._data)):
+                why = "a chunk lies past the end of the file (truncated?)"
+            if why is None:
+                return offsets, np.full(self.count, sample_bytes, dtype=np.int64)
+            self.read_path, self.read_path_reason = NATIVE, why
+        return start, size
 
     def _read_fixed(self, i: int, out: np.ndarray) -> None:
         """Sample ``i`` into ``out`` (a C-contiguous (C, H, W) uint8 array)."""
         try:
             if self._direct:
-                mask, data = self._images.id.read_direct_chunk((i, 0, 0, 0), out=out.reshape(-1))
+                try:
+                    mask, data = self._images.id.read_direct_chunk((i, 0, 0, 0), out=out.reshape(-1))
+                except (OSError, KeyError, RuntimeError):
+                    # a chunk never written (HDF5 reads its fill value), or damage: h5py's own read says which
+                    out[...] = self._images[i]
+                    return
                 if mask != 0 or len(data) != out.size:
                     raise StoreCorruptError(f"{self.path}: chunk of sample {i} holds {len(data)} bytes "
                                             f"(filter mask {mask}), expected {out.size} raw bytes")
@@ -229,14 +313,20 @@ class Hdf5Reader(StoreReader):
         return flat.reshape(c, h, w)
 
     def _read(self, i: int) -> np.ndarray:
-        """Sample ``i`` as a fresh, writable array."""
+        """Sample ``i``: a view of the map (copy-on-write) in place, else a fresh, writable array."""
         if self.shape is None:
             return self._read_variable(i)
+        placed = self._in_place(np.array([i], dtype=np.int64))
+        if placed is not None:
+            return views(*placed, [self.shape])[0]
         out = np.empty(self.shape, dtype=np.uint8)
         self._read_fixed(i, out)
         return out
 
     def _read_many(self, indices: list[int]) -> list[np.ndarray]:
+        placed = self._in_place(np.asarray(indices, dtype=np.int64)) if self.shape is not None else None
+        if placed is not None:   # views of the map, as the shards reader hands out
+            return views(*placed, [self.shape] * len(indices))
         out: list[np.ndarray | None] = [None] * len(indices)
         for k in sorted(range(len(indices)), key=indices.__getitem__):   # in file order
             out[k] = self._read(indices[k])
@@ -245,6 +335,27 @@ class Hdf5Reader(StoreReader):
     def _read_batch(self, indices: np.ndarray, out: np.ndarray) -> None:
         for k in np.argsort(indices, kind="stable").tolist():   # in file order
             self._read_fixed(int(indices[k]), out[k])
+
+
+def _choose_path(images: h5py.Dataset, shape: tuple[int, int, int] | None, in_place: bool) -> tuple[str, str]:
+    """(``read_path``, why) from /images' properties; the chunk index may still refuse (see _place_samples)."""
+    plist = images.id.get_create_plist()
+    filters = [plist.get_filter(k)[3].decode(errors="replace") for k in range(plist.get_nfilters())]
+    if shape is None:
+        return NATIVE, "variable-length samples live in HDF5's heap: h5py reads each"
+    if not in_place:
+        return NATIVE, "in place turned off (reader option in_place=False)"
+    if images.is_virtual:
+        return NATIVE, "/images is a virtual dataset over several files: h5py reads through it"
+    if filters:
+        return NATIVE, f"/images chunks are filtered ({', '.join(filters)}): h5py decodes each"
+    if images.chunks is not None and tuple(images.chunks[1:]) != tuple(shape):
+        return NATIVE, f"/images chunks of {images.chunks} split each sample: h5py assembles it"
+    if images.chunks is None:
+        return IN_PLACE, "contiguous, uncompressed /images read from a map of the file"
+    rows = images.chunks[0]
+    return IN_PLACE, ("one uncompressed chunk per sample" if rows == 1 else
+                      f"uncompressed chunks of {rows} whole samples") + ", read from a map of the file"
 
 
 def _next_prime(n: int) -> int:

@@ -37,6 +37,13 @@ starts small and doubles whenever LMDB reports ``MDB_MAP_FULL`` (the failed tran
 retried), so any store that fits the disk can be written. Syncing is deferred to the end: the
 store is published by rename only after a final ``fsync``, so a crash leaves only a staging folder.
 
+Reading in place: every value is one run of bytes in ``data.mdb`` (in its leaf page, or in
+consecutive overflow pages), whatever order the keys were put in, so a fixed-shape batch is
+gathered from a map of the file at the values' places, found in the B-tree's leaf pages
+(``reader.py``; ``read_path`` "in place"). Written with ``MDB_APPEND`` in key order, the
+values also lie in index order, so a block of consecutive samples is one range of the file
+(what block shuffle and its window advice assume); ``dlstore info`` says whether a store's do.
+
 Reading: the environment is opened ``readonly=True, lock=False`` (a published store never
 changes in place: it is replaced by rename, so readers need no lock table), lazily, once per
 process. ``readahead`` defaults to True when the data file is smaller than half the memory
@@ -52,7 +59,7 @@ import numpy as np
 FORMAT = "lmdb"
 FORMAT_VERSION = 1
 SUFFIXES = (".lmdb",)
-READER_OPTIONS = ("readahead", "willneed")   # keyword options of Reader, see open_dataset(reader_options=)
+READER_OPTIONS = ("readahead", "willneed", "in_place")   # keyword options of Reader, see open_dataset(reader_options=)
 KEY_DIGITS = 10
 MANIFEST_KEY = b"__dlstore__"
 LABELS_KEY = b"__labels__"

@@ -14,10 +14,12 @@ import lmdb
 import numpy as np
 
 from ...errors import (
+    ArgumentError,
     StoreCorruptError,
 )
 from ...sources.origins import Origins
-from .._lmdb_env import data_file, shared
+from .environment import data_file, shared
+from ..inplace import IN_PLACE, NATIVE, map_file, views
 from ..integrity import (
     SUMS_DTYPE,
     check_sidecar_seal,
@@ -48,8 +50,6 @@ _PAGE_HEADER = struct.Struct("<QHHHH")
 _NODE_HEADER = struct.Struct("<HHHH")
 _PGNO = struct.Struct("<Q")
 _P_LEAF, _P_LEAF2, _F_BIGDATA = 0x02, 0x20, 0x01
-# (an environment, its map as a uint8 array): the array is valid only while the environment is open
-_Mapped = tuple[lmdb.Environment, np.ndarray]
 _NODE_LAYOUT_KNOWN = sys.byteorder == "little" and struct.calcsize("P") == 8
 
 
@@ -103,12 +103,17 @@ _DAMAGE = tuple(getattr(lmdb, name) for name in (
 
 
 class LmdbReader(StoreReader):
-    """Reads samples of an LMDB store; each read copies the value out of the map once.
+    """Reads samples of an LMDB store in place, from a map of ``data.mdb``.
 
-    A batch whose values' places are known (``_extents``: read from the B-tree's leaf pages,
-    once per leaf) is copied straight from the map at those places, without a B-tree lookup per
-    value (``_located``). That is safe because a published store is never written again (a
-    conversion writes a new one and renames it in place: this reader's map keeps the old file).
+    Every value is one run of bytes in ``data.mdb``, whatever order its keys were written in:
+    in its leaf page, or in consecutive overflow pages. Its place is read from the B-tree's
+    leaf pages (``_extents``, once per leaf, never a lookup per value), and a batch is gathered
+    from this reader's own map of the file at those places (``inplace.py``): one pass, the
+    fused crop reading the values where they lie (``sample_addresses``), ``get_many`` handing
+    out views. That is safe because a published store is never written again (a conversion
+    writes a new one and renames it in place: this reader's map keeps the old file). Where a
+    page does not read as LMDB lays it out, or a value's size is not the sample's, the values
+    are looked up in a transaction and copied out (``read_path`` says which path it takes).
 
     Args:
         path: the ``.lmdb`` folder.
@@ -121,14 +126,16 @@ class LmdbReader(StoreReader):
             pages in ``data.mdb`` (found from their B-tree nodes, see ``_extents``), so a cold batch has all
             its reads in flight at once (see ``readahead.py``); None: on only for a store that
             cannot stay cached.
+        in_place: False reads every value through a transaction (``read_path`` "native"): what
+            the reader falls back to where the pages cannot be read.
     """
 
     format = FORMAT
-    _handles = ("_env", "_map_base", "_mapped")
+    _handles = ("_env", "_map_base", "_data")
 
     @_lmdb_errors_as_damage
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
-                 readahead: bool | None = None, willneed: bool | None = None):
+                 readahead: bool | None = None, willneed: bool | None = None, in_place: bool = True):
         self.path = _env_folder(path)
         data = data_file(self.path)
         self._pin = StorePin(self.path)   # before reading any of it; held while this reader lives: see common
@@ -136,14 +143,23 @@ class LmdbReader(StoreReader):
         self.readahead = readahead_default(data.stat().st_size) if readahead is None else bool(readahead)
         self._env: lmdb.Environment | None = None
         self._map_base: int | None = None
-        # the map's first _file_bytes, never held without its environment
-        self._mapped: _Mapped | None = None
+        self._data: np.ndarray | None = None      # this reader's own map of data.mdb (in place)
         self._page_bytes = self._file_bytes = 0
         # (offsets, lengths), each (count,): where each value found so far lies in data.mdb (offset
         # -1: not yet). One attribute, set once: the loader's threads call _extents concurrently.
         self._values: tuple[np.ndarray, np.ndarray] | None = None
         self._pid: int | None = None
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
+        if not isinstance(in_place, bool):
+            raise ArgumentError(f"in_place must be True or False, got {in_place!r}")
+        if not in_place:
+            self.read_path, self.read_path_reason = NATIVE, "in place turned off (reader option in_place=False)"
+        elif not _NODE_LAYOUT_KNOWN:
+            self.read_path, self.read_path_reason = NATIVE, "LMDB's pages are read in place on 64-bit " \
+                                                            "little-endian machines only"
+        else:
+            self.read_path, self.read_path_reason = IN_PLACE, "each value read from a map of data.mdb at its " \
+                "place in the B-tree's leaf pages"
         # Metadata lives in the environment: open, read, let go (nothing held open if this process forks next).
         env = shared(self.path, self.readahead)
         with env.begin() as txn:
@@ -193,9 +209,11 @@ class LmdbReader(StoreReader):
         # path may already name a replacing store, or none, between an overwrite's renames)
         self._page_bytes = self._env.stat()["psize"]
         self._file_bytes = (self._env.info()["last_pgno"] + 1) * self._page_bytes
-        if self._map_base is not None and _NODE_LAYOUT_KNOWN and self._file_bytes:
-            data = np.ctypeslib.as_array((ctypes.c_uint8 * self._file_bytes).from_address(self._map_base))
-            self._mapped = (self._env, data)
+        if self._map_base is None:
+            self._native("LMDB's map of data.mdb is not found in /proc/self/maps")
+        if self.read_path == IN_PLACE:
+            self._data = map_file(self.path / "data.mdb", self.readahead)
+            check_identity(self.path, self._identity)   # the map's open, by name
 
     @_lmdb_errors_as_damage
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
@@ -236,47 +254,51 @@ class LmdbReader(StoreReader):
             raise StoreCorruptError(f"{self.path}: sample {i} (key {sample_key(i).decode()}) is {found}")
         return value
 
+    def _native(self, why: str) -> None:
+        """From now on, look values up (``read_path`` "native"), for the reason ``why``."""
+        if self.read_path == IN_PLACE:
+            self.read_path, self.read_path_reason = NATIVE, why
+
+    def _in_place(self, indices: np.ndarray) -> tuple[np.ndarray, np.ndarray] | None:
+        """(this reader's map of data.mdb, each value's offset), or None where the values are
+        looked up: in place off, a page that does not parse, or a value whose size is not its
+        sample's (a missing value has size 0): the lookup that follows names it."""
+        data = self._data
+        if data is None or self.read_path != IN_PLACE or not len(indices):
+            return None
+        extents = self._extents(indices)
+        if extents is None:
+            return None
+        expected = (int(np.prod(self.shape)) if self.shape is not None
+                    else np.prod(self.shapes[indices], axis=1))
+        if not (extents.length == expected).all():
+            return None
+        return data, extents.offset
+
     @_lmdb_errors_as_damage
     def _read(self, i: int) -> np.ndarray:
-        """Sample ``i`` as a fresh, writable array."""
+        """Sample ``i``: a view of the map (copy-on-write) in place, else a fresh array."""
+        placed = self._in_place(np.array([i], dtype=np.int64))
+        if placed is not None:
+            return views(*placed, [self._shape_of(i)])[0]
         with self._env.begin(buffers=True) as txn:
             return self._copy(txn, i)
 
     @_lmdb_errors_as_damage
     def _read_many(self, indices: list[int]) -> list[np.ndarray]:
-        # Each sample its own array (not a view of one block), so a sample kept by the caller
-        # pins only its own memory; looked up in one transaction where not located.
-        located = self._located(np.asarray(indices, dtype=np.int64))
-        if located is not None:
-            (_env, data), offsets, lengths = located
-            shapes = [self._shape_of(i) for i in indices]
-            if all(c * h * w == n for (c, h, w), n in zip(shapes, lengths.tolist())):
-                return [data[o:o + n].reshape(shape).copy()
-                        for o, n, shape in zip(offsets.tolist(), lengths.tolist(), shapes)]
+        # In place: views of the map, as the shards reader hands out (a collate's copy is then
+        # the only one); else looked up in one transaction, each sample its own array.
+        placed = self._in_place(np.asarray(indices, dtype=np.int64))
+        if placed is not None:
+            return views(*placed, [self._shape_of(i) for i in indices])
         with self._env.begin(buffers=True) as txn:
             return [self._copy(txn, i) for i in indices]
 
-    def _located(self, indices: np.ndarray) -> tuple[_Mapped, np.ndarray, np.ndarray] | None:
-        """((environment, map array), offsets, lengths) of ``indices``' values, or None where
-        their places cannot be read from the leaves (``_extents``): look each one up. A missing
-        value has length 0, so the caller's size check sends it to the lookup that names it."""
-        mapped = self._mapped
-        if mapped is None or not len(indices):
-            return None
-        extents = self._extents(indices)
-        return None if extents is None else (mapped, extents.offset, extents.length)
-
     @_lmdb_errors_as_damage
     def _read_batch(self, indices: np.ndarray, out: np.ndarray) -> None:
+        """The native batch (the base class gathers it in place where ``_in_place`` allows)."""
         flat = out.reshape(len(indices), -1)
         nbytes = flat.shape[1]
-        located = self._located(indices)
-        if located is not None and (located[2] == nbytes).all():
-            (_env, data), offsets, _ = located          # _env: the map stays while it is copied from
-            # every value's bytes as a row of one strided view of the map: one gather for the batch
-            rows = np.lib.stride_tricks.as_strided(data, shape=(len(data) - nbytes + 1, nbytes), strides=(1, 1))
-            flat[:] = rows[offsets]
-            return
         with self._env.begin(buffers=True) as txn:
             for k, i in enumerate(indices.tolist()):
                 flat[k] = np.frombuffer(self._value(txn, i, nbytes), dtype=np.uint8)
@@ -297,8 +319,8 @@ class LmdbReader(StoreReader):
         if self._values is None:
             self._values = (np.full(self.count, -1, dtype=np.int64), np.zeros(self.count, dtype=np.int64))
         offsets, lengths = self._values
-        wanted = np.unique(indices)
-        unknown = wanted[offsets[wanted] < 0].tolist()
+        missing = offsets[indices] < 0
+        unknown = np.unique(indices[missing]).tolist() if missing.any() else []
         if unknown:
             with self._env.begin(buffers=True) as txn:
                 cursor = txn.cursor()
@@ -310,6 +332,8 @@ class LmdbReader(StoreReader):
                         continue
                     at = np.frombuffer(cursor.key(), dtype=np.uint8).__array_interface__["data"][0]
                     if not self._parse_leaf(at, offsets, lengths) or offsets[i] < 0:
+                        self._native(f"a leaf page of data.mdb (holding key {sample_key(i).decode()}) does not "
+                                     "read as LMDB's page layout says")
                         return None
         return Extents([self.path / "data.mdb"], np.zeros(len(indices), dtype=np.int64),
                        offsets[indices], lengths[indices])

@@ -42,7 +42,7 @@ HEADER_BYTES = 128
 DEFAULT_SHARD_SIZE = 1 << 30
 
 
-def _npy_header(count: int, shape: tuple[int, ...]) -> bytes:
+def npy_header(count: int, shape: tuple[int, ...]) -> bytes:
     """A version 1.0 ``.npy`` header for uint8 ``(count, *shape)``, padded to HEADER_BYTES."""
     full = (count, *shape)
     text = "{'descr': '|u1', 'fortran_order': False, 'shape': (%s), }" % (
@@ -57,7 +57,7 @@ def _npy_header(count: int, shape: tuple[int, ...]) -> bytes:
     return prefix + body_len.to_bytes(2, "little") + body
 
 
-def _load_npy(path: Path, mmap: bool) -> np.ndarray:
+def load_npy(path: Path, mmap: bool) -> np.ndarray:
     try:
         # "c" (copy-on-write): zero-copy like "r", but torch.from_numpy accepts it without a
         # non-writable warning; nothing is ever written back to the file.

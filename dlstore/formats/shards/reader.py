@@ -14,6 +14,7 @@ import numpy as np
 from ...errors import StoreCorruptError, VariableShapeError
 from ...sources.origins import Origins
 from ..checks import batch_out, check_indices, safe_member
+from ..inplace import IN_PLACE
 from ..integrity import check_sidecar_seal
 from ..manifest import loads as load_manifest_text
 from ..pins import StorePin, check_identity
@@ -25,7 +26,7 @@ from .layout import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST_NAME,
-    _load_npy,
+    load_npy,
 )
 
 
@@ -49,6 +50,7 @@ class ShardReader(StoreReader):
 
     format = FORMAT
     _handles = ("_maps", "_map_lock")
+    read_path, read_path_reason = IN_PLACE, "samples read from maps of the shard files"
 
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
                  readahead: bool | None = None, willneed: bool | None = None):
@@ -94,7 +96,7 @@ class ShardReader(StoreReader):
         # file per part, so sample -> file goes through these starts unless the layout is uniform.
         self._starts = np.concatenate([[0], np.cumsum(counts, dtype=np.int64)])
         self._uniform = self.kind == "fixed" and all(n == self.per_shard for n in counts[:-1])
-        labels = _load_npy(safe_member(self.path, layout.get("labels", "labels.npy")), mmap=False)
+        labels = load_npy(safe_member(self.path, layout.get("labels", "labels.npy")), mmap=False)
         if labels.dtype != np.int64 or labels.shape != (self.count,):
             raise StoreCorruptError(
                 f"{self.path}: labels.npy holds {labels.dtype} {labels.shape}, expected int64 ({self.count},)")
@@ -112,7 +114,7 @@ class ShardReader(StoreReader):
         self.sums = None   # SampleSums once enable_sample_check() ran (check="sample")
 
     def _load_sums(self, spec: dict[str, Any]) -> np.ndarray:
-        return _load_npy(safe_member(self.path, spec.get("file")), mmap=False)
+        return load_npy(safe_member(self.path, spec.get("file")), mmap=False)
 
     def _sample_file(self, i: int) -> Path:
         if self.kind == "variable":
@@ -120,7 +122,7 @@ class ShardReader(StoreReader):
         return self.files[int(np.searchsorted(self._starts, i, side="right")) - 1]
 
     def _load_index(self, path: Path) -> None:
-        index = _load_npy(path, mmap=False)
+        index = load_npy(path, mmap=False)
         if index.dtype != np.int64 or index.shape != (self.count, 5):
             raise StoreCorruptError(f"{path}: index holds {index.dtype} {index.shape}, expected int64 ({self.count}, 5)")
         sizes = []
@@ -175,7 +177,7 @@ class ShardReader(StoreReader):
         if self.check_files:
             self._check_file(k, f)
         if self.kind == "fixed":
-            arr = _load_npy(f, mmap=True)
+            arr = load_npy(f, mmap=True)
             n = self._counts[k]
             if arr.dtype != np.uint8 or arr.shape != (n, *self.shape):
                 raise StoreCorruptError(
@@ -197,7 +199,7 @@ class ShardReader(StoreReader):
         if spec is None:
             return None
         files = spec.get("files", {}) if isinstance(spec, dict) else {}
-        arrays = {name: _load_npy(safe_member(self.path, file), mmap=False) for name, file in files.items()}
+        arrays = {name: load_npy(safe_member(self.path, file), mmap=False) for name, file in files.items()}
         return Origins.from_arrays(spec.get("kind"), arrays, str(self.path), count=self.count)
 
     def _read(self, i: int) -> np.ndarray:

@@ -21,7 +21,7 @@ from .layout import (
     FORMAT,
     FORMAT_VERSION,
     MANIFEST_NAME,
-    _npy_header,
+    npy_header,
 )
 
 
@@ -93,7 +93,7 @@ class ShardWriter(WithTargets):
         if self.shape is not None:
             name = f"shard-{n:05d}.npy"
             self._file = _HashingFile(self.folder / name)
-            self._file.write(_npy_header(self.per_shard, self.shape))
+            self._file.write(npy_header(self.per_shard, self.shape))
         else:
             name = f"data-{n:05d}.bin"
             self._file = _HashingFile(self.folder / name)
@@ -162,7 +162,7 @@ class ShardWriter(WithTargets):
             if last is not None and last["count"] != self.per_shard:
                 path = self.folder / last["file"]
                 with open(path, "r+b") as f:
-                    f.write(_npy_header(last["count"], self.shape))
+                    f.write(npy_header(last["count"], self.shape))
                     f.flush()
                     os.fsync(f.fileno())
                 self.checksums[last["file"]] = sha256_file(path)

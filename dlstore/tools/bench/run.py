@@ -217,7 +217,7 @@ def _convert_one(settings: BenchSettings, v: Variant, images: Path, work: Path,
     from ...conversion.local import convert as convert_store
     from ...formats import get_format
 
-    dst = work / f"bench-{v.name.replace('+', '-')}{get_format(v.format).SUFFIXES[0]}"
+    dst = work / f"bench-{v.name.replace('+', '-')}{get_format(v.format).suffixes[0]}"
     options: dict[str, Any] = {}
     if v.encoding != "raw":
         options["encoding"] = v.encoding

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import lmdb
 
-from ..errors import StoreBusyError, StoreCorruptError
-from .handles import open_lock
+from ...errors import StoreBusyError, StoreCorruptError
+from ..handles import open_lock
 
 _ENVS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
 

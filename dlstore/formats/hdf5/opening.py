@@ -25,7 +25,7 @@ import errno
 import os
 from typing import Any
 
-from ..errors import ArgumentError, StoreBusyError
+from ...errors import ArgumentError, StoreBusyError
 
 _ENV = "HDF5_USE_FILE_LOCKING"
 # errnos of flock(2) that mean "this filesystem does not lock", not "someone holds the lock"
