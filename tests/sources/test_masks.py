@@ -79,7 +79,7 @@ def test_colour_masks_and_bad_files_are_decode_errors_naming_the_file(tmp_path):
 
 
 def test_in_memory_masks_become_class_index_arrays():
-    values = torch.randint(0, 30, (7, 5))
+    values = torch.arange(35).reshape(7, 5) % 30   # 0..29, each value present
     assert np.array_equal(to_mask(tv_tensors.Mask(values), "x"), values.numpy())           # int64 Mask
     assert to_mask(tv_tensors.Mask(values), "x").dtype == np.uint8
     assert to_mask(tv_tensors.Mask(values[None]), "x").shape == (7, 5)                      # (1, H, W)

@@ -201,3 +201,39 @@ def test_a_label_list_is_still_a_label_list(nested):
     (nested / "labels.csv").write_text("path,label\nimages/top.jpg,cat\nimages/training/z.jpg,dog\n")
     source = read_list(nested / "labels.csv")
     assert not isinstance(source, PairSource) and source.classes == ["cat", "dog"]
+
+
+def test_the_mask_is_decoded_with_its_images_orientation_and_pixel_guard(tmp_path):
+    """A phone photo stored sideways (EXIF orientation 6) with a mask drawn on the upright picture:
+    exif_transpose turns both; max_pixels guards the mask file too."""
+    raw = Image.fromarray(synthetic_image(0, 0, (10, 16)))                  # stored 16 wide, 10 high
+    exif = raw.getexif()
+    exif[0x0112] = 6                                                         # rotate 90 degrees to display
+    (tmp_path / "images").mkdir()
+    raw.save(tmp_path / "images" / "x.jpg", exif=exif, quality=95)
+    upright = (np.arange(16 * 10).reshape(16, 10) % 7).astype(np.uint8)     # the displayed image: 10 wide, 16 high
+    mask_raw = Image.fromarray(np.rot90(upright, 1).copy(), "L")            # stored as the image is, same EXIF
+    (tmp_path / "masks").mkdir()
+    mask_raw.save(tmp_path / "masks" / "x.png", exif=exif)
+    source = scan_pairs(tmp_path / "images", tmp_path / "masks")
+    key = next(source.item_keys())
+    image, mask = source.loader({"exif_transpose": True})(key)
+    assert image.size == (10, 16) and np.array_equal(mask, upright)
+    image, mask = source.loader({"exif_transpose": False})(key)
+    assert image.size == (16, 10) and mask.shape == (10, 16)
+    Image.fromarray(np.zeros((10, 160), np.uint8), "L").save(tmp_path / "masks" / "x.png")   # 1600 px, image 160
+    with pytest.raises(DecodeError, match=r"x\.png: mask is 160x10 = 1,600 pixels, over the limit of 500"):
+        source.loader({"exif_transpose": False, "max_pixels": 500})(key)
+
+
+def test_open_source_refuses_a_mask_argument_for_the_wrong_kind_of_source(nested):
+    from dlstore.errors import ArgumentTypeError
+
+    with pytest.raises(ArgumentTypeError, match="masks= pairs a folder of images with a folder of masks; got a list"):
+        open_source([(Image.new("RGB", (2, 2)), Image.new("L", (2, 2)))], masks=nested / "masks")
+    with pytest.raises(ArgumentTypeError, match="mask_key= names the mask of a dataset's items; got a PosixPath"):
+        open_source(nested / "images", mask_key="mask")
+    skipped = open_source(nested / "images", masks=nested / "masks", on_error="skip")
+    assert skipped.describe() == {"kind": "folder pairs", "root": str(nested / "images"),
+                                  "masks_root": str(nested / "masks"), "fields": ["image", "mask"], "mode": "RGB",
+                                  "mode_given": False, "empty_classes": []}
