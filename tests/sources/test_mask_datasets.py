@@ -144,3 +144,28 @@ def test_positions_of_longer_tuples_and_bad_items():
         MaskDatasetSource(rows, mask_key="mask")
     with pytest.raises(DecodeError, match="yields a float32 mask"):
         MaskDatasetSource([(torch.zeros(3, 4, 5, dtype=torch.uint8), torch.zeros(4, 5))], mask_key=1)
+
+
+def test_a_hugging_face_dataset_with_image_and_palette_mask_columns():
+    """A real ``datasets.Dataset`` as ADE20K's scene_parse_150 is laid out: Image features, the mask a
+    palette PNG in a column the user names; its indices come through, not its colours."""
+    hf = pytest.importorskip("datasets")
+    images, masks = [], []
+    for k in range(3):
+        size = (9 + k, 14)
+        images.append(Image.fromarray(synthetic_image(k, k, size)))
+        values = ((np.arange(size[0] * size[1]).reshape(size) // 5 + k) % 150).astype(np.uint8)
+        mask = Image.fromarray(values, "P")
+        mask.putpalette([(i * 97 + c * 31) % 256 for i in range(256) for c in range(3)])
+        masks.append(mask)
+    data = hf.Dataset.from_dict({"image": images, "annotation": masks, "scene": ["x"] * 3},
+                                features=hf.Features({"image": hf.Image(), "annotation": hf.Image(),
+                                                      "scene": hf.Value("string")}))
+    source = open_source(data, mask_key="annotation")
+    assert isinstance(source, MaskDatasetSource) and len(source) == 3 and source.mode == "RGB"
+    load = pickle.loads(pickle.dumps(source.loader()))
+    for i in source.item_keys():
+        image, mask = load(i)
+        assert data[i]["annotation"].mode == "P"
+        assert mask.dtype == np.uint8 and np.array_equal(mask, np.asarray(masks[i]))
+        assert np.array_equal(np.asarray(image), np.asarray(data[i]["image"].convert("RGB")))
