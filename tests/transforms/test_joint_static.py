@@ -130,7 +130,7 @@ def test_resize_max_is_v2s_resize_to_max_size_on_the_pair_and_never_upscales(pai
             assert np.array_equal(F.pil_to_tensor(tv_image).numpy(), out_image) and np.array_equal(tv_mask[0], out_mask)
 
 
-@settings(max_examples=25, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(h=st.integers(1, 90), w=st.integers(1, 90), resize=st.integers(1, 80), crop_h=st.integers(1, 100),
        crop_w=st.integers(1, 100), k=st.integers(0, 20), wide=st.booleans(),
        interpolation=st.sampled_from([InterpolationMode.BILINEAR, InterpolationMode.BICUBIC,
