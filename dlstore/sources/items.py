@@ -16,6 +16,11 @@ torchvision pipeline would see:
 Labels: an int (Python, numpy or a 0-d tensor); ``None`` means unlabelled (-1). Or a
 target vector: a list, tuple, 1-D ndarray or tensor of K numbers, made an int64 array
 (ints, bools) or a float32 array (floats) by ``to_target``.
+
+Masks (segmentation sources): ``to_mask`` makes a PIL mask, a ``tv_tensors.Mask``, an integer
+tensor or ndarray of (H, W) (or one channel: (1, H, W), (H, W, 1)) the (H, W) uint8 array of its
+class indices (uint16 when one exceeds 255); ``check_pair`` refuses a mask of another size than
+its image.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import numpy as np
 from PIL import Image
 
 from ..errors import DecodeError, SourceError
-from .decode import as_mode, channels_of, mode_conflict
+from .decode import MASK_MAX, as_mode, channels_of, mask_from_pil, mode_conflict
 
 _CHANNELS = (1, 3)
 
@@ -133,3 +138,49 @@ def target_vector(obj: Any, where: str) -> np.ndarray:
         raise DecodeError(where, f"yields the target {obj!r} ({values.dtype} {values.shape}), expected an int "
                                  "class index or a non-empty vector of numbers (ints: int64, floats: float32)")
     return np.ascontiguousarray(values, dtype=dtype)
+
+
+def to_mask(obj: Any, where: str) -> np.ndarray:
+    """``obj`` as the (H, W) uint8 (uint16 above 255) array of its class indices; DecodeError naming
+    ``where`` otherwise (a float mask, negative values, a stack of instance masks)."""
+    if isinstance(obj, Image.Image):
+        return mask_from_pil(obj, where)
+    if hasattr(obj, "detach"):   # a tensor (tv_tensors.Mask among them)
+        obj = obj.detach().cpu().numpy()
+    if not isinstance(obj, np.ndarray):
+        raise DecodeError(where, f"yields a {type(obj).__name__} mask, expected a PIL image, a tv_tensors.Mask or "
+                                 "an integer ndarray/tensor of (H, W)")
+    values = obj[0] if obj.ndim == 3 and obj.shape[0] == 1 else obj[..., 0] if obj.ndim == 3 and \
+        obj.shape[-1] == 1 else obj
+    if values.ndim != 2:
+        raise DecodeError(where, f"yields a mask of shape {tuple(obj.shape)}, expected (H, W) class indices (a "
+                                 "semantic mask; a stack of instance masks is not one)")
+    if values.dtype == np.bool_:
+        return values.astype(np.uint8)
+    if values.dtype.kind not in "iu":
+        raise DecodeError(where, f"yields a {values.dtype} mask, expected integer class indices (create the "
+                                 "dataset without a transform= that makes the mask float)")
+    low, high = (int(values.min()), int(values.max())) if values.size else (0, 0)
+    if low < 0 or high > MASK_MAX:
+        raise DecodeError(where, f"yields mask values {low}..{high}; a mask holds class indices 0..{MASK_MAX} "
+                                 "(map an ignore value such as -1 to 255 first)")
+    return np.ascontiguousarray(values, dtype=np.uint8 if high <= 255 else np.uint16)
+
+
+def image_size(image: Any) -> tuple[int, int]:
+    """(H, W) of a PIL image or a (C, H, W) tensor."""
+    if isinstance(image, Image.Image):
+        return image.size[1], image.size[0]
+    return int(image.shape[-2]), int(image.shape[-1])
+
+
+def check_pair(image: Any, mask: np.ndarray, image_where: str, mask_where: str | None = None) -> None:
+    """DecodeError naming both (``mask_where``: the mask's file, when it has its own) when ``mask`` is not
+    the size of ``image``: a mask labels its image's pixels one for one."""
+    h, w = image_size(image)
+    if tuple(mask.shape) != (h, w):
+        mask_name = f"its mask {mask_where}" if mask_where else "its mask"
+        raise DecodeError(image_where, f"image is {w}x{h} (width x height) but {mask_name} is "
+                                       f"{mask.shape[1]}x{mask.shape[0]}: a mask labels its image's pixels one for "
+                                       "one; pair each image with its own mask (or resize the masks with "
+                                       "nearest-neighbour first)")

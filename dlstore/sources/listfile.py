@@ -31,6 +31,12 @@ Target vectors: CSV rows ``path,t0,t1,...`` with K >= 2 numbers (JSON lines: a
 ``"label"`` list of numbers), the same K on every row: stored int64 when every value
 is an integer, else float32 (``nan``/``inf`` allowed); no classes. A header row
 (``path,a,b,...``) is skipped.
+
+Segmentation pairs: ``image,mask`` rows (JSON lines: ``"path"`` or ``"image"``, and ``"mask"``),
+both paths under the same rules (relative to the root, refused outside it), read by
+``read_pair_list`` into a ``PairSource`` (items ``(image, mask)``; no labels). ``read_list``
+reads a list as one when its header names a mask column (``image,mask``, ``path,mask``) or its
+first JSON object has a ``"mask"`` key.
 """
 
 from __future__ import annotations
@@ -47,6 +53,7 @@ from PIL import Image
 from ..errors import SourceError
 from .decode import check_mode, storable_mode
 from .folder import UNLABELLED, SampleList, Source
+from .pairs import PairSource
 
 LIST_SUFFIXES = (".csv", ".tsv", ".txt", ".jsonl", ".ndjson", ".json")
 
@@ -55,7 +62,7 @@ def _rows(path: Path):
     """(line number, path, label text or None) of every row."""
     suffix = path.suffix.lower()
     with open(path, newline="", encoding="utf-8") as f:
-        if suffix in (".jsonl", ".ndjson", ".json"):
+        if suffix in _JSON_SUFFIXES:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -88,6 +95,8 @@ def _rows(path: Path):
 
 
 _HEADERS = ("path", "file", "filename", "image")
+_MASK_HEADERS = ("mask", "masks", "annotation", "segmentation")
+_JSON_SUFFIXES = (".jsonl", ".ndjson", ".json")
 
 
 def _is_number(text: str) -> bool:
@@ -107,15 +116,103 @@ def _is_int(text: str) -> bool:
 
 
 def read_list(list_file: str | os.PathLike, root: str | os.PathLike | None = None, *,
-              mode: str | None = None) -> Source:
+              mode: str | None = None) -> Source | PairSource:
     """The file list ``list_file`` as a source (raises SourceError naming the bad row).
 
     ``mode``: ``"RGB"`` or ``"L"``; None: chosen from the files (see the module doc).
+    A list with a mask column (see the module doc) is read by ``read_pair_list``.
     """
     check_mode(mode)
+    if _names_masks(Path(list_file)):
+        return read_pair_list(list_file, root, mode=mode)
     source = _read_list(list_file, root)
-    source.mode, source.mode_given = (mode, True) if mode is not None else (_choose_mode(source), False)
+    source.mode, source.mode_given = (mode, True) if mode is not None else (_choose_mode(source.samples), False)
     return source
+
+
+def read_pair_list(list_file: str | os.PathLike, root: str | os.PathLike | None = None, *,
+                   mode: str | None = None) -> PairSource:
+    """A list of ``image,mask`` rows as a segmentation source, in the order of the list.
+
+    CSV/TSV rows ``image,mask`` (a first row ``image,mask`` of names is a header); JSON lines
+    ``{"image": ..., "mask": ...}`` (or ``"path"`` for the image). Both paths follow the list's path
+    rules (see the module doc): relative to ``root`` (default: the list's folder), refused outside it.
+
+    Args:
+        list_file: the list.
+        root: the folder the paths are relative to.
+        mode: ``"RGB"`` or ``"L"``, what every image is converted to; None: chosen from the images'
+            headers as ``read_list`` chooses. Masks are never converted.
+
+    Raises:
+        SourceError: naming the list and line of a row without two paths, or of a path outside the root.
+    """
+    check_mode(mode)
+    list_path, root_str = _list_and_root(list_file, root)
+    base = os.path.abspath(root_str)
+    rows = []
+    try:
+        for n, image, mask in _pair_rows(list_path):
+            rows.append((_inside(list_path, n, image, root_str, base), _inside(list_path, n, mask, root_str, base)))
+    except (UnicodeDecodeError, csv.Error) as exc:
+        raise SourceError(f"{list_path}: not a UTF-8 CSV/TSV or JSON-lines list of image,mask rows ({exc})") from None
+    if not rows:
+        raise SourceError(f"{list_file}: lists no pair")
+    images = SampleList.build(root_str, ((os.path.join(root_str, image), UNLABELLED) for image, _ in rows))
+    masks = SampleList.build(root_str, ((os.path.join(root_str, mask), UNLABELLED) for _, mask in rows))
+    source = PairSource(root_str, root_str, images, masks, kind="pair list", list_file=os.path.abspath(list_path))
+    source.mode, source.mode_given = (mode, True) if mode is not None else (_choose_mode(source.images), False)
+    return source
+
+
+def _pair_rows(path: Path):
+    """(line number, image path, mask path) of every row of a pair list."""
+    with open(path, newline="", encoding="utf-8") as f:
+        if path.suffix.lower() in _JSON_SUFFIXES:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as exc:
+                    raise SourceError(f"{path}:{n}: not a JSON object ({exc})") from exc
+                image = row.get("image", row.get("path")) if isinstance(row, dict) else None
+                if not isinstance(image, str) or not isinstance(row.get("mask"), str):
+                    raise SourceError(f"{path}:{n}: expected an object with \"image\" (or \"path\") and \"mask\" "
+                                      "strings")
+                yield n, image, row["mask"]
+            return
+        for n, row in enumerate(csv.reader(f, delimiter="\t" if path.suffix.lower() == ".tsv" else ","), 1):
+            if not row or not "".join(row).strip():
+                continue
+            if len(row) != 2:
+                raise SourceError(f"{path}:{n}: {len(row)} column(s), expected two: image,mask")
+            if n == 1 and _is_mask_header(row):
+                continue
+            yield n, row[0].strip(), row[1].strip()
+
+
+def _is_mask_header(row: list[str]) -> bool:
+    return len(row) == 2 and row[0].strip().lower() in _HEADERS and row[1].strip().lower() in _MASK_HEADERS
+
+
+def _names_masks(path: Path) -> bool:
+    """Whether the list's first row says it holds masks: a ``x,mask`` header, a JSON ``"mask"`` key."""
+    if not path.is_file():
+        return False   # _read_list names it
+    try:
+        with open(path, newline="", encoding="utf-8") as f:
+            first = next((line for line in f if line.strip()), "")
+    except (OSError, UnicodeDecodeError):
+        return False   # _read_list reports it
+    if path.suffix.lower() in _JSON_SUFFIXES:
+        try:
+            row = json.loads(first)
+        except json.JSONDecodeError:
+            return False
+        return isinstance(row, dict) and "mask" in row
+    row = next(csv.reader([first], delimiter="\t" if path.suffix.lower() == ".tsv" else ","), [])
+    return _is_mask_header(row)
 
 
 def _header_mode(path: str) -> str | None:
@@ -129,18 +226,23 @@ def _header_mode(path: str) -> str | None:
         return None  # the conversion names (or skips) this file
 
 
-def _choose_mode(source: Source) -> str:
+def _choose_mode(samples: SampleList) -> str:
     """RGB at the first colour file; L when every file that opens is grayscale."""
-    return "RGB" if any(_header_mode(path) == "RGB" for path, _ in source.samples) else "L"
+    return "RGB" if any(_header_mode(path) == "RGB" for path, _ in samples) else "L"
 
 
-def _read_list(list_file: str | os.PathLike, root: str | os.PathLike | None) -> Source:
+def _list_and_root(list_file: str | os.PathLike, root: str | os.PathLike | None) -> tuple[Path, str]:
     list_path = Path(list_file)
     if not list_path.is_file():
         raise SourceError(f"{list_file}: no such list file")
     root_str = str(Path(root) if root is not None else list_path.parent)
     if not Path(root_str).is_dir():
         raise SourceError(f"{root_str}: the root of {list_file} is not a folder (give --root DIR)")
+    return list_path, root_str
+
+
+def _read_list(list_file: str | os.PathLike, root: str | os.PathLike | None) -> Source:
+    list_path, root_str = _list_and_root(list_file, root)
     rows = []
     try:
         base = os.path.abspath(root_str)

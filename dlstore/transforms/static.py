@@ -361,7 +361,7 @@ def _run_ops(image: Any, spec: StaticSpec) -> Any:
             image = F.resize(image, size, interpolation=InterpolationMode(op["interpolation"]),
                              max_size=op["max_size"], antialias=op["antialias"])
         elif kind == "resize_max":
-            image = _resize_max(image, op["size"], InterpolationMode(op["interpolation"]), op["antialias"])
+            image = resize_max(image, op["size"], InterpolationMode(op["interpolation"]), op["antialias"])
         elif kind == "center_crop":
             image = F.center_crop(image, op["size"])
         elif kind == "grayscale":
@@ -371,7 +371,7 @@ def _run_ops(image: Any, spec: StaticSpec) -> Any:
     return image
 
 
-def _resize_max(image: Any, size: int, interpolation: Any, antialias: bool) -> Any:
+def resize_max(image: Any, size: int, interpolation: Any, antialias: bool) -> Any:
     """Longer side down to ``size``, aspect kept; an image already that small is returned untouched.
 
     The output size is torchvision's for ``Resize(size=None, max_size=size)`` (shorter side
@@ -393,6 +393,7 @@ class ResizeMax:
     """torchvision-style transform of the ``resize_max`` op (PIL images and tensors).
 
     ``v2.Resize(size=None, max_size=N)`` would upscale images smaller than N; this does not.
+    Several inputs (``(image, tv_tensors.Mask)`` in a v2 ``Compose``): each resized (a Mask nearest), a tuple.
     """
 
     def __init__(self, size: int, interpolation: Any = "bilinear", antialias: bool = True) -> None:
@@ -402,8 +403,9 @@ class ResizeMax:
         self.interpolation = InterpolationMode(getattr(interpolation, "value", interpolation))
         self.antialias = antialias
 
-    def __call__(self, image: Any) -> Any:
-        return _resize_max(image, self.size, self.interpolation, self.antialias)
+    def __call__(self, *inputs: Any) -> Any:
+        out = tuple(resize_max(x, self.size, self.interpolation, self.antialias) for x in inputs)
+        return out[0] if len(out) == 1 else out
 
     def __repr__(self) -> str:
         return (f"ResizeMax(size={self.size}, interpolation={self.interpolation.value}, "
