@@ -272,3 +272,40 @@ def test_unpaired_files_skipped_are_named_in_the_manifest(tmp_path):
     assert result.count == 2
     ds = dlstore.open_dataset(tmp_path / "y.shards")
     assert any("lonely" in entry.get("path", "") for entry in ds.manifest["source"]["skipped"])
+
+
+def test_command_line_converts_pairs_and_describes_the_mask(tmp_path):
+    """``convert --masks``, then info, show (the mask drawn over the image) and verify know the field;
+    verify names a sample whose mask plane was damaged."""
+    from click.testing import CliRunner
+
+    from dlstore.cli import main
+
+    _pairs(tmp_path, [(26, 30), (28, 33), (30, 31)])
+    dst = tmp_path / "c.shards"
+    runner = CliRunner()
+    result = runner.invoke(main, ["convert", str(tmp_path / "images"), str(dst), "--masks", str(tmp_path / "masks"),
+                                  "--static", "center_crop=24", "--quiet", "--workers", "0"])
+    assert result.exit_code == 0, result.output
+    assert "3 images with uint8 masks" in result.output
+    info = runner.invoke(main, ["info", str(dst)]).output
+    assert "masks     uint8, one per image" in info and "sample    3x24x24 uint8 CHW" in info
+    assert "(3 files, folder pairs)" in info
+    shown = runner.invoke(main, ["show", str(dst), "1", "--out", str(tmp_path / "one.png")])
+    assert shown.exit_code == 0, shown.output
+    image, mask = dlstore.open_dataset(dst).read(1)
+    drawn = np.asarray(Image.open(tmp_path / "one.png"), dtype=np.int64)
+    plain = image.permute(1, 2, 0).numpy().astype(np.int64)
+    coloured = (mask.numpy() != 0) & (mask.numpy() != IGNORE)
+    assert (drawn[~coloured] == plain[~coloured]).all() and (drawn[coloured] != plain[coloured]).any(axis=-1).all()
+    assert f"classes {', '.join(f'{v} (' for v in np.unique(mask.numpy())[:1])}" in shown.output
+    assert runner.invoke(main, ["verify", str(dst), "--deep"]).exit_code == 0
+    # damage one byte of sample 2's mask plane (after its 3 x 24 x 24 image bytes)
+    shard = sorted(dst.glob("shard-*.npy"))[0]
+    data = bytearray(shard.read_bytes())
+    header = len(data) - 3 * 4 * 24 * 24
+    data[header + 2 * 4 * 24 * 24 + 3 * 24 * 24 + 5] ^= 1
+    shard.write_bytes(bytes(data))
+    ds = dlstore.open_dataset(dst, check="sample")
+    with pytest.raises(StoreCorruptError, match="sample 2"):
+        ds.read(2)
