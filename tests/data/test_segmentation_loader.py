@@ -99,3 +99,10 @@ def test_device_stage_normalises_only_the_image(coupled):
     for (a, b), (c, d) in zip(plain, moved):
         assert torch.equal(b, d) and d.dtype == torch.uint8
         torch.testing.assert_close(c, (a.float() / 255 - 0.5) / 0.25)
+
+
+def test_gpudataset_refuses_a_segmentation_store_naming_the_loader(coupled):
+    from dlstore.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="segmentation store.*device='cuda'"):
+        dlstore.GPUDataset(coupled, device="cpu")
