@@ -66,10 +66,13 @@ class JointPlan:
     def describe(self, *, fixed_shape: bool | None = None) -> str:
         """What runs where (``fixed_shape``: taken for ``Plan.describe``'s sake; the store's batches are fixed)."""
         head, batch = self.tail.split(fixed_shape=True)
-        lines = [f"joint plan of {short_repr(self.given)}:",
+        ops = list(self.given.transforms) if name_of(self.given) == "Compose" else [self.given]
+        given = f"Compose({', '.join(type(op).__name__ for op in ops)})" if name_of(self.given) == "Compose" \
+            else short_repr(self.given)
+        lines = [f"joint plan of {given}:",
                  f"  image and mask, per batch: {', '.join(map(repr, self.head)) or 'nothing'}",
                  f"  image only, per sample: {', '.join(map(short_repr, head)) or 'nothing'}",
-                 f"  image only, per batch: {', '.join(map(short_repr, batch)) or 'nothing'}",
+                 f"  image only, per batch: {', '.join(map(repr, batch)) or 'nothing'}",
                  f"  device stage, with loader(device=...): "
                  f"{', '.join(map(short_repr, self.tail.stages()[1])) or 'nothing'}"]
         return "\n".join(lines)
