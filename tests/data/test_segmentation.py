@@ -309,3 +309,30 @@ def test_command_line_converts_pairs_and_describes_the_mask(tmp_path):
     ds = dlstore.open_dataset(dst, check="sample")
     with pytest.raises(StoreCorruptError, match="sample 2"):
         ds.read(2)
+
+
+def test_a_whole_v2_pipeline_split_by_split_transforms(tmp_path):
+    """split_transforms of a v2 pipeline for (Image, Mask): its static part converts the pairs; the
+    hybrid, the whole pipeline and its random part alone then read the same batches and the same ds[i]
+    (the static ops are not run twice); a pipeline whose static ops differ from the store's is refused."""
+    from dlstore.errors import StaticMismatchError
+
+    _pairs(tmp_path, [(30 + k, 41 - k) for k in range(6)])
+    random_part = [v2.RandomCrop(24, padding=3, fill={tv_tensors.Image: 1, tv_tensors.Mask: IGNORE}),
+                   v2.RandomHorizontalFlip(), v2.ToDtype(torch.float32, scale=True)]
+    whole = v2.Compose([v2.Resize(30), v2.CenterCrop([28, 32]), *random_part])
+    hybrid = dlstore.split_transforms(whole)
+    dlstore.convert(tmp_path / "images", tmp_path / "h.lmdb", masks=tmp_path / "masks", static=hybrid,
+                    progress=False, workers=0)
+    batches, items = [], []
+    for transform in (hybrid, whole, v2.Compose(random_part)):
+        ds = dlstore.open_dataset(tmp_path / "h.lmdb", transform=transform)
+        batches.append(ds.get_batch(range(6), generator=torch.Generator().manual_seed(4)))
+        torch.manual_seed(8)
+        items.append(ds[2])
+    for (images, masks), (image, mask) in zip(batches[1:], items[1:]):
+        assert torch.equal(images, batches[0][0]) and torch.equal(masks, batches[0][1])
+        assert torch.equal(image, items[0][0]) and torch.equal(mask, items[0][1])
+    assert items[0][0].shape == (3, 24, 24) and items[0][0].dtype == torch.float32
+    with pytest.raises(StaticMismatchError, match="resize=28"):
+        dlstore.open_dataset(tmp_path / "h.lmdb", transform=v2.Compose([v2.Resize(28), *random_part]))
