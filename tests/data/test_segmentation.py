@@ -336,3 +336,17 @@ def test_a_whole_v2_pipeline_split_by_split_transforms(tmp_path):
     assert items[0][0].shape == (3, 24, 24) and items[0][0].dtype == torch.float32
     with pytest.raises(StaticMismatchError, match="resize=28"):
         dlstore.open_dataset(tmp_path / "h.lmdb", transform=v2.Compose([v2.Resize(28), *random_part]))
+
+
+def test_a_dataset_of_dict_rows_with_named_image_and_mask_columns(tmp_path):
+    """Hugging Face-style rows: ``image_key`` and ``mask_key`` name the columns; the palette mask keeps
+    its indices."""
+    rows = [{"img": Image.fromarray(np.full((20, 24, 3), 10 * k, np.uint8)),
+             "seg": Image.fromarray(np.full((20, 24), k + 2, np.uint8), "P")} for k in range(5)]
+    result = dlstore.convert(rows, tmp_path / "rows.h5", image_key="img", mask_key="seg", static="center_crop=16",
+                             progress=False, workers=0)
+    assert result.masks == "uint8" and result.count == 5
+    ds = dlstore.open_dataset(tmp_path / "rows.h5")
+    for k in range(5):
+        image, mask = ds.read(k)
+        assert (image == 10 * k).all() and (mask == k + 2).all() and mask.shape == (16, 16)
