@@ -358,3 +358,27 @@ def test_a_dataset_of_dict_rows_with_named_image_and_mask_columns(tmp_path):
     for k in range(5):
         image, mask = ds.read(k)
         assert (image == 10 * k).all() and (mask == k + 2).all() and mask.shape == (16, 16)
+
+
+def test_profile_trains_a_dense_step_on_masks(stores, monkeypatch):
+    """``dlstore profile``'s conv step on a segmentation store predicts a class per pixel (255 ignored)
+    instead of one per image, and learns: its loss falls over a few steps."""
+    from dlstore.tools.profiling import synthetic_step
+
+    ds = dlstore.open_dataset(stores[2]["shards"])
+    images, masks = ds.get_batch(range(12))
+    losses = []
+    real = torch.nn.functional.cross_entropy
+
+    def recording(out, target, **kwargs):
+        assert out.shape[-2:] == target.shape[-2:] and kwargs.get("ignore_index") == IGNORE
+        loss = real(out, target, **kwargs)
+        losses.append(loss.item())
+        return loss
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", recording)
+    torch.manual_seed(0)
+    step = synthetic_step("conv", device="cpu", num_classes=6)
+    for _ in range(30):
+        step(images, masks)
+    assert len(losses) == 30 and losses[-1] < 0.9 * losses[0]
