@@ -78,8 +78,6 @@ class JointBatchPath:
     def fuses_crop_flip(self) -> bool:
         return self.crop is not None or self.flip is not None
 
-    gathers = True
-
     @property
     def python_ops(self) -> list[Any]:
         from ..transforms.wrappers import PerSample, WholeBatch
