@@ -27,7 +27,10 @@ def _mask(path, index=0, size=(12, 10)):
     """A palette mask whose indices are a function of ``index`` (so a mix-up shows)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     values = (np.arange(size[0] * size[1]).reshape(size) + index * 7) % 21
-    Image.fromarray(values.astype(np.uint8), "P").save(path)
+    mask = Image.fromarray(values.astype(np.uint8), "P")
+    # a palette of its own, as VOC's masks have (Pillow 10.3 writes a BMP without one that it cannot read)
+    mask.putpalette([c for k in range(256) for c in (k, 7 * k % 256, 13 * k % 256)])
+    mask.save(path)
 
 
 def _pair(root, rel, index, size=(12, 10), image_ext=".jpg", mask_ext=".png"):
