@@ -11,7 +11,10 @@ local, as MosaicML Streaming's ``py1b`` shuffle and FFCV's ``QUASI_RANDOM`` orde
                6 13 4 15 12 7 5 14 | 1 16 3 0 17 2 | 10 8 11 9
 
 Only a window's blocks are read at a time, so the page cache needs a window
-(``window * block_size`` samples per rank), not the store. With the whole store in one
+(``window * block_size`` samples per rank), not the store. Where the store cannot stay cached,
+a window read already is let go (``release``) once the one after it has been read too: pages
+read through a map count as used and would otherwise outlive, in a small memory cgroup, the
+next window's advised pages not yet read. With the whole store in one
 window the order is a uniform permutation, a full shuffle. The order of an epoch is a pure
 function of (seed, epoch): every rank computes the same one and takes its own part, and a
 resumed loader recomputes it. The randomness against a full shuffle is measured in
@@ -33,7 +36,7 @@ from torch.utils.data import Sampler
 
 from .._system import memory_available
 from ..errors import ArgumentError, ArgumentTypeError
-from ..formats.readahead import Extents, advise
+from ..formats.readahead import Extents, advise, release_default
 
 # Default block: 4 MiB of store, 32 readahead units of 128 KiB, so reading a block costs
 # bandwidth rather than seeks; a window of 64 such blocks is 256 MiB.
@@ -100,6 +103,12 @@ class Readahead:
         kept = sorted(files[:keep])
         kept_sizes = np.array([f.stat().st_size for f in kept], dtype=np.int64)
         return kept, kept_sizes, np.cumsum(kept_sizes)
+
+    def release(self, indices: np.ndarray) -> bool:
+        """Let the page cache drop samples ``indices`` (the store's reader's ``release``); False
+        where the reader cannot (an estimate could drop a neighbouring block not read yet)."""
+        reader = getattr(self.dataset, "reader", None)
+        return bool(hasattr(reader, "release") and reader.release(indices))
 
     def __call__(self, first: int, stop: int) -> None:
         """Advise the bytes of samples ``[first, stop)``."""
@@ -173,12 +182,16 @@ class BlockShuffleSampler(Sampler[int]):
         drop_last: with ranks, drop the tail instead of padding to equal shares.
         readahead: as a window begins, ask the kernel to read the next window's blocks
             (:class:`Readahead`; None: on for a store's dataset).
+        release: with readahead, as a window begins, let the page cache drop the window two
+            before it (``StoreReader.release``; the windows left at the end of a pass, as the
+            next pass begins). None: on for a store that cannot stay cached (larger than half
+            the memory, physical or this process's cgroup limit: ``readahead.release_default``).
     """
 
     def __init__(self, data_source: Sized | int, *, block_size: int | None = None, window: int | None = None,
                  seed: int | None = None, generator: torch.Generator | None = None,
                  num_replicas: int | None = None, rank: int | None = None, distributed: bool = False,
-                 drop_last: bool = False, readahead: bool | None = None):
+                 drop_last: bool = False, readahead: bool | None = None, release: bool | None = None):
         if isinstance(data_source, bool) or not isinstance(data_source, (int, Sized)):
             raise ArgumentTypeError(f"BlockShuffleSampler takes a dataset or its length, got "
                                     f"{type(data_source).__name__}")
@@ -221,6 +234,13 @@ class BlockShuffleSampler(Sampler[int]):
         if readahead and not hasattr(data_source, "path"):
             raise ArgumentError("BlockShuffleSampler: readahead=True reads a store's files: give it the store's dataset")
         self.readahead = Readahead(data_source) if readahead else None
+        if release is None:
+            release = self.readahead is not None and release_default(store_bytes(data_source.path))
+        if release and self.readahead is None:
+            raise ArgumentError("BlockShuffleSampler: release=True lets go of windows read ahead: "
+                                "it needs readahead (a store's dataset, readahead not False)")
+        self.release = bool(release)
+        self._unreleased: list[np.ndarray] = []   # samples of windows read but not let go yet
 
     def set_epoch(self, epoch: int) -> None:
         """The epoch whose order the next pass yields."""
@@ -257,19 +277,44 @@ class BlockShuffleSampler(Sampler[int]):
             yield from mine
             return
         w0, w1 = (int(np.searchsorted(starts, p, side="right")) - 1 for p in (first, stop - 1))
-        # entering window w (at its first position in this rank's part) advises window w + 1
-        advise_at = {max(int(starts[w]), first) - first: w + 1 for w in range(w0, w1)}
+        # the position in this rank's part where each of its windows begins
+        enter_at = {max(int(starts[w]), first) - first: w for w in range(w0, w1 + 1)}
         block_size = max(1, min(self.block_size, self.n))
 
         def advise(w: int) -> None:
             for b in groups[w].tolist():
                 self.readahead(b * block_size, min((b + 1) * block_size, self.n))
 
+        def samples(w: int) -> np.ndarray:
+            return np.concatenate([np.arange(b * block_size, min((b + 1) * block_size, self.n))
+                                   for b in groups[w].tolist()]).astype(np.int64)
+
+        # a window partly another rank's is never let go: that rank may read it later
+        whole = {w for w in range(w0, w1 + 1)
+                 if starts[w] >= first and (w + 1 == len(starts) or starts[w + 1] <= stop)}
+        self._let_go(len(self._unreleased))   # the pass before's last windows: read by now
         advise(w0)
         for i, index in enumerate(mine):
-            if i in advise_at:
-                advise(advise_at[i])
+            w = enter_at.get(i)
+            if w is not None:
+                # window w - 1 is read, but batches of it may still be built (a loader takes
+                # indices ahead of them): it is let go as the next window begins, before that
+                # one's advice, so that the pages let go are the first the kernel evicts
+                if self.release and w - 1 in whole:
+                    self._unreleased.append(samples(w - 1))
+                    self._let_go(len(self._unreleased) - 1)
+                if w < w1:
+                    advise(w + 1)   # entering window w advises the next
             yield index
+        if self.release and w1 in whole:
+            self._unreleased.append(samples(w1))
+
+    def _let_go(self, k: int) -> None:
+        """Release the first ``k`` windows waiting; stop releasing where the reader cannot."""
+        for indices in self._unreleased[:k]:
+            if self.release and self.readahead is not None and not self.readahead.release(indices):
+                self.release = False
+        del self._unreleased[:k]
 
     def __repr__(self) -> str:
         ranks = f", rank {self.rank} of {self.num_replicas}" if self.num_replicas > 1 else ""

@@ -26,12 +26,23 @@ where reads cannot stay warm: a store larger than half the memory (physical, or 
 process's cgroup limit), whatever its sample size (3 KB samples of a 1.45 GB LMDB store in a
 926 MB cgroup: a full shuffle 2.7x, a sequential epoch 6.4x with it). The reader option
 ``willneed=True`` turns it on elsewhere (a cold first epoch, a network filesystem).
+
+The other way: ``release`` lets the page cache drop samples read already, so a store that
+cannot stay cached keeps room for what was advised (``data/order.py``'s windows: pages read
+through a map count as used and outlive, in a small memory cgroup, advised pages not yet read).
+Pages this process maps are handed back first (``madvise(MADV_PAGEOUT)``), since
+``posix_fadvise(DONTNEED)`` leaves a mapped page in the cache; ``MADV_PAGEOUT`` pages out a
+file's pages only for its owner, a user who may write it, or root, and elsewhere does nothing.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import functools
+import mmap
 import os
+import sys
 import threading
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -90,6 +101,12 @@ def readahead_default(store_bytes: int) -> bool:
     """
     memory = memory_limit_bytes()
     return memory is None or store_bytes <= memory // 2
+
+
+def release_default(store_bytes: int) -> bool:
+    """Whether samples read already should leave the page cache (``release``): for a store that
+    cannot stay cached, the one whose map readahead is off (``readahead_default``)."""
+    return hasattr(os, "posix_fadvise") and not readahead_default(store_bytes)
 
 
 def choose_willneed(willneed: Any, count: int, sample_bytes: float) -> bool:
@@ -170,6 +187,68 @@ def advise(extents: Extents, *, probe: int = 0) -> None:
             for start, stop in zip(starts.tolist(), stops.tolist()):
                 for piece in range(start, stop, limit):
                     os.posix_fadvise(fd, piece, min(limit, stop - piece), os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+
+MADV_PAGEOUT = 21   # Linux 5.4+; the same number on every architecture (Python's mmap lacks it)
+
+
+@functools.cache
+def _madvise() -> Any:
+    libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    return libc.madvise
+
+
+def _mappings(st: os.stat_result) -> list[tuple[int, int, int]]:
+    """(start address, end address, file offset of start) of each of this process's maps of the
+    file ``st`` describes (``/proc/self/maps``)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.read().splitlines()
+    except OSError:
+        return []
+    device, inode, found = (os.major(st.st_dev), os.minor(st.st_dev)), str(st.st_ino), []
+    for line in lines:
+        fields = line.split(maxsplit=5)
+        if len(fields) >= 5 and fields[4] == inode \
+                and tuple(int(v, 16) for v in fields[3].split(":")) == device:
+            start, end = (int(v, 16) for v in fields[0].split("-"))
+            found.append((start, end, int(fields[2], 16)))
+    return found
+
+
+def release(extents: Extents) -> None:
+    """Let the page cache drop the whole pages of every extent (nearby extents merged; a page
+    partly outside stays): this process's maps of the file page them out first
+    (``madvise(MADV_PAGEOUT)``, Linux only), then ``posix_fadvise(DONTNEED)``. Advice only:
+    nothing read changes, a page dropped and read again is read from the disk again."""
+    file_no = np.asarray(extents.file_no, dtype=np.int64)
+    offset = np.asarray(extents.offset, dtype=np.int64)
+    length = np.broadcast_to(np.asarray(extents.length, dtype=np.int64), offset.shape)
+    keep = (offset >= 0) & (length > 0)
+    file_no, offset, end = file_no[keep], offset[keep], offset[keep] + length[keep]
+    page = mmap.PAGESIZE
+    for k in np.unique(file_no).tolist():
+        try:
+            fd = os.open(extents.files[k], os.O_RDONLY)
+        except OSError:
+            continue
+        try:
+            starts, stops = ranges(offset[file_no == k], end[file_no == k])
+            starts, stops = -(-starts // page) * page, stops // page * page
+            spans = [(a, b) for a, b in zip(starts.tolist(), stops.tolist()) if b > a]
+            maps = _mappings(os.fstat(fd)) if sys.platform.startswith("linux") else []
+            for start, end_addr, base in maps:
+                for a, b in spans:
+                    lo, hi = max(a, base), min(b, base + end_addr - start)
+                    if hi > lo:
+                        _madvise()(start + lo - base, hi - lo, MADV_PAGEOUT)   # (an error: not paged out)
+            for a, b in spans:
+                os.posix_fadvise(fd, a, b - a, os.POSIX_FADV_DONTNEED)
         except OSError:
             pass
         finally:

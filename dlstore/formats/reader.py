@@ -10,6 +10,7 @@ with its handles open; the base class does the rest::
     read_range(start, stop)      [start, stop) through get_batch (a format with a faster
                                  sequential path overrides it)
     prefetch(indices)            check -> open -> advise (no read)
+    release(indices)             check -> open -> let the page cache drop them (no read)
     sample_addresses(indices)    fixed shape? -> check -> open -> advise -> _in_place -> sums check
                                  -> (addresses, the map holding them), or None: read natively
 
@@ -40,7 +41,7 @@ from .handles import ForkSafe
 from .inplace import NATIVE, gather, views
 from .inplace import addresses as map_addresses
 from .integrity import SampleChecks
-from .readahead import Extents, advise, advised_ahead
+from .readahead import Extents, advise, advised_ahead, release
 
 # samples of a batch looked up in the page cache before it is advised: all there, no advice
 PROBES = 8
@@ -140,6 +141,19 @@ class StoreReader(SampleChecks, ForkSafe):
         if extents is None:
             return False
         advise(extents, probe=PROBES)
+        return True
+
+    def release(self, indices: Any) -> bool:
+        """Let the page cache drop samples ``indices`` read already (``readahead.release``: this
+        process's maps page them out, then ``posix_fadvise(DONTNEED)``), so that a store which
+        cannot stay cached keeps room for what is advised next; False where this store cannot
+        say where they lie. Reading them again reads them from the disk again."""
+        indices = check_indices(self.path, indices, self.count)
+        self._ensure_open()
+        extents = self._extents(indices) if len(indices) else None
+        if extents is None:
+            return False
+        release(extents)
         return True
 
     def sample_addresses(self, indices: Any) -> tuple[np.ndarray, np.ndarray] | None:

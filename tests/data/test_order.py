@@ -259,3 +259,49 @@ def test_readahead_reads_each_next_windows_samples(tmp_path, suffix):
             got.append(next(it))
         assert seen_resident(data, pages[w]) == pages[w], f"window {w}"
     assert sorted(got + list(it)) == list(range(n))
+
+
+def test_release_lets_go_of_each_window_read_once_the_one_after_it_is_read(tmp_path, monkeypatch):
+    """With ``release``, a window's samples are handed to the reader's ``release`` (the real one,
+    recorded) only once the sampler has yielded the whole window after it (a loader takes indices
+    ahead of the batches it builds), the last two as the next pass begins; a window partly
+    another rank's is never let go. Off by default for a store that fits in memory."""
+    from dlstore.formats import readahead
+
+    n, block, window = 24, 3, 3     # windows of 9, 9 and 6 samples
+    images = np.random.default_rng(3).integers(0, 256, (n, 8, 8, 3), dtype=np.uint8)
+    dst = tmp_path / "s.shards"
+    dlstore.convert((images, np.arange(n) % 2), dst, workers=0, progress=False)
+    ds = dlstore.open_dataset(dst)
+    assert dlstore.BlockShuffleSampler(ds, block_size=block, window=window).release is False
+    monkeypatch.setattr(readahead, "memory_limit_bytes", lambda: order.store_bytes(dst))
+    assert dlstore.BlockShuffleSampler(ds, block_size=block, window=window).release is True
+    assert dlstore.BlockShuffleSampler(ds, block_size=block, window=window, release=False).release is False
+    with pytest.raises(ArgumentError, match="release"):
+        dlstore.BlockShuffleSampler(ds, block_size=block, window=window, readahead=False, release=True)
+
+    released: list[tuple[int, set[int]]] = []      # (samples yielded so far, the samples let go)
+    yielded: list[int] = []
+    real = ds.reader.release
+    monkeypatch.setattr(ds.reader, "release", lambda indices: released.append(
+        (len(yielded), set(np.asarray(indices).tolist()))) or real(indices))
+    groups, starts = order.windows(n, block, window, 5)
+    samples = [{i for b in g.tolist() for i in range(b * block, min((b + 1) * block, n))} for g in groups]
+    sampler = dlstore.BlockShuffleSampler(ds, block_size=block, window=window, seed=5, release=True)
+    for index in sampler:
+        yielded.append(index)
+    assert [s for _, s in released] == [samples[0]]             # window 0, as window 2 began
+    assert released[0][0] == starts[2]
+    del released[:]
+    yielded.clear()
+    next(iter(sampler))
+    assert [s for _, s in released] == [samples[1], samples[2]] and released[0][0] == 0
+
+    # two ranks of 12: rank 0 holds window 0 whole and part of window 1, rank 1 the rest
+    for rank, whole in ((0, [samples[0]]), (1, [samples[2]])):
+        del released[:]
+        s = dlstore.BlockShuffleSampler(ds, block_size=block, window=window, seed=5, release=True,
+                                        num_replicas=2, rank=rank)
+        list(s)
+        list(s)
+        assert all(got in whole for _, got in released) and released

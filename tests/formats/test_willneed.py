@@ -268,3 +268,45 @@ def test_readahead_off_reads_only_the_faulted_pages(tmp_path, suffix):
         del reader
     assert resident[False] and resident[False] <= wanted
     assert len(resident[True] - wanted) > 0
+
+
+def _whole_pages(path: Path, sample: np.ndarray) -> set[int]:
+    """The pages of ``path`` lying wholly inside ``sample``'s bytes (found by searching the file)."""
+    offset = path.read_bytes().find(sample.tobytes())
+    assert offset >= 0
+    return set(range(-(-offset // mmap.PAGESIZE), (offset + sample.nbytes) // mmap.PAGESIZE))
+
+
+@pytest.mark.parametrize("suffix", SUFFIXES)
+def test_release_drops_the_samples_pages_though_the_reader_maps_them(tmp_path, suffix):
+    """Samples read through the reader's map (in place) leave the page cache on ``release``, their
+    whole pages only: a sample between them stays; reading them again gives the same pixels.
+    (``posix_fadvise(DONTNEED)`` alone leaves a mapped page cached.)"""
+    probe = tmp_path / "probe"
+    probe.write_bytes(os.urandom(1 << 16))
+    evict(probe)
+    if resident_pages(probe).any():
+        pytest.skip(f"this filesystem keeps {probe} cached after POSIX_FADV_DONTNEED (tmpfs?)")
+    dst = _store(tmp_path, 12, suffix)
+    expected = _images(12).transpose(0, 3, 1, 2)
+    data = _data_file(dst)
+    ds = dlstore.open_dataset(dst, reader_options={"readahead": False, "willneed": False})
+    np.testing.assert_array_equal(ds.reader.get_batch(np.arange(12)), expected)
+    gone = _whole_pages(data, expected[3]) | _whole_pages(data, expected[7])
+    kept = _whole_pages(data, expected[5])
+    assert gone and kept and resident_pages(data)[sorted(gone | kept)].all()
+    assert ds.reader.release([7, 3]) is True
+    cached = resident_pages(data)
+    assert not cached[sorted(gone)].any()
+    assert cached[sorted(kept)].all()
+    np.testing.assert_array_equal(ds.reader.get_batch(np.arange(12)), expected)
+
+
+def test_release_default_is_on_only_for_a_store_bigger_than_half_the_memory(monkeypatch):
+    import dlstore.formats.readahead as readahead
+
+    monkeypatch.setattr(readahead, "memory_limit_bytes", lambda: 1000)
+    assert readahead.release_default(501) is True
+    assert readahead.release_default(500) is False
+    monkeypatch.setattr(readahead, "memory_limit_bytes", lambda: None)   # unknown: keep the cache
+    assert readahead.release_default(10 ** 12) is False
