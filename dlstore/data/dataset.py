@@ -225,6 +225,12 @@ class StoreDataset(Dataset):
         cannot say where they lie."""
         return bool(self.reader.prefetch(self._indices(indices)))
 
+    def release(self, indices: Sequence[int] | np.ndarray) -> bool:
+        """Let the page cache drop samples ``indices``, read already (``StoreReader.release``); False
+        where the store cannot say where they lie. Block shuffle's windows call it (``order.py``)."""
+        release = getattr(self.reader, "release", None)   # (an encoded store's reader has none)
+        return bool(release is not None and release(self._indices(indices)))
+
     def open(self) -> None:
         """Open the reader's handles in this process now (they open on first use otherwise)."""
         self.reader.ensure_open()

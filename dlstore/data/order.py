@@ -105,10 +105,10 @@ class Readahead:
         return kept, kept_sizes, np.cumsum(kept_sizes)
 
     def release(self, indices: np.ndarray) -> bool:
-        """Let the page cache drop samples ``indices`` (the store's reader's ``release``); False
+        """Let the page cache drop samples ``indices`` (the dataset's ``release``); False
         where the reader cannot (an estimate could drop a neighbouring block not read yet)."""
-        reader = getattr(self.dataset, "reader", None)
-        return bool(hasattr(reader, "release") and reader.release(indices))
+        release = getattr(self.dataset, "release", None)
+        return bool(release is not None and release(indices))
 
     def __call__(self, first: int, stop: int) -> None:
         """Advise the bytes of samples ``[first, stop)``."""
