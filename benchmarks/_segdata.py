@@ -8,7 +8,7 @@ and its own outline family::
     index  class     outline                    colour (RGB)      texture
     0      background (the photo)
     1      disc      filled ellipse             (205, 45, 40)     fine noise
-    2      wedge     triangle or quadrilateral  (45, 170, 70)     horizontal stripes, period 4
+    2      wedge     triangle or quadrilateral  (190, 60, 200)    horizontal stripes, period 4
     3      box       axis-aligned rectangle     (50, 75, 210)     4x4 checker
     4      bar       thin long rectangle        (225, 200, 45)    vertical stripes, period 3
     255    ignore    a band of ``border`` px on each side of every boundary between two labels
@@ -20,22 +20,28 @@ pixel within ``border`` (Chebyshev distance) carries another label.
 
 Written as ``images/<split>/NNNNN.jpg`` (RGB JPEG, quality 90) and ``masks/<split>/NNNNN.png``
 (palette "P" PNG holding the class indices, VOC's colour map), so ``scan_pairs(images/train,
-masks/train)`` pairs them. The same seed writes the same files.
+masks/train)`` pairs them. The same seed writes the same files. ``PairFolder`` reads a split back
+the way a torchvision user's segmentation Dataset does (the benchmarks' baseline).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 from PIL import Image, ImageDraw
+from torch.utils.data import Dataset
+from torchvision import tv_tensors
 
 from _photos import base_photos, derived_photo
 
 CLASSES = ("background", "disc", "wedge", "box", "bar")
 IGNORE = 255
-COLOURS = {1: (205, 45, 40), 2: (45, 170, 70), 3: (50, 75, 210), 4: (225, 200, 45)}
+COLOURS = {1: (205, 45, 40), 2: (190, 60, 200), 3: (50, 75, 210), 4: (225, 200, 45)}
 JPEG_QUALITY = 90
 
 
@@ -190,3 +196,23 @@ def make_segmentation_set(root: str | Path, splits: dict[str, int], *, size: tup
             samples.append(Sample(split, name, tuple(int(c) for c in present if c != IGNORE),
                                   int((labels == IGNORE).sum())))
     return SegSet(root, tuple(size), tuple(samples))
+
+
+class PairFolder(Dataset):
+    """A segmentation Dataset as users write one: ``images/x.jpg`` with ``masks/x.png``, both opened
+    by PIL per sample (the mask's indices kept, as a ``tv_tensors.Mask``), then ``transform(image, mask)``."""
+
+    def __init__(self, images: Path, masks: Path, transform: Callable[..., Any]):
+        self.pairs = [(p, masks / f"{p.stem}.png") for p in sorted(images.glob("*.jpg"))]
+        self.transform = transform
+
+    def __len__(self) -> int:
+        return len(self.pairs)
+
+    def __getitem__(self, index: int):
+        image_path, mask_path = self.pairs[index]
+        with Image.open(image_path) as image:
+            image = image.convert("RGB")
+        with Image.open(mask_path) as mask:
+            mask = tv_tensors.Mask(torch.from_numpy(np.array(mask)))
+        return self.transform(image, mask)
