@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import DecodeError, SourceError
+from ..formats.fields import RecordFields
 from ..formats.manifest import dumps, make_manifest
 from ..formats.targets import TargetRows
 from ..formats.targets import describe as describe_targets
@@ -42,6 +43,7 @@ class ConvertResult:
     empty_classes: list[str] = field(default_factory=list)
     targets: tuple[int, str] | None = None   # (K, dtype) of a store of target vectors
     resumed: int = 0   # samples an interrupted run had written before ``resume`` continued it
+    masks: str | None = None   # a segmentation store's mask dtype
 
     @property
     def rate(self) -> float:
@@ -53,6 +55,7 @@ class ConvertResult:
         shape = "x".join(map(str, self.shape)) if self.shape else "variable"
         lines = [
             f"wrote {self.path} ({self.store_format})",
+            f"  samples  {self.count} images with {self.masks} masks" if self.masks else
             f"  samples  {self.count} in {len(self.classes) or 'no'} classes"
             + ("" if self.classes else f" (target vectors: {self.targets[0]} x {self.targets[1]})" if self.targets
                else " (unlabelled, label -1)"),
@@ -103,6 +106,8 @@ class Job:
     targets: TargetRows | None = None
     # The prints of the files converted so far, for a resume to check (a file source), else None.
     journal: Journal | None = None
+    # A segmentation source's: how a record holds the image and its mask (formats.fields), else None.
+    fields: RecordFields | None = None
 
     def __post_init__(self) -> None:
         spec = getattr(self.source, "target_spec", None)
@@ -113,8 +118,11 @@ class Job:
 
     @property
     def record_shape(self) -> tuple[int, int, int] | None:
-        """Shape of the records the writer stores: encoded records vary in length."""
-        return self.shape if self.codec[0] == "raw" else None
+        """Shape of the records the writer stores: encoded records vary in length; a segmentation
+        store's hold the mask's planes after the image's channels."""
+        if self.codec[0] != "raw":
+            return None
+        return self.shape if self.fields is None else self.fields.record_shape(self.shape)
 
     @functools.cached_property
     def _fingerprint(self) -> dict[str, Any]:
@@ -125,6 +133,7 @@ class Job:
             "options": {k: v for k, v in sorted(self.options.items())},
             **self.source.fingerprint(),
             **({} if self.targets is None else {"targets": [self.targets.length, str(self.targets.dtype.name)]}),
+            **({} if self.fields is None else {"fields": self.fields.describe()}),
         }
 
     def classes(self) -> list[str]:
@@ -156,7 +165,7 @@ def feed_writer(job: Job, writer: Any, start: int, skipped: list[dict[str, Any]]
     todo, ahead = itertools.tee(source.item_keys(start))
     chunk = CHUNK if source.origin_kind == "path" else CHUNK_IN_MEMORY
     results = decode_in_order(ahead, source.loader(job.decode), job.spec, job.codec, job.workers, chunk,
-                       where=None if job.journal is None else source.where)
+                              where=None if job.journal is None else source.where, fields=job.fields)
     # Closed here, in this thread, when writing fails: left to the garbage collector, the pool's
     # shutdown can run in the pool's own manager thread, which cannot join itself.
     with contextlib.closing(results):
@@ -176,7 +185,7 @@ def _write_results(job: Job, writer: Any, start: int, results: Iterable[Any], sk
         if not isinstance(result, str):
             record, label = result
             if job.record_shape is not None and tuple(record.shape) != job.record_shape:
-                raise _shape_error(source, key, tuple(record.shape), job.shape)
+                raise _shape_error(source, key, tuple(record.shape), job.record_shape)
             if job.targets is not None or isinstance(label, np.ndarray):
                 label = _target_row(job, source.where(key), label)
                 ok = True
@@ -273,9 +282,11 @@ def manifest_for(job: Job, *, count: int, skipped: list[dict[str, Any]], files: 
         format=fmt.name, format_version=fmt.version, count=count, shape=job.record_shape,
         classes=job.classes(), static=job.spec, encoding=job.codec[0], decoded_shape=job.shape,
         quality=job.codec[1] if job.codec[0] == "jpeg" else None,
-        source={**source.describe(), "files": files, "skipped": skipped, "decode": job.decode},
+        source={**source.describe(), "files": files, "skipped": [*getattr(source, "skipped", []), *skipped],
+                "decode": job.decode},
         checksums=checksums, layout=layout,
         targets=None if job.targets is None else describe_targets(np.empty((0, job.targets.length),
                                                                            job.targets.dtype.name)),
         class_order=getattr(source, "class_order", None),
+        fields=None if job.fields is None else job.fields.describe(),
     )

@@ -31,6 +31,7 @@ from ..errors import (
     SourceError,
 )
 from ..formats.encoding import ENCODINGS
+from ..formats.fields import MASK_DTYPES, RecordFields
 from ..formats.space import write_error
 from ..sources import check_class_order, open_source
 from ..sources.decode import DEFAULT_MAX_PIXELS
@@ -139,6 +140,9 @@ def convert(
     label_key: str | int | None = None,
     mode: str | None = None,
     class_order: str = "imagefolder",
+    masks: str | os.PathLike | None = None,
+    mask_key: str | int | None = None,
+    mask_dtype: str = "uint8",
     **format_options: Any,
 ) -> ConvertResult:
     """Convert a source of images into a store.
@@ -212,6 +216,14 @@ def convert(
             ``"imagefolder"`` (default: sorted names, as torchvision's ``ImageFolder``: ``c1, c10, c2``)
             or ``"natural"`` (as timm's folder reader: ``c1, c2, c10``, case ignored); recorded in
             the manifest (``class_order``). Other sources keep their own order (only the default).
+        masks: a folder of masks paired with the image folder ``src`` by relative path and stem
+            (``images/a/x.jpg`` <-> ``masks/a/x.png``, ``--masks``): a segmentation store, each sample
+            an image and its mask, both through the static ops as torchvision v2 runs them on
+            ``(tv_tensors.Image, tv_tensors.Mask)``; see docs/segmentation.md. A list of
+            ``image,mask`` rows, or a dataset of (image, mask) pairs, is one without ``masks``.
+        mask_key: where a dataset's items hold the mask (a dict key or tuple position).
+        mask_dtype: ``"uint8"`` (default) or ``"uint16"`` (masks with classes above 255,
+            ``--mask-dtype``).
         **format_options: passed to the format's Writer (e.g. HDF5 ``compression``).
 
     Returns:
@@ -228,7 +240,8 @@ def convert(
                           on_error=on_error, resume=resume, exif_transpose=exif_transpose, max_pixels=max_pixels,
                           encoding=encoding, quality=quality, shard_size=shard_size, progress=progress, log=log,
                           root=root, image_key=image_key, label_key=label_key, mode=mode,
-                          class_order=class_order, format_options=format_options)
+                          class_order=class_order, masks=masks, mask_key=mask_key, mask_dtype=mask_dtype,
+                          format_options=format_options)
     group = active_group(distributed)
     if group is not None:
         return _convert_on_ranks(conversion, group, workers)
@@ -251,19 +264,27 @@ class Conversion:
     progress: bool
     log: Callable[[str], None]
     open_src: Callable[[], Any]
+    mask_dtype: str = "uint8"
 
     def job(self, source: Any, workers: int) -> Job:
         """The job converting ``source`` (a whole source or a rank's part) with up to ``workers`` processes."""
         workers = usable_workers(source.loader(self.decode), workers, self.log)
+        fields = None
+        if tuple(getattr(source, "fields", ("image", "target"))) == ("image", "mask"):
+            if self.codec[0] != "raw":
+                raise ArgumentError(f"encoding={self.codec[0]!r}: a segmentation store keeps its masks in the "
+                                    "records, which are stored raw; convert without encoding (--encoding raw)")
+            fields = RecordFields.for_mask(source.channels, self.mask_dtype)
         return Job(source=source, spec=self.spec, shape=sample_shape(self.spec, source),
                    store_format=self.store_format, decode=self.decode, workers=workers, on_error=self.on_error,
-                   options=self.options, codec=self.codec)
+                   options=self.options, codec=self.codec, fields=fields)
 
 
 def _resolve(src: Any, dst: Any, *, store_format: Any, static: Any, workers: Any, overwrite: Any, on_error: Any,
              resume: bool, exif_transpose: bool, max_pixels: Any, encoding: Any, quality: Any, shard_size: Any,
              progress: bool, log: Callable[[str], None] | None, root: Any, image_key: Any, label_key: Any,
-             mode: Any, class_order: Any, format_options: dict[str, Any]) -> Conversion:
+             mode: Any, class_order: Any, masks: Any, mask_key: Any, mask_dtype: Any,
+             format_options: dict[str, Any]) -> Conversion:
     """``convert``'s arguments checked (the first unusable one raises, naming it) and resolved."""
     shard_size = _checked_arguments(dst, overwrite=overwrite, on_error=on_error, encoding=encoding,
                                     max_pixels=max_pixels, quality=quality, workers=workers, shard_size=shard_size)
@@ -284,15 +305,21 @@ def _resolve(src: Any, dst: Any, *, store_format: Any, static: Any, workers: Any
         if root is not None:
             check_apart(dst, Path(root), scanned=False)
 
+    if mask_dtype not in MASK_DTYPES:
+        raise ArgumentError(f"mask_dtype must be one of {', '.join(MASK_DTYPES)}, got {mask_dtype!r}")
+    if masks is not None and isinstance(masks, (str, os.PathLike)):
+        check_apart(dst, Path(masks), scanned=True)
+
     def open_src() -> Any:
         return open_source(src, root=root, image_key=image_key, label_key=label_key, mode=mode,
-                           class_order=class_order)
+                           class_order=class_order, masks=masks, mask_key=mask_key,
+                           on_error="skip" if masks is not None and on_error == "skip" else "fail")
 
     return Conversion(dst=dst, store_format=fmt, spec=spec,
                       decode={"exif_transpose": bool(exif_transpose), "max_pixels": max_pixels},
                       codec=(encoding, int(quality)), options=format_options, on_error=on_error,
                       overwrite=overwrite, resume=resume, progress=progress, log=log or (lambda message: None),
-                      open_src=open_src)
+                      open_src=open_src, mask_dtype=mask_dtype)
 
 
 def _convert_on_ranks(conversion: Conversion, group: Any, workers: int | None) -> ConvertResult:
@@ -326,9 +353,11 @@ def _convert_here(conversion: Conversion, workers: int | None) -> ConvertResult:
         lock.release()
     return ConvertResult(
         path=dst, store_format=job.store_format.name, count=count, classes=job.classes(), shape=job.shape,
-        static=conversion.spec, nbytes=disk_usage(dst), seconds=seconds, workers=job.workers, skipped=skipped,
+        static=conversion.spec, nbytes=disk_usage(dst), seconds=seconds, workers=job.workers,
+        skipped=[*getattr(source, "skipped", []), *skipped],
         empty_classes=source.empty_classes,
         targets=None if job.targets is None else (job.targets.length, job.targets.dtype.name), resumed=resumed,
+        masks=None if job.fields is None else job.fields.mask_dtype,
     )
 
 

@@ -22,10 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ConversionInterrupted, DecodeError
+from ..errors import ConversionInterrupted, DecodeError, SourceError
 from ..formats.encoding import encode
+from ..formats.fields import RecordFields
 from ..processes import Parent, parent_spec, watch
 from ..sources.decode import pil_loader
+from ..transforms.joint_static import apply_static_pair
 from ..transforms.static import StaticSpec, apply_static_any
 from .journal import fileprint
 
@@ -79,16 +81,36 @@ def _process(image: Any, where: str, spec: StaticSpec, codec: tuple[str, int]) -
     return sample if encoding == "raw" else encode(sample, encoding, quality=quality)
 
 
+def _process_pair(image: Any, mask: np.ndarray, where: str, spec: StaticSpec, fields: RecordFields) -> np.ndarray:
+    """The record of an image and its mask: both through the static stage as v2 runs it on
+    ``(Image, Mask)``, the mask's planes after the image's channels (``formats.fields``)."""
+    try:
+        image, mask = apply_static_pair(image, mask, spec)
+    except (OSError, ValueError, RuntimeError, TypeError) as exc:
+        raise DecodeError(where, f"static transform failed ({type(exc).__name__}: {exc})") from exc
+    top = int(mask.max()) if mask.size else 0
+    if top > fields.mask_max():
+        raise SourceError(f"{where}: its mask holds class {top}, which the store's {fields.mask_dtype} masks cannot "
+                          "hold; convert with mask_dtype=\"uint16\" (--mask-dtype uint16)")
+    return fields.pack(np.asarray(image), mask)
+
+
 def _decode_chunk(keys: list[Any], spec: StaticSpec, codec: tuple[str, int],
                   loader: Callable[[Any], tuple[Any, int]] | None = None,
-                  where: Callable[[Any], str] | None = None) -> list[Result]:
+                  where: Callable[[Any], str] | None = None, fields: RecordFields | None = None) -> list[Result]:
     """Per item: (record, label), or the error text where it failed (the parent decides), and the
-    print of its file (``journal.fileprint``, taken before the file is read; None without a file)."""
+    print of its file (``journal.fileprint``, taken before the file is read; None without a file).
+    With ``fields``, items are (image, mask) pairs, stored as one record with label -1."""
     load, where = loader or _LOADER, where or _WHERE
     out: list[Result] = []
     for key in keys:
         printed = None if where is None else fileprint(where(key))
         try:
+            if fields is not None:
+                image, mask = load(key)
+                named = where(key) if where is not None else str(key)
+                out.append(((_process_pair(image, mask, named, spec, fields), -1), printed))
+                continue
             image, label = load(key)
             out.append(((_process(image, str(key), spec, codec), label), printed))
         except DecodeError as exc:
@@ -122,9 +144,11 @@ def usable_workers(loader: Any, workers: int, log: Callable[[str], None]) -> int
 
 def decode_in_order(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]], spec: StaticSpec,
                     codec: tuple[str, int], workers: int, chunk_size: int = CHUNK,
-                    where: Callable[[Any], str] | None = None) -> Iterator[Result]:
+                    where: Callable[[Any], str] | None = None,
+                    fields: RecordFields | None = None) -> Iterator[Result]:
     """Yield load + static results, with their files' prints where ``where`` gives each item's file,
-    in the order of ``keys`` (consumed lazily: no list of all chunks)."""
+    in the order of ``keys`` (consumed lazily: no list of all chunks); ``fields``: items are
+    (image, mask) pairs stored as one record (``_process_pair``)."""
     source = iter(keys)
     chunks = iter(lambda: list(itertools.islice(source, chunk_size)), [])
     # Import the decode-side torchvision kernels once here: forked workers share them instead
@@ -132,7 +156,7 @@ def decode_in_order(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]
     import torchvision.transforms.v2.functional  # noqa: F401
     if workers <= 1:
         for chunk in chunks:
-            yield from _decode_chunk(chunk, spec, codec, loader, where)
+            yield from _decode_chunk(chunk, spec, codec, loader, where, fields)
         return
     window = 4 * workers
     ctx = _mp_context()
@@ -144,14 +168,14 @@ def decode_in_order(keys: Iterable[Any], loader: Callable[[Any], tuple[Any, int]
     try:
         todo = iter(chunks)
         for chunk in todo:
-            pending.append(pool.submit(_decode_chunk, chunk, spec, codec))
+            pending.append(pool.submit(_decode_chunk, chunk, spec, codec, fields=fields))
             if len(pending) >= window:
                 break
         while pending:
             results = _result(pending.popleft(), pool)
             next_chunk = next(todo, None)
             if next_chunk is not None:
-                pending.append(pool.submit(_decode_chunk, next_chunk, spec, codec))
+                pending.append(pool.submit(_decode_chunk, next_chunk, spec, codec, fields=fields))
             yield from results
     except BrokenProcessPool as exc:
         broken = True

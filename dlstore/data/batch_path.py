@@ -108,7 +108,7 @@ class BatchPath:
     def build(self, idx: np.ndarray, generator: torch.Generator | None, out: torch.Tensor | None, *,
               records: bool = False) -> Any:
         """Samples ``idx`` (checked positions) through every stage but the labels."""
-        alloc = _allocator(out)
+        alloc = allocator(out)
         with profiling_range("dlstore.read"):
             if self.decode_crop is not None and records:     # decoded where the batch goes
                 images = draw_encoded(self.reader, idx.tolist(), self.decode_crop, generator, self.flip)
@@ -180,7 +180,7 @@ class BatchPath:
         return out
 
 
-def _allocator(out: torch.Tensor | None) -> Callable[[tuple[int, ...]], torch.Tensor]:
+def allocator(out: torch.Tensor | None) -> Callable[[tuple[int, ...]], torch.Tensor]:
     """``out`` for a batch of its shape (the loader's memory), else a new uint8 tensor."""
     def alloc(shape: tuple[int, ...]) -> torch.Tensor:
         if out is not None and tuple(out.shape) == tuple(shape) and out.dtype == torch.uint8:

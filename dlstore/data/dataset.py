@@ -33,7 +33,10 @@ from ..sources.class_order import check_class_to_idx
 from ..sources.origins import OriginPairs
 from ..transforms.planner import Plan, plan
 from ..transforms.static import describe
+from ..formats.fields import RecordFields
+from ..transforms.joint import JointPlan, plan_joint
 from .batch_path import BatchPath
+from .joint_path import JointBatchPath
 from .device_decode import DeviceDecode, decodes_on_device
 from .indices import sample_index, sample_indices
 from .store_reader import check_mode, open_reader
@@ -129,7 +132,11 @@ class StoreDataset(Dataset):
         self.targets: list[int] | np.ndarray = labels.tolist() if vectors is None else vectors
         sample = self.manifest["sample"]
         shape = sample["shape"] if sample["encoding"] == "raw" else sample.get("decoded_shape")
-        self.shape: tuple[int, int, int] | None = tuple(shape) if shape is not None else None
+        # a segmentation store's records hold the mask's planes after the image (formats.fields)
+        self.fields = RecordFields.of(self.manifest, self.path)
+        self.record_shape: tuple[int, int, int] | None = tuple(shape) if shape is not None else None
+        self.shape: tuple[int, int, int] | None = (self.record_shape if self.fields is None
+                                                   else self.fields.image_shape(self.record_shape))
         self.target_transform = target_transform
         self.batch_transform = batch_transform
         self.transform = transform        # planned by the setter
@@ -145,13 +152,20 @@ class StoreDataset(Dataset):
         """Plan ``transform`` against the store for every read path (``ds[i]``, ``get_batch``, the device),
         as ``open_dataset(path, transform=...)`` plans it (timm's ``create_loader`` assigns it so)."""
         _check_callable("transform", transform)
-        planned = plan(transform, self.manifest.get("static") or [], where=self.path,
-                       static_mismatch=self.static_mismatch)      # refused here: nothing changes
+        if self.fields is not None:   # a v2 pipeline for (Image, Mask): transforms.joint
+            planned: Any = plan_joint(transform, where=self.path)
+        else:
+            planned = plan(transform, self.manifest.get("static") or [], where=self.path,
+                           static_mismatch=self.static_mismatch)      # refused here: nothing changes
         self._transform = transform
         self._use_plan(planned)
 
-    def _use_plan(self, planned: Plan) -> None:
+    def _use_plan(self, planned: Plan | JointPlan) -> None:
         self.plan = planned
+        if isinstance(planned, JointPlan):
+            self.hybrid, self.already_applied, self._sample_transform = None, [], planned.given
+            self.batch_path = JointBatchPath(self.reader, self.record_shape, self.fields, planned, where=self.path)
+            return
         self.hybrid = planned.hybrid
         self.already_applied: list[Any] = planned.already_applied
         self._sample_transform = planned.sample_transform      # what ds[i] runs: the whole plan, per sample
@@ -256,13 +270,29 @@ class StoreDataset(Dataset):
         label: Any = int(self._labels[i]) if self._labels.ndim == 1 else torch.tensor(self._labels[i])
         return label if self.target_transform is None else self.target_transform(label)
 
-    def read(self, i: int) -> torch.Tensor:
-        """Sample ``i`` as stored: uint8 (C, H, W), before any transform."""
-        return torch.from_numpy(self.reader.get(sample_index(self.path, i, len(self._labels))))
+    def read(self, i: int) -> Any:
+        """Sample ``i`` as stored: uint8 (C, H, W), before any transform; of a segmentation store,
+        (image, mask)."""
+        record = torch.from_numpy(self.reader.get(sample_index(self.path, i, len(self._labels))))
+        return record if self.fields is None else self.fields.split(record)
 
     def __getitem__(self, i: int) -> tuple[Any, Any]:
         i = sample_index(self.path, i, len(self._labels))
+        if self.fields is not None:
+            return self._pair(i)
         return self._transformed(torch.from_numpy(self.reader.get(i))), self._target(i)
+
+    def _pair(self, i: int) -> tuple[Any, Any]:
+        """(image, mask) of sample ``i``, the pipeline run on them as given (v2, on ``(Image, Mask)``)."""
+        image, mask = self.fields.split(torch.from_numpy(self.reader.get(i)))
+        if self._sample_transform is not None:
+            from torchvision import tv_tensors
+
+            image, mask = self._sample_transform(tv_tensors.Image(image), tv_tensors.Mask(mask))
+            image, mask = image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor)
+        if self.batch_transform is not None:
+            image = self.batch_transform(image[None])[0]
+        return image, mask if self.target_transform is None else self.target_transform(mask)
 
     def _transformed(self, image: Any) -> Any:
         if self._sample_transform is not None:
@@ -276,6 +306,11 @@ class StoreDataset(Dataset):
         fixed-shape store (one gather, no per-sample tensors), else a list of
         (C, H, W) tensors; and the int64 labels."""
         idx = self._indices(indices)
+        if self.fields is not None:
+            if self.shape is not None:
+                return self.fields.split(torch.from_numpy(self.reader.get_batch(idx)))
+            pairs = [self.fields.split(torch.from_numpy(self.reader.get(int(i)))) for i in idx]
+            return [image for image, _ in pairs], [mask for _, mask in pairs]
         labels = torch.from_numpy(self._labels[idx])
         if self.shape is not None:
             return torch.from_numpy(self.reader.get_batch(idx)), labels
@@ -289,6 +324,8 @@ class StoreDataset(Dataset):
         views of the memory map, so the DataLoader's ``default_collate`` is the one copy.
         """
         idx = self._indices(indices).tolist()
+        if self.fields is not None:
+            return [self._pair(i) for i in idx]
         if self.batch_transform is not None and self.shape is not None and self._sample_transform is None:
             images: Any = self.get_batch(idx)[0].unbind(0)
         else:
@@ -311,6 +348,12 @@ class StoreDataset(Dataset):
             tensor of their dtype (int64 or float32).
         """
         idx = self._indices(indices)
+        if self.fields is not None:
+            images, masks = self.batch_path.build(idx, generator, out)
+            if self.target_transform is not None:
+                done = [self.target_transform(m) for m in masks]
+                masks = torch.stack(done) if all(isinstance(m, torch.Tensor) for m in done) else done
+            return images, masks
         images = self.batch_path.build(idx, generator, out, records=self.records_out)
         labels: Any = torch.from_numpy(self._labels[idx])
         if self.target_transform is not None and labels.ndim == 2:   # target vectors: one (K,) tensor each

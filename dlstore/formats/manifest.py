@@ -18,6 +18,9 @@ Every format stores the same JSON document in its native place (shards:
                                         # sources, and folders converted before it was recorded)
       "targets": {"dtype": "float32", "shape": [K]},  # only in stores of target vectors
                                         # (N, K) int64 or float32; see formats.targets
+      "fields": {"image": {...}, "mask": {...}},  # only in segmentation stores, whose records hold
+                                        # the mask's planes after the image (formats.fields); their
+                                        # manifests are version 2, which older dlstores refuse
       "static": [{"op": "resize", ...}], # canonical static spec that produced the samples
       "source": {"kind": "folder", "root": "/data/train", "files": 1281167,
                  "skipped": [{"path": "n01/x.JPEG", "reason": "..."}]},
@@ -49,8 +52,10 @@ import json
 from typing import Any
 
 from ..errors import StoreCorruptError
+from .fields import check as check_fields
 
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2
+PLAIN_VERSION = 1   # what a manifest without 'fields' is written as, so 0.3.0 still reads it
 MAX_COUNT = 2**40  # far above any real dataset; bounds what a damaged manifest can ask for
 MAX_DIM = 2**20
 
@@ -71,6 +76,7 @@ def make_manifest(
     quality: int | None = None,
     targets: dict[str, Any] | None = None,
     class_order: str | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """A manifest (``dumps`` writes it): one keyword per field it records, hence many."""
     sample: dict[str, Any] = {"dtype": "uint8", "layout": "CHW", "encoding": encoding,
@@ -79,7 +85,7 @@ def make_manifest(
         sample["decoded_shape"] = None if decoded_shape is None else list(decoded_shape)
         sample["quality"] = quality
     manifest = {
-        "dlstore_manifest": MANIFEST_VERSION,
+        "dlstore_manifest": PLAIN_VERSION if fields is None else MANIFEST_VERSION,
         "format": format,
         "format_version": format_version,
         "count": count,
@@ -94,6 +100,8 @@ def make_manifest(
         manifest["targets"] = dict(targets)
     if class_order is not None:
         manifest["class_order"] = class_order
+    if fields is not None:
+        manifest["fields"] = dict(fields)
     return manifest
 
 
@@ -151,7 +159,7 @@ def validate(m: Any, where: str, *, format: str | None = None, max_format_versio
         if shape is not None:
             _require(isinstance(shape, list) and len(shape) == 3
                      and all(_is_int(d) and 0 < d <= MAX_DIM for d in shape)
-                     and shape[0] in (1, 3), where, f"invalid sample {key} {shape!r}")
+                     and (shape[0] in (1, 3) or "fields" in m), where, f"invalid sample {key} {shape!r}")
     _require(sample["encoding"] == "raw" or sample.get("shape") is None, where,
              "an encoded store must have variable-length records (shape null)")
     classes = m.get("classes")
@@ -165,6 +173,8 @@ def validate(m: Any, where: str, *, format: str | None = None, max_format_versio
                  and isinstance(targets.get("shape"), list) and len(targets["shape"]) == 1
                  and _is_int(targets["shape"][0]) and 0 < targets["shape"][0] <= MAX_DIM, where,
                  f"invalid 'targets' {targets!r} (expected dtype int64 or float32 and shape [K])")
+    if "fields" in m:
+        check_fields(m, where)
     _require(isinstance(m.get("static"), list), where, "'static' must be a list")
     _require(isinstance(m.get("source"), dict), where, "'source' must be an object")
     checksums = m.get("checksums")

@@ -59,7 +59,12 @@ def batch_equivalent(t: Any) -> BatchTransform | None:
 
 
 def _random_crop(t: Any) -> BatchRandomCrop | None:
-    fill = getattr(t, "fill", 0)
+    return random_crop_op(t, getattr(t, "fill", 0))
+
+
+def random_crop_op(t: Any, fill: Any) -> BatchRandomCrop | None:
+    """The batch equivalent of the RandomCrop ``t`` padding with ``fill`` (a segmentation plan gives
+    the image's fill of ``t``'s per-type fills), or None where torchvision must run it."""
     per_channel = isinstance(fill, (list, tuple)) and len(fill) > 0 \
         and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in fill)
     if not (per_channel or (isinstance(fill, (int, float)) and not isinstance(fill, bool))):
