@@ -122,8 +122,9 @@ def outline(cls: int, h: int, w: int, rng: np.random.Generator) -> np.ndarray:
         draw.ellipse([cx - rx, cy - ry, cx + rx, cy + ry], fill=1)
     elif cls == 2:
         corners = int(rng.integers(3, 5))
-        angles = np.sort(rng.uniform(0, 2 * np.pi, corners))
-        radius = rng.uniform(0.12, 0.25) * side
+        # corners spread around the centre (jittered), so a wedge is never a sliver
+        angles = rng.uniform(0, 2 * np.pi) + 2 * np.pi * np.arange(corners) / corners + rng.uniform(-0.3, 0.3, corners)
+        radius = rng.uniform(0.2, 0.32) * side
         draw.polygon([(cx + radius * np.cos(a), cy + radius * np.sin(a)) for a in angles], fill=1)
     elif cls == 3:
         draw.rectangle([cx - rx, cy - ry, cx + rx, cy + ry], fill=1)
