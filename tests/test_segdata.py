@@ -108,3 +108,26 @@ def test_same_seed_same_files_other_seed_others(segdata, written, tmp_path):
         for mine, theirs in zip(again.pair(sample), written.pair(sample)):
             assert mine.read_bytes() == theirs.read_bytes()
     assert written.pair(written.samples[0])[0].read_bytes() != other.pair(other.samples[0])[0].read_bytes()
+
+
+def test_pair_folder_reads_the_files_and_moves_both_together(segdata, written):
+    """The benchmarks' baseline Dataset: the JPEG as PIL decodes it, the mask's indices as a
+    tv_tensors.Mask, and a v2 flip applied to both."""
+    import torch
+    from torchvision import tv_tensors
+    from torchvision.transforms import v2
+
+    plain = segdata.PairFolder(written.images("val"), written.masks("val"), v2.ToImage())
+    flipped = segdata.PairFolder(written.images("val"), written.masks("val"),
+                                 v2.Compose([v2.ToImage(), v2.RandomHorizontalFlip(p=1.0)]))
+    assert len(plain) == SPLITS["val"]
+    for i, sample in enumerate(written.split("val")):
+        image, mask = plain[i]
+        image_path, mask_path = written.pair(sample)
+        with Image.open(image_path) as jpeg, Image.open(mask_path) as png:
+            expected_image, expected_mask = np.asarray(jpeg.convert("RGB")), np.asarray(png)
+        assert isinstance(mask, tv_tensors.Mask) and mask.dtype == torch.uint8
+        assert np.array_equal(image.permute(1, 2, 0).numpy(), expected_image)
+        assert np.array_equal(mask.numpy(), expected_mask)
+        image_f, mask_f = flipped[i]
+        assert torch.equal(image_f, image.flip(-1)) and torch.equal(mask_f, mask.flip(-1))
