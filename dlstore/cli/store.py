@@ -53,13 +53,19 @@ from .common import fail, say, sigterm_as_interrupt
               show_default=True,
               help="Order of a folder's classes, which fixes the labels: imagefolder (sorted names, as torchvision: "
                    "c1, c10, c2) or natural (as timm: c1, c2, c10, case ignored).")
+@click.option("--masks", type=click.Path(exists=True, file_okay=False), default=None,
+              help="A folder of segmentation masks paired with the image folder SRC by relative path and stem "
+                   "(images/a/x.jpg <-> masks/a/x.png): each sample an image and its mask, transformed together.")
+@click.option("--mask-dtype", type=click.Choice(["uint8", "uint16"]), default="uint8", show_default=True,
+              help="How masks are stored: uint16 for classes above 255.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def convert(src, dst, root, fmt, static, workers, overwrite, overwrite_damaged, on_error, shard_size, resume,
-            exif_transpose, max_pixels, compression, encoding, quality, mode, class_order, quiet):
+            exif_transpose, max_pixels, compression, encoding, quality, mode, class_order, masks, mask_dtype, quiet):
     """Convert SRC into store DST.
 
     SRC is an image folder (ImageFolder layout) or a CSV / JSON-lines list of
-    path,label rows (paths relative to --root).
+    path,label rows (paths relative to --root), or image,mask rows; with --masks,
+    a folder of images whose masks lie in the --masks folder.
     """
     from ..conversion import convert as run_convert
     from ..sources.decode import DEFAULT_MAX_PIXELS
@@ -86,7 +92,7 @@ def convert(src, dst, root, fmt, static, workers, overwrite, overwrite_damaged, 
                              on_error=on_error, shard_size=shard_size, resume=resume, **options,
                              exif_transpose=exif_transpose, max_pixels=max_pixels or DEFAULT_MAX_PIXELS,
                              encoding=encoding, quality=quality, root=root, mode=mode, class_order=class_order,
-                             distributed=env_world_size() > 1,
+                             masks=masks, mask_dtype=mask_dtype, distributed=env_world_size() > 1,
                              progress=not quiet, log=say)
     except KeyboardInterrupt:
         click.echo(f"interrupted: stopped the workers; {dst} was not written", err=True)
@@ -154,7 +160,8 @@ def info(store, as_json):
                                                              for i, name in enumerate(ds.classes)},
                    "class_order": m.get("class_order"), "skipped": len(m["source"].get("skipped", [])),
                    "provenance": (m["layout"].get("provenance") or {}).get("kind"),
-                   "targets": m.get("targets"), "read_path": layout.read_path,
+                   "targets": m.get("targets"), "masks": (m.get("fields") or {}).get("mask"),
+                   "read_path": layout.read_path,
                    "read_path_reason": layout.reason, "gatherable": gatherable, "in_order": layout.in_order}
         click.echo(json.dumps({"summary": summary, "manifest": m}, indent=1, sort_keys=True, ensure_ascii=False))
         return
@@ -174,12 +181,18 @@ def info(store, as_json):
     elif "targets" in m:
         click.echo(f"targets   {m['count']} x {m['targets']['shape'][0]} {m['targets']['dtype']} "
                    "(a target vector per sample, no classes)")
+    elif ds.fields is not None:
+        fields = ds.fields
+        click.echo(f"masks     {fields.mask_dtype}, one per image (a segmentation store: its records hold the "
+                   f"image's {fields.channels} channel(s), then the mask's {fields.planes} plane(s))")
     else:
         click.echo("classes   none (unlabelled, label -1)")
     encoding = m["sample"]["encoding"]
     if m["sample"].get("quality"):
         encoding += f" (quality {m['sample']['quality']})"
-    click.echo(f"sample    {shape} {m['sample']['dtype']} {m['sample']['layout']}, encoding {encoding}")
+    record = "" if ds.fields is None else f" (records {'x'.join(map(str, ds.record_shape or []))} with the mask)" \
+        if ds.record_shape else ""
+    click.echo(f"sample    {shape} {m['sample']['dtype']} {m['sample']['layout']}, encoding {encoding}{record}")
     click.echo(f"static    {describe(m['static'])}")
     order = {True: "in index order", False: "not in index order (consecutive samples lie apart in the file: "
              "block shuffle reads them as random reads)", None: "order unknown"}[layout.in_order]
@@ -188,7 +201,7 @@ def info(store, as_json):
     click.echo(f"layout    {kept}, {order}")
     click.echo(f"reads     {layout.read_path}: {layout.reason}")
     click.echo(f"size      {human_bytes(size)} ({size / max(m['count'], 1):,.0f} B/sample)")
-    unit = "files" if source.get("kind", "folder") in ("folder", "list") else "items"
+    unit = "files" if source.get("kind", "folder") in ("folder", "list", "folder pairs", "pair list") else "items"
     click.echo(f"source    {source.get('root')} ({source.get('files')} {unit}, {source.get('kind', 'folder')})")
     skipped = source.get("skipped", [])
     click.echo(f"skipped   {len(skipped)}")
@@ -225,12 +238,19 @@ def show(store, index, out):
     except (DlstoreError, ValueError, OSError, IndexError) as exc:
         fail(exc)
     index %= len(ds)   # in range (read checked it); a negative index counts from the end
-    label = ds.targets[index]
-    if isinstance(label, np.ndarray):   # a target vector
-        label = label.tolist()
-    name = f" ({ds.classes[label]})" if isinstance(label, int) and 0 <= label < len(ds.classes) else ""
+    mask = None
     click.echo(f"sample    {index} of {len(ds)}")
-    click.echo(f"label     {label}{name}")
+    if ds.fields is not None:
+        sample, mask = sample
+        values, counts = np.unique(mask.numpy(), return_counts=True)
+        shown = ", ".join(f"{v} ({100 * c / mask.numel():.0f}%)" for v, c in zip(values[:12], counts[:12]))
+        click.echo(f"mask      classes {shown}{', ...' if len(values) > 12 else ''}")
+    else:
+        label = ds.targets[index]
+        if isinstance(label, np.ndarray):   # a target vector
+            label = label.tolist()
+        name = f" ({ds.classes[label]})" if isinstance(label, int) and 0 <= label < len(ds.classes) else ""
+        click.echo(f"label     {label}{name}")
     click.echo(f"shape     {'x'.join(map(str, sample.shape))} uint8 CHW")
     try:
         origin = ds.samples[index][0]
@@ -242,11 +262,30 @@ def show(store, index, out):
     if out is not None:
         array = sample.numpy()
         image = Image.fromarray(array[0] if array.shape[0] == 1 else array.transpose(1, 2, 0))
+        if mask is not None:
+            image = _overlay(image, mask.numpy())
         try:
             image.save(out)
         except (OSError, ValueError) as exc:
             fail(exc)
         click.echo(f"wrote     {out}")
+
+
+def _overlay(image, mask):
+    """``image`` with ``mask``'s classes drawn over it, half opaque (class 0 and 255, background and
+    ignore by convention, left clear); a class's colour as the PASCAL VOC palette gives it."""
+    import numpy as np
+    from PIL import Image
+
+    classes = mask.astype(np.int64)
+    colour = np.zeros((*classes.shape, 3), dtype=np.int64)
+    for bit in range(8):   # VOC's palette: the class's bits spread over the channels' high bits
+        for channel in range(3):
+            colour[..., channel] |= ((classes >> (3 * bit + channel)) & 1) << (7 - bit)
+    base = np.asarray(image.convert("RGB"), dtype=np.int64)
+    drawn = (classes != 0) & (classes != 255)
+    base[drawn] = (base[drawn] + colour[drawn]) // 2
+    return Image.fromarray(base.astype(np.uint8))
 
 
 @click.command()

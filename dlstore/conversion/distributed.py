@@ -317,7 +317,8 @@ def _assemble_on_rank0(run: _RankRun, part: Any, job: Any, job_for: Any, total: 
                 path=dst, store_format=fmt.name, count=count, classes=full_job.classes(), shape=job.shape,
                 static=job.spec,
                 nbytes=size, seconds=time.perf_counter() - run.start, workers=job.workers, skipped=skipped,
-                empty_classes=part.empty_classes, resumed=sum(s.resumed for s in statuses))
+                empty_classes=part.empty_classes, resumed=sum(s.resumed for s in statuses),
+                masks=None if job.fields is None else job.fields.mask_dtype)
         except Exception as exc:  # noqa: BLE001 - reported to every rank
             error = exc
     verdict = ex.broadcast(("error", describe_error(error)) if error is not None else ("ok", result))

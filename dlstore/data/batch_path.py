@@ -146,17 +146,8 @@ class BatchPath:
             return out
         b = len(idx)
         c, h, w = shape
-        # Drawn in the order BatchCompose([crop, flip]) draws, so fused == unfused for one seed.
-        th, tw = crop.size if crop is not None else (h, w)
-        padding = crop.padding_for(h, w) if crop is not None else (0, 0, 0, 0)
+        th, tw, padding, tops, lefts, flips = draw_crop_flip(crop, flip, (b, c, h, w), generator)
         fill = crop.fill if crop is not None else 0
-        if crop is not None:
-            params = crop.sample((b, c, h, w), generator=generator)
-            tops, lefts = params["top"].numpy(), params["left"].numpy()
-        else:
-            tops = lefts = np.zeros(b, dtype=np.int64)
-        flips = flip.sample((b, c, th, tw), generator=generator)["flip"].numpy() if flip is not None \
-            else np.zeros(b, dtype=bool)
         fast = compiled.available()
         if not fast and th * tw <= VECTORISED_MAX_PIXELS:
             plain, flipped = np.flatnonzero(~flips), np.flatnonzero(flips)
@@ -178,6 +169,23 @@ class BatchPath:
         else:
             compiled.crop_flip(self.reader.get_many(idx.tolist()), out.numpy(), tops, lefts, flips, padding, fill)
         return out
+
+
+def draw_crop_flip(crop: BatchRandomCrop | None, flip: BatchRandomHorizontalFlip | None, shape: tuple[int, ...],
+                   generator: torch.Generator | None) -> tuple[int, int, Any, np.ndarray, np.ndarray, np.ndarray]:
+    """(th, tw, padding, tops, lefts, flips) of a fused crop/flip on a batch of ``shape`` (B, C, H, W),
+    drawn in the order ``BatchCompose([crop, flip])`` draws, so fused == unfused for one seed."""
+    b, c, h, w = shape
+    th, tw = crop.size if crop is not None else (h, w)
+    padding = crop.padding_for(h, w) if crop is not None else (0, 0, 0, 0)
+    if crop is not None:
+        params = crop.sample((b, c, h, w), generator=generator)
+        tops, lefts = params["top"].numpy(), params["left"].numpy()
+    else:
+        tops = lefts = np.zeros(b, dtype=np.int64)
+    flips = flip.sample((b, c, th, tw), generator=generator)["flip"].numpy() if flip is not None \
+        else np.zeros(b, dtype=bool)
+    return th, tw, padding, tops, lefts, flips
 
 
 def allocator(out: torch.Tensor | None) -> Callable[[tuple[int, ...]], torch.Tensor]:

@@ -153,7 +153,8 @@ class StoreDataset(Dataset):
         as ``open_dataset(path, transform=...)`` plans it (timm's ``create_loader`` assigns it so)."""
         _check_callable("transform", transform)
         if self.fields is not None:   # a v2 pipeline for (Image, Mask): transforms.joint
-            planned: Any = plan_joint(transform, where=self.path)
+            planned: Any = plan_joint(transform, self.manifest.get("static") or [], where=self.path,
+                                      static_mismatch=self.static_mismatch)
         else:
             planned = plan(transform, self.manifest.get("static") or [], where=self.path,
                            static_mismatch=self.static_mismatch)      # refused here: nothing changes
@@ -163,7 +164,7 @@ class StoreDataset(Dataset):
     def _use_plan(self, planned: Plan | JointPlan) -> None:
         self.plan = planned
         if isinstance(planned, JointPlan):
-            self.hybrid, self.already_applied, self._sample_transform = None, [], planned.given
+            self.hybrid, self.already_applied, self._sample_transform = None, [], planned.sample_transform
             self.batch_path = JointBatchPath(self.reader, self.record_shape, self.fields, planned, where=self.path)
             return
         self.hybrid = planned.hybrid

@@ -28,7 +28,7 @@ from ..transforms import compiled
 from ..transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip, BatchRandomResizedCrop
 from ..transforms.functional import crop_flip_loop
 from ..transforms.joint import JointCrop, JointPlan
-from .batch_path import allocator, stack
+from .batch_path import allocator, draw_crop_flip, stack
 from .profiling_ranges import profiling_range
 
 
@@ -122,16 +122,8 @@ class JointBatchPath:
             images = alloc((b, c, h, w))
             np.copyto(images.numpy(), records[:, :c])
             return images, torch.from_numpy(records[:, c:])
-        crop, flip = self.crop, self.flip
-        th, tw = crop.size if crop is not None else (h, w)
-        padding = crop.padding_for(h, w) if crop is not None else (0, 0, 0, 0)
-        if crop is not None:
-            params = crop.sample((b, c, h, w), generator=generator)
-            tops, lefts = params["top"].numpy(), params["left"].numpy()
-        else:
-            tops = lefts = np.zeros(b, dtype=np.int64)
-        flips = flip.sample((b, c, th, tw), generator=generator)["flip"].numpy() if flip is not None \
-            else np.zeros(b, dtype=bool)
+        crop = self.crop
+        th, tw, padding, tops, lefts, flips = draw_crop_flip(crop, self.flip, (b, c, h, w), generator)
         images = alloc((b, c, th, tw))
         planes = [np.empty((b, 1, th, tw), dtype=np.uint8) for _ in range(p)]
         fills = [crop.fill if crop is not None else 0, *self.fields.mask_fill_planes(self.mask_fill)]

@@ -6,12 +6,10 @@ outside a format package asks that object; it never compares a format's name. A 
 is a new package with a ``Format`` subclass and one line in the registry.
 
 A sample is a set of named fields (``FIELDS``): ``image`` (the uint8 CHW record, raw or
-encoded) and ``target`` (the int64 label, with an optional per-sample target vector). Today
-the Writer's ``add(sample, label)`` and the readers take these two by position; a further
-per-sample array (a segmentation mask) is to become a field with its name in a format's
-``fields``, a native place in that format's layout, Writer and Reader (a shards
-``masks-*.npy`` file, an LMDB key per sample, an HDF5 dataset), and ``add``/the batch reads
-taking fields by name: docs/store-layout.md.
+encoded) and ``target`` (the int64 label, with an optional per-sample target vector). A
+segmentation mask is planes of the record after the image's channels (``formats.fields``), so
+the formats store it without knowing it; a field that is not image-shaped (boxes) would be a
+further name here with a place of its own in each format, as target vectors have.
 """
 
 from __future__ import annotations

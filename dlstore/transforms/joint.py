@@ -25,8 +25,13 @@ from typing import Any
 from ..errors import TransformSpecError
 from .batch import BatchRandomCrop, BatchRandomHorizontalFlip, BatchRandomResizedCrop
 from .equivalents import random_crop_op
+from .hybrid import HybridTransform
 from .opening import library, name_of, short_repr, version
 from .planner import Plan, plan
+from .prefix import check_mismatch_argument, hybrid_mismatch, match_static
+from .recognise import unwrap
+from .static import describe as describe_static
+from .static import parse_static
 
 JOINT = ("RandomCrop", "RandomHorizontalFlip", "RandomResizedCrop")
 NO_OPS = ("ToImage", "PILToTensor", "ToPureTensor")
@@ -46,19 +51,27 @@ class JointPlan:
     """The pipeline as dlstore runs it on a segmentation store's batches (see the module doc).
 
     Attributes:
-        given: the transform as given (``ds[i]`` runs it on the pair).
+        given: the transform as given.
+        ops: its ops that run on the stored pairs (those after the store's static ones), in order:
+            ``ds[i]`` runs them on the pair as v2 does (``sample_transform``).
         head: the joint ops, in order: ``JointCrop``, ``BatchRandomHorizontalFlip``,
             ``BatchRandomResizedCrop`` (the mask resampled nearest).
         tail: the image-only ops after them, planned as on a classification store.
     """
 
     given: Any
+    ops: list[Any] = field(default_factory=list)
     head: list[Any] = field(default_factory=list)
     tail: Plan = field(default_factory=lambda: Plan(None))
 
+    @property
+    def sample_transform(self) -> Any:
+        """The ops on one (Image, Mask) pair, as v2 runs them (None when nothing runs)."""
+        return _compose(self.ops) if self.ops else None
+
     def host_plan(self) -> JointPlan:
         """This plan without its device stage (the float tail, which ``loader(device=)`` runs there)."""
-        return JointPlan(self.given, self.head, self.tail.host_plan())
+        return JointPlan(self.given, self.ops, self.head, self.tail.host_plan())
 
     def device_steps(self) -> list[Any]:
         return self.tail.device_steps()
@@ -66,10 +79,16 @@ class JointPlan:
     def describe(self, *, fixed_shape: bool | None = None) -> str:
         """What runs where (``fixed_shape``: taken for ``Plan.describe``'s sake; the store's batches are fixed)."""
         head, batch = self.tail.split(fixed_shape=True)
-        lines = [f"joint plan of {short_repr(self.given)}:",
+        given = short_repr(self.given)
+        if isinstance(self.given, HybridTransform):
+            given = (f"HybridTransform(static {describe_static(self.given.static_spec)}; "
+                     f"{', '.join(type(op).__name__ for op in self.ops)})")
+        elif name_of(self.given) == "Compose":
+            given = f"Compose({', '.join(type(op).__name__ for op in unwrap(self.given)[0])})"
+        lines = [f"joint plan of {given}:",
                  f"  image and mask, per batch: {', '.join(map(repr, self.head)) or 'nothing'}",
                  f"  image only, per sample: {', '.join(map(short_repr, head)) or 'nothing'}",
-                 f"  image only, per batch: {', '.join(map(short_repr, batch)) or 'nothing'}",
+                 f"  image only, per batch: {', '.join(map(repr, batch)) or 'nothing'}",
                  f"  device stage, with loader(device=...): "
                  f"{', '.join(map(short_repr, self.tail.stages()[1])) or 'nothing'}"]
         return "\n".join(lines)
@@ -78,16 +97,35 @@ class JointPlan:
         return self.describe()
 
 
-def plan_joint(transform: Any, *, where: Any = "the store") -> JointPlan:
-    """The joint plan of ``transform`` (a v2 ``Compose`` or one v2 op, or None) on the store at ``where``.
+def plan_joint(transform: Any, stored: Any = None, *, where: Any = "the store",
+               static_mismatch: str = "error") -> JointPlan:
+    """The joint plan of ``transform`` on the store at ``where``, converted with static spec ``stored``.
+
+    ``transform``: a v2 ``Compose`` or one v2 op, or None; a whole pipeline whose leading ops are
+    the store's static ones (they are not run again), or the HybridTransform ``split_transforms``
+    made of one (its static part must be the store's), as on a classification store
+    (``planner.plan``; ``static_mismatch`` as there).
 
     Raises:
         TransformSpecError: an op dlstore cannot run on the image and its mask as v2 does, and why.
+        StaticMismatchError: the leading static ops, or the hybrid's static part, are not the store's.
     """
     if transform is None:
         return JointPlan(None)
-    ops = list(transform.transforms) if name_of(transform) == "Compose" else [transform]
+    check_mismatch_argument(static_mismatch)
+    spec = None if stored is None else parse_static(stored)
+    if isinstance(transform, HybridTransform):
+        error = hybrid_mismatch(where, spec, transform.static_spec) if spec is not None else None
+        ops = list(transform.dynamic_ops)
+    else:
+        ops = unwrap(transform)[0]
+        taken, error = match_static(ops, spec, where) if spec else (0, None)
+        ops = ops[taken:]
+    if error is not None and static_mismatch == "error":
+        raise error
     head: list[Any] = []
+    if not ops:
+        return JointPlan(transform)
     k = 0
     while k < len(ops) and name_of(ops[k]) in NO_OPS:
         k += 1
@@ -103,7 +141,7 @@ def plan_joint(transform: Any, *, where: Any = "the store") -> JointPlan:
             f"together only {', '.join(JOINT)}, first in the pipeline (before the colour and dtype ops, which v2 "
             f"runs on the image only); move it there, or leave it out")
     tail_plan = plan(_compose(tail), None, where=where) if tail else Plan(None)
-    return JointPlan(transform, head, tail_plan)
+    return JointPlan(transform, ops, head, tail_plan)
 
 
 def _check_v2(op: Any, where: Any) -> None:

@@ -93,6 +93,25 @@ def test_distributed_conversion_equals_single_process(rgb_folder, varsize_folder
         np.testing.assert_array_equal(f["labels"][()], g["labels"][()])
 
 
+def test_distributed_segmentation_conversion_equals_single_process(tmp_path):
+    """Image and mask pairs: each rank's records hold both, assembled into the store one process writes."""
+    from dlstore.sources.demo import make_segmentation_folder
+
+    seg = make_segmentation_folder(tmp_path / "seg", count=14, size=(30, 40))
+    kwargs = {"static": "resize=20,center_crop=16", "shard_size": 3000, "masks": str(seg / "masks")}
+    results = run_ranks(_convert_all, str(seg / "images"), str(tmp_path), kwargs, tmp_path=tmp_path)
+    for result in results:
+        assert "ok" in result, result.get("trace")
+    for fmt, suffix in SUFFIX.items():
+        dist_store, single = tmp_path / f"dist{suffix}", tmp_path / f"single{suffix}"
+        convert(seg / "images", single, progress=False, workers=0, **kwargs)
+        assert _store_digest(dist_store) == _store_digest(single), fmt
+        assert verify(dist_store, deep=True).ok
+        ds = open_dataset(dist_store)
+        assert ds.fields is not None and ds.manifest["fields"] == open_dataset(single).manifest["fields"]
+        assert ds.read(13)[1].shape == (16, 16)
+
+
 def _convert_one(rank: int, src: str, dst: str, kwargs: dict) -> dict:
     r = convert(src, dst, progress=False, workers=1, distributed=True, **kwargs)
     return {"count": r.count, "skipped": r.skipped}

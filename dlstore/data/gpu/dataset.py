@@ -219,6 +219,11 @@ class GPUDataset(Dataset):
         if not hasattr(self.source, "shape") or not hasattr(self.source, "read_batch"):
             raise ArgumentTypeError(f"GPUDataset takes a store path or a dlstore dataset (open_dataset(path)), "
                                     f"got {type(source).__name__}")
+        if getattr(self.source, "fields", None) is not None:
+            raise ArgumentError(
+                f"{self._name} is a segmentation store (images with masks), and GPUDataset holds images with "
+                "labels; read it with dlstore.loader(ds, batch_size, device='cuda'), which moves the masks with the "
+                "images and runs the float ops there on the images only (docs/segmentation.md)")
         if self.source.shape is None:
             raise VariableShapeError(
                 f"{self._name}: samples have different shapes (a variable-shape store); GPUDataset "

@@ -1,0 +1,108 @@
+"""A segmentation store through every read path of ``dlstore.loader``: the image and its mask get the
+same crop and flip in threads, ring workers, the DataLoader back-end and ``device=``.
+
+The store is coupled: channel 0 of every image is 40 x its mask's class, so wherever a batch's mask
+is a class, the image must show that class's value at the same pixel; where the mask is the
+ignore fill, the image must be its fill. A crop or flip applied to one field and not the other,
+or with other draws, breaks this at once."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torchvision import tv_tensors
+from torchvision.transforms import v2
+
+import dlstore
+
+IGNORE, IMAGE_FILL = 255, 0
+BACKENDS = [("threads", 0), ("ring", 2), ("dataloader", 2)]
+
+
+@pytest.fixture(scope="module")
+def coupled(tmp_path_factory):
+    rng = np.random.default_rng(0)
+    pairs = []
+    for k in range(40):
+        yy, xx = np.mgrid[:24, :28]
+        mask = ((xx // 4 + yy // 6 + k) % 6).astype(np.uint8)
+        image = np.stack([mask * 40, (xx * 9 + 1).astype(np.uint8), np.full_like(mask, k + 1)]).astype(np.uint8)
+        pairs.append((tv_tensors.Image(torch.from_numpy(image)), tv_tensors.Mask(torch.from_numpy(mask))))
+    dst = tmp_path_factory.mktemp("coupled") / "c.shards"
+    dlstore.convert(pairs, dst, static="center_crop=24x28", progress=False, workers=0)   # (a list: sizes unknown)
+    return dst
+
+
+def _transform():
+    return v2.Compose([v2.RandomCrop(20, padding=4, fill={tv_tensors.Image: IMAGE_FILL, tv_tensors.Mask: IGNORE}),
+                       v2.RandomHorizontalFlip()])
+
+
+def _check_coupled(images, masks):
+    """Every sample's image agrees with its mask (see the module doc); returns how many were flipped."""
+    assert images.dtype == torch.uint8 and masks.dtype == torch.uint8
+    assert images.shape[0] == masks.shape[0] and images.shape[2:] == masks.shape[1:]
+    labelled = masks != IGNORE
+    assert torch.equal(images[:, 0][labelled], masks[labelled] * 40)
+    assert (images.permute(1, 0, 2, 3)[:, ~labelled] == IMAGE_FILL).all()
+    # channel 1 rises with x (9 per pixel) unless the sample was flipped
+    rows = images[:, 1].to(torch.int64)
+    both = labelled[:, :, 1:] & labelled[:, :, :-1]
+    steps = (rows[:, :, 1:] - rows[:, :, :-1])
+    flipped = [(steps[k][both[k]] < 0).all().item() for k in range(len(rows))]
+    return sum(flipped)
+
+
+def test_dataset_source_of_tv_tensors_pairs_is_a_segmentation_store(coupled):
+    ds = dlstore.open_dataset(coupled)
+    image, mask = ds[3]
+    assert ds.fields is not None and image.shape == (3, 24, 28) and mask.shape == (24, 28)
+    assert torch.equal(image[0], mask * 40) and (image[2] == 4).all()
+
+
+@pytest.mark.parametrize("backend, workers", BACKENDS)
+def test_every_backend_transforms_image_and_mask_together(coupled, backend, workers):
+    ds = dlstore.open_dataset(coupled, transform=_transform())
+    loader = dlstore.loader(ds, batch_size=8, shuffle=True, num_workers=workers, backend=backend, seed=5)
+    flipped = seen = 0
+    samples = []
+    for images, masks in loader:
+        flipped += _check_coupled(images, masks)
+        seen += len(images)
+        samples += images[:, 2, 10, 10].tolist()   # which sample (k + 1; 0 where padded)
+    assert seen == 40 and 5 < flipped < 35
+    assert len({s for s in samples if s}) >= 35    # an epoch: (nearly) every sample, the centre rarely padded
+
+
+def test_backends_give_the_same_batches_for_one_seed(coupled):
+    """One seed: the same order and the same draws, whichever back-end reads (the loader's contract)."""
+    runs = {}
+    for backend, workers in BACKENDS:
+        ds = dlstore.open_dataset(coupled, transform=_transform())
+        loader = dlstore.loader(ds, batch_size=8, shuffle=True, num_workers=workers, backend=backend, seed=9)
+        runs[backend] = [(x.clone(), y.clone()) for x, y in loader]
+    first = runs["threads"]
+    for backend, batches in runs.items():
+        assert len(batches) == len(first)
+        for (a, b), (c, d) in zip(first, batches):
+            assert torch.equal(a, c) and torch.equal(b, d), backend
+
+
+def test_device_stage_normalises_only_the_image(coupled):
+    tail = [v2.ToDtype(torch.float32, scale=True), v2.Normalize([0.5] * 3, [0.25] * 3)]
+    host = dlstore.open_dataset(coupled, transform=_transform())
+    full = dlstore.open_dataset(coupled, transform=v2.Compose([*_transform().transforms, *tail]))
+    plain = list(dlstore.loader(host, batch_size=8, seed=2))
+    moved = list(dlstore.loader(full, batch_size=8, seed=2, device="cpu"))
+    assert len(plain) == len(moved) == 5
+    for (a, b), (c, d) in zip(plain, moved):
+        assert torch.equal(b, d) and d.dtype == torch.uint8
+        torch.testing.assert_close(c, (a.float() / 255 - 0.5) / 0.25)
+
+
+def test_gpudataset_refuses_a_segmentation_store_naming_the_loader(coupled):
+    from dlstore.errors import ArgumentError
+
+    with pytest.raises(ArgumentError, match="segmentation store.*device='cuda'"):
+        dlstore.GPUDataset(coupled, device="cpu")
