@@ -112,7 +112,7 @@ def texture(cls: int, h: int, w: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def outline(cls: int, h: int, w: int, rng: np.random.Generator) -> np.ndarray:
-    """A boolean (H, W) region of class ``cls``'s outline family, 15-45 % of the shorter side across."""
+    """A boolean (H, W) region of class ``cls``'s outline family, centred anywhere in the middle 80 %."""
     canvas = Image.new("L", (w, h), 0)
     draw = ImageDraw.Draw(canvas)
     side = min(h, w)

@@ -20,8 +20,9 @@ Read through ``torch.utils.data.DataLoader(batch_size=64, shuffle=True, num_work
 Beside it, every format (shards, LMDB, HDF5) converted with
 ``dlstore.convert(images, dst, masks=masks, static="resize=R,center_crop=C")`` and read with
 ``dlstore.loader(open_dataset(dst, transform=v2.Compose(random)), batch_size=64, shuffle=True,
-num_workers=W)`` (W = 0 reads on threads in this process), and each store with no transform (the
-static-only rate: what the random part costs). Every configuration runs whole epochs for at least
+num_workers=W, persistent_workers=W > 0)`` (W = 0 reads on threads in this process, W > 0 through
+worker processes writing a shared-memory ring), and each store with no transform at 0 workers (the
+static-only rate). Every configuration runs whole epochs for at least
 ``--seconds`` per round, round-robin over ``--rounds`` rounds (the order rotated each round), so
 load from other processes on this shared machine hits all of them alike.
 
@@ -157,7 +158,8 @@ def summarise(loaders: dict, runs: dict[str, list[float]], rows: dict, args: arg
         workers = loaders[name][1]
         base = baseline_of.get(workers, baseline_of[min(baseline_of)])
         row = rows.setdefault(name, {})
-        row.update(workers=workers, median=statistics.median(rates), min=min(rates), max=max(rates), runs=rates,
+        row.update(workers=workers, backend=getattr(loaders[name][0], "backend", "torch DataLoader"),
+                   median=statistics.median(rates), min=min(rates), max=max(rates), runs=rates,
                    baseline=base, ratio=statistics.median(rates) / statistics.median(runs[base]),
                    ratio_runs=[a / b for a, b in zip(rates, runs[base])])
         if loaders[name][2]:
@@ -165,14 +167,15 @@ def summarise(loaders: dict, runs: dict[str, list[float]], rows: dict, args: arg
 
 
 def report(rows: dict, names: list[str], load: tuple[str, str]) -> None:
-    print(f"\n{'configuration':28s} {'samples/s':>10s} {'min':>8s} {'max':>8s} {'vs baseline':>12s} "
-          f"{'per round':>12s}  baseline")
+    print(f"\n{'configuration':28s} {'batches by':>16s} {'samples/s':>10s} {'min':>8s} {'max':>8s} "
+          f"{'vs baseline':>12s} {'per round':>12s}  baseline")
     for name in names:
         row = rows[name]
         spread = f"{min(row['ratio_runs']):.1f}-{max(row['ratio_runs']):.1f}x"
-        verdict = "" if "target_met" not in row else f"  target >= {TARGET:.0f}x {'met' if row['target_met'] else 'NOT met'}"
-        print(f"{name:28s} {row['median']:10,.0f} {row['min']:8,.0f} {row['max']:8,.0f} {row['ratio']:11.2f}x "
-              f"{spread:>12s}  {row['baseline']}{verdict}")
+        verdict = "" if "target_met" not in row else \
+            f"  target >= {TARGET:.0f}x {'met' if row['target_met'] else 'NOT met'}"
+        print(f"{name:28s} {row['backend']:>16s} {row['median']:10,.0f} {row['min']:8,.0f} {row['max']:8,.0f} "
+              f"{row['ratio']:11.2f}x {spread:>12s}  {row['baseline']}{verdict}")
     print(f"\nbytes on disk: JPEG + PNG folder {rows['folder']['bytes'] / 2**20:.1f} MiB", end="")
     for fmt in FORMATS:
         if fmt in rows and "bytes" in rows[fmt]:
