@@ -26,7 +26,7 @@ from ..formats.targets import PARTIAL_SUFFIX
 from .destination import remove_path
 from .job import Job
 from .journal import SUFFIX as JOURNAL_SUFFIX
-from .journal import changed_files, refuse
+from .journal import changed_files, printed_files, refuse
 
 PROGRESS_NAME = "progress.json"
 
@@ -89,7 +89,7 @@ def _converted_files_unchanged(staged: Path, job: Job, checkpoint: dict[str, Any
         log(f"{journal_path(staged)}: missing or incomplete, so the files already converted cannot be "
             "checked; starting over")
         return False
-    paths = (job.source.where(key) for key in job.source.item_keys())
+    paths = (printed_files(job.source)(key) for key in job.source.item_keys())
     changed = changed_files(entries, paths, threads=max(job.workers, 4))
     if changed:
         raise refuse(staged, changed, rows)

@@ -20,7 +20,7 @@ from ..formats.targets import describe as describe_targets
 from ..sources.origins import Origins
 from ..transforms.static import StaticSpec, describe
 from ..units import human_bytes
-from .journal import Journal
+from .journal import Journal, printed_files
 from .pool import CHUNK, CHUNK_IN_MEMORY, decode_in_order
 
 ON_ERROR = ("fail", "skip")
@@ -165,7 +165,7 @@ def feed_writer(job: Job, writer: Any, start: int, skipped: list[dict[str, Any]]
     todo, ahead = itertools.tee(source.item_keys(start))
     chunk = CHUNK if source.origin_kind == "path" else CHUNK_IN_MEMORY
     results = decode_in_order(ahead, source.loader(job.decode), job.spec, job.codec, job.workers, chunk,
-                              where=None if job.journal is None else source.where, fields=job.fields)
+                              where=None if job.journal is None else printed_files(source), fields=job.fields)
     # Closed here, in this thread, when writing fails: left to the garbage collector, the pool's
     # shutdown can run in the pool's own manager thread, which cannot join itself.
     with contextlib.closing(results):

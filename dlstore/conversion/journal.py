@@ -37,8 +37,21 @@ _BLOCK = 4096             # files printed per batch of threads on resume
 SUFFIX = ".sources"       # a journal's name: its checkpoint's, plus this
 
 
-def fileprint(path: str | os.PathLike) -> list[Any] | None:
-    """[size, mtime_ns, hash] of the file at ``path``, or None where it cannot be opened."""
+def printed_files(source: Any) -> Any:
+    """The function giving the file(s) of each of ``source``'s items to print: a pair source's
+    ``files`` (an image and its mask), else its ``where``."""
+    return getattr(source, "files", source.where)
+
+
+def fileprint(path: str | os.PathLike | tuple[str, ...]) -> list[Any] | None:
+    """[size, mtime_ns, hash] of the file at ``path``, or None where it cannot be opened; of several
+    files (an image and its mask), [their sizes' sum, the latest mtime, a hash of their prints]."""
+    if isinstance(path, tuple):
+        prints = [fileprint(p) for p in path]
+        if any(p is None for p in prints):
+            return None
+        joined = hashlib.sha256("\0".join(str(p) for p in prints).encode()).hexdigest()[:32]
+        return [sum(p[0] for p in prints), max(p[1] for p in prints), joined]
     try:
         with open(path, "rb") as f:
             st = os.fstat(f.fileno())

@@ -19,7 +19,7 @@ from ..formats.synced import write_synced
 from .assemble import remove_with_siblings
 from .destination import staging_path
 from .journal import SUFFIX as JOURNAL_SUFFIX
-from .journal import changed_files, refuse
+from .journal import changed_files, printed_files, refuse
 from .ranks import RankStatus, failed_ranks, listdir
 
 PLAN = "plan.json"  # the ranks and the job's fingerprint: what a --resume must match
@@ -117,7 +117,7 @@ def _converted_files_unchanged(job: Any, state: dict[str, Any], journal_path: Pa
         log(f"rank {rank}: {journal_path} is missing or incomplete, so the files its part already converted "
             "cannot be checked; converting the part again")
         return False
-    changed = changed_files(entries, (job.source.where(key) for key in job.source.item_keys()),
+    changed = changed_files(entries, (printed_files(job.source)(key) for key in job.source.item_keys()),
                             threads=max(job.workers, 4))
     if changed:
         raise refuse(journal_path.parent, changed, rows)

@@ -38,7 +38,7 @@ CHUNK_IN_MEMORY = 64  # an in-memory item (dataset, array) costs far less than a
 # --- decoding, in worker processes -------------------------------------------------------
 
 # The item loader of this worker process (a source's ``loader(decode)``) and the function giving
-# an item's file (a file source's ``where``, else None), set once by the pool's initializer: with
+# an item's file(s) to print (a file source's, ``journal.printed_files``; else None), set once by the pool's initializer: with
 # ``fork`` they are inherited, not pickled, so a dataset is never copied per task.
 _LOADER: Callable[[Any], tuple[Any, int]] | None = None
 _WHERE: Callable[[Any], str] | None = None
@@ -108,7 +108,7 @@ def _decode_chunk(keys: list[Any], spec: StaticSpec, codec: tuple[str, int],
         try:
             if fields is not None:
                 image, mask = load(key)
-                named = where(key) if where is not None else str(key)
+                named = f"{key[1]} (the mask of {key[0]})" if isinstance(key, tuple) else f"item {key}"
                 out.append(((_process_pair(image, mask, named, spec, fields), -1), printed))
                 continue
             image, label = load(key)

@@ -25,7 +25,11 @@ import torch
 from ..errors import VariableShapeError
 from ..formats.fields import RecordFields, join_planes
 from ..transforms import compiled
-from ..transforms.batch import BatchRandomCrop, BatchRandomHorizontalFlip, BatchRandomResizedCrop
+from ..transforms.batch import (
+    BatchRandomCrop,
+    BatchRandomHorizontalFlip,
+    BatchRandomResizedCrop,
+)
 from ..transforms.functional import crop_flip_loop
 from ..transforms.joint import JointCrop, JointPlan
 from .batch_path import allocator, draw_crop_flip, stack
@@ -74,8 +78,6 @@ class JointBatchPath:
     def fuses_crop_flip(self) -> bool:
         return self.crop is not None or self.flip is not None
 
-    gathers = True
-
     @property
     def python_ops(self) -> list[Any]:
         from ..transforms.wrappers import PerSample, WholeBatch
@@ -101,7 +103,7 @@ class JointBatchPath:
             images, planes = self._gather(idx, generator, alloc)
         with profiling_range("dlstore.host_transforms"):
             for op in self.joint_rest:
-                images, planes = self._joint(op, images, planes, generator)
+                images, planes = joint_op(op, images, planes, generator, self.fields)
             if self.per_sample_ops:
                 done = [x for x in images]
                 for op in self.per_sample_ops:
@@ -144,20 +146,24 @@ class JointBatchPath:
         mask_planes = planes[0] if p == 1 else np.concatenate(planes, axis=1)
         return images, torch.from_numpy(mask_planes)
 
-    def _joint(self, op: Any, images: torch.Tensor, planes: torch.Tensor,
-               generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One joint op on the images and the mask planes, drawn once."""
-        if isinstance(op, JointCrop):
-            params = op.crop.sample(images.shape, generator=generator)
-            crop = op.crop
-            fill = self.fields.mask_fill_planes(op.mask_fill)
-            twin = BatchRandomCrop(list(crop.size), crop.padding, pad_if_needed=crop.pad_if_needed,
-                                   fill=fill[0] if len(fill) == 1 else tuple(fill), padding_mode=crop.padding_mode)
-            return crop.apply(images, params), twin.apply(planes, params)
-        params = op.sample(images.shape, generator=generator)
-        if isinstance(op, BatchRandomResizedCrop):
-            return op.apply(images, params), _resized_crop_masks(planes, params, op.size)
-        return op.apply(images, params), op.apply(planes, params)
+
+def joint_op(op: Any, images: torch.Tensor, planes: torch.Tensor, generator: torch.Generator | None,
+             fields: RecordFields) -> tuple[torch.Tensor, torch.Tensor]:
+    """One joint op of a plan's head (``transforms.joint``) on a batch's images and mask planes, drawn
+    once on their device: a RandomCrop padding each with its own fill, RandomResizedCrop resampling
+    the masks nearest, a flip of both."""
+    device = images.device
+    if isinstance(op, JointCrop):
+        params = op.crop.sample(images.shape, generator=generator, device=device)
+        crop = op.crop
+        fill = fields.mask_fill_planes(op.mask_fill)
+        twin = BatchRandomCrop(list(crop.size), crop.padding, pad_if_needed=crop.pad_if_needed,
+                               fill=fill[0] if len(fill) == 1 else tuple(fill), padding_mode=crop.padding_mode)
+        return crop.apply(images, params), twin.apply(planes, params)
+    params = op.sample(images.shape, generator=generator, device=device)
+    if isinstance(op, BatchRandomResizedCrop):
+        return op.apply(images, params), _resized_crop_masks(planes, params, op.size)
+    return op.apply(images, params), op.apply(planes, params)
 
 
 def _resized_crop_masks(planes: torch.Tensor, params: dict[str, Any], size: tuple[int, int]) -> torch.Tensor:

@@ -134,6 +134,10 @@ class PairSource:
     def where(self, key: tuple[str, str]) -> str:
         return key[0]
 
+    def files(self, key: tuple[str, str]) -> tuple[str, str]:
+        """The image and the mask of an item: both are printed for ``--resume`` (``conversion.journal``)."""
+        return key
+
     def part(self, start: int, stop: int) -> PairSource:
         return replace(self, images=self.images[start:stop], masks=self.masks[start:stop])
 

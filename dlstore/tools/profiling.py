@@ -202,7 +202,8 @@ def synthetic_step(spec: str = "conv", *, device: str | torch.device = "cpu",
             cost ~2N^3 flops, independent of the batch), or ``"sleep:MS"`` (sleep MS
             milliseconds: an accelerator step that leaves the CPU free).
         device: where the step runs; the batch is copied there inside the step.
-        num_classes: outputs of the conv net (labels are taken modulo this).
+        num_classes: outputs of the conv net (labels are taken modulo this); with masks for labels (a
+            segmentation store's), a class per pixel, 255 ignored.
 
     Returns:
         ``step(x, y)``.
@@ -229,16 +230,23 @@ def synthetic_step(spec: str = "conv", *, device: str | torch.device = "cpu",
 
     def step(x: Any, y: Any) -> None:
         x = x.to(dev, non_blocking=True).float().div_(255)
-        y = torch.as_tensor(y).to(dev, non_blocking=True) % num_classes
+        y = torch.as_tensor(y).to(dev, non_blocking=True)
+        dense = y.dim() == 3   # a segmentation store's masks: a class per pixel, 255 ignored
+        y = torch.where(y == 255, 255, y.long() % num_classes) if dense else y % num_classes
         if "model" not in state:  # built on first use: the channel count comes from the data
+            head = [torch.nn.Conv2d(32, num_classes, 1)] if dense else \
+                [torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, num_classes)]
             model = torch.nn.Sequential(
                 torch.nn.Conv2d(x.shape[1], 16, 3, stride=2, padding=1), torch.nn.ReLU(),
-                torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(),
-                torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(), torch.nn.Linear(32, num_classes),
+                torch.nn.Conv2d(16, 32, 3, stride=2, padding=1), torch.nn.ReLU(), *head,
             ).to(dev)
             state["model"] = model
             state["opt"] = torch.optim.SGD(model.parameters(), lr=0.01)
-        loss = torch.nn.functional.cross_entropy(state["model"](x), y)
+        out = state["model"](x)
+        if dense:
+            out = torch.nn.functional.interpolate(out, size=y.shape[-2:], mode="bilinear", align_corners=False)
+        loss = torch.nn.functional.cross_entropy(out, y, ignore_index=255) if dense else \
+            torch.nn.functional.cross_entropy(out, y)
         state["opt"].zero_grad(set_to_none=True)
         loss.backward()
         state["opt"].step()

@@ -89,8 +89,8 @@ class JointPlan:
                  f"  image and mask, per batch: {', '.join(map(repr, self.head)) or 'nothing'}",
                  f"  image only, per sample: {', '.join(map(short_repr, head)) or 'nothing'}",
                  f"  image only, per batch: {', '.join(map(repr, batch)) or 'nothing'}",
-                 f"  device stage, with loader(device=...): "
-                 f"{', '.join(map(short_repr, self.tail.stages()[1])) or 'nothing'}"]
+                 "  device stage, with loader(device=...): "
+                 + (", ".join(map(short_repr, self.tail.stages()[1])) or "nothing")]
         return "\n".join(lines)
 
     def __repr__(self) -> str:

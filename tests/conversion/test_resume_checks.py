@@ -16,6 +16,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 from click.testing import CliRunner
 from PIL import Image
 
@@ -225,3 +226,41 @@ def test_fileprint_covers_both_ends_of_a_large_file(tmp_path):
         os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
         assert (fileprint(path) != first) is seen, where
     assert fileprint(tmp_path / "missing.jpg") is None
+
+
+def test_resume_of_a_segmentation_store_checks_the_masks_too(tmp_path, monkeypatch):
+    """Image and mask pairs: each converted pair's print covers both files, so a mask edited after it
+    was converted is refused at the resume, and an unchanged folder resumes to the uninterrupted store."""
+    import dlstore.sources.pairs as pair_source
+    from dlstore.sources.demo import make_segmentation_folder
+
+    seg = make_segmentation_folder(tmp_path / "seg", count=40, size=(24, 30), vary_size=False)
+    masks = sorted((seg / "masks").glob("*.png"))
+    stop, loader = str(masks[STOP_AT]), pair_source.load_mask
+
+    def load_or_stop(path, *args, **kwargs):
+        if str(path) == stop:
+            raise KeyboardInterrupt
+        return loader(path, *args, **kwargs)
+
+    options = {**OPTIONS, "masks": seg / "masks", "shard_size": 4 * 16 * 16 * 4}
+    dst = tmp_path / "seg.shards"
+    monkeypatch.setattr(pair_source, "load_mask", load_or_stop)
+    with pytest.raises(KeyboardInterrupt):
+        dlstore.convert(seg / "images", dst, **options)
+    monkeypatch.setattr(pair_source, "load_mask", loader)
+    edited = masks[3]
+    saved, stat = edited.read_bytes(), edited.stat()
+    mask = np.array(Image.open(edited))
+    mask[0, 0] = (int(mask[0, 0]) + 1) % 3
+    Image.fromarray(mask, "P").save(edited)
+    with pytest.raises(SourceChangedError, match="img_0003.jpg"):
+        dlstore.convert(seg / "images", dst, resume=True, **options)
+    edited.write_bytes(saved)   # the original back, its time too
+    os.utime(edited, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    result = dlstore.convert(seg / "images", dst, resume=True, **options)
+    assert result.resumed > 0
+    whole = dlstore.convert(seg / "images", tmp_path / "whole.shards", **options)
+    a, b = dlstore.open_dataset(dst), dlstore.open_dataset(whole.path)
+    for i in range(len(a)):
+        assert all(torch.equal(x, y) for x, y in zip(a.read(i), b.read(i)))

@@ -14,7 +14,13 @@ from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
 
 import dlstore
-from dlstore.errors import ArgumentError, SourceError, StoreCorruptError, TransformSpecError, VariableShapeError
+from dlstore.errors import (
+    ArgumentError,
+    SourceError,
+    StoreCorruptError,
+    TransformSpecError,
+    VariableShapeError,
+)
 from dlstore.transforms import compiled
 
 FORMATS = ("shards", "lmdb", "hdf5")
@@ -64,7 +70,7 @@ def stores(tmp_path_factory):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_stored_pairs_equal_v2_static_on_the_files(stores, fmt):
-    root, static, made = stores
+    root, _, made = stores
     ds = dlstore.open_dataset(made[fmt])
     assert len(ds) == 12 and ds.shape == (3, 34, 40) and ds.fields.mask_dtype == "uint8"
     for k in range(len(ds)):
@@ -80,7 +86,7 @@ def test_stored_pairs_equal_v2_static_on_the_files(stores, fmt):
 def _draw_reference(ds, indices, transform, seed):
     """v2's functional kernels on each (Image, Mask) pair, with what get_batch draws from ``seed``:
     the crop's (top, left) first, then the flips, as the ops draw in order."""
-    crop_op, flip_op = transform.transforms
+    crop_op = transform.transforms[0]
     h, w = ds.shape[1:]
     g = torch.Generator().manual_seed(seed)
     from dlstore.transforms.joint import plan_joint
@@ -298,10 +304,12 @@ def test_command_line_converts_pairs_and_describes_the_mask(tmp_path):
     plain = image.permute(1, 2, 0).numpy().astype(np.int64)
     coloured = (mask.numpy() != 0) & (mask.numpy() != IGNORE)
     assert (drawn[~coloured] == plain[~coloured]).all() and (drawn[coloured] != plain[coloured]).any(axis=-1).all()
-    assert f"classes {', '.join(f'{v} (' for v in np.unique(mask.numpy())[:1])}" in shown.output
+    values, counts = np.unique(mask.numpy(), return_counts=True)
+    assert "mask      classes " + ", ".join(f"{v} ({100 * c / mask.numel():.0f}%)" for v, c in zip(values, counts)) \
+        in shown.output
     assert runner.invoke(main, ["verify", str(dst), "--deep"]).exit_code == 0
     # damage one byte of sample 2's mask plane (after its 3 x 24 x 24 image bytes)
-    shard = sorted(dst.glob("shard-*.npy"))[0]
+    shard = min(dst.glob("shard-*.npy"))
     data = bytearray(shard.read_bytes())
     header = len(data) - 3 * 4 * 24 * 24
     data[header + 2 * 4 * 24 * 24 + 3 * 24 * 24 + 5] ^= 1
@@ -350,3 +358,27 @@ def test_a_dataset_of_dict_rows_with_named_image_and_mask_columns(tmp_path):
     for k in range(5):
         image, mask = ds.read(k)
         assert (image == 10 * k).all() and (mask == k + 2).all() and mask.shape == (16, 16)
+
+
+def test_profile_trains_a_dense_step_on_masks(stores, monkeypatch):
+    """``dlstore profile``'s conv step on a segmentation store predicts a class per pixel (255 ignored)
+    instead of one per image, and learns: its loss falls over a few steps."""
+    from dlstore.tools.profiling import synthetic_step
+
+    ds = dlstore.open_dataset(stores[2]["shards"])
+    images, masks = ds.get_batch(range(12))
+    losses = []
+    real = torch.nn.functional.cross_entropy
+
+    def recording(out, target, **kwargs):
+        assert out.shape[-2:] == target.shape[-2:] and kwargs.get("ignore_index") == IGNORE
+        loss = real(out, target, **kwargs)
+        losses.append(loss.item())
+        return loss
+
+    monkeypatch.setattr(torch.nn.functional, "cross_entropy", recording)
+    torch.manual_seed(0)
+    step = synthetic_step("conv", device="cpu", num_classes=6)
+    for _ in range(30):
+        step(images, masks)
+    assert len(losses) == 30 and losses[-1] < 0.9 * losses[0]

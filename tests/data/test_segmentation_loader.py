@@ -22,7 +22,6 @@ BACKENDS = [("threads", 0), ("ring", 2), ("dataloader", 2)]
 
 @pytest.fixture(scope="module")
 def coupled(tmp_path_factory):
-    rng = np.random.default_rng(0)
     pairs = []
     for k in range(40):
         yy, xx = np.mgrid[:24, :28]
@@ -101,8 +100,36 @@ def test_device_stage_normalises_only_the_image(coupled):
         torch.testing.assert_close(c, (a.float() / 255 - 0.5) / 0.25)
 
 
-def test_gpudataset_refuses_a_segmentation_store_naming_the_loader(coupled):
+@pytest.mark.parametrize("mode", ["preload", "stream"])
+def test_gpudataset_holds_images_and_masks_and_augments_them_together(coupled, mode):
+    """device="cpu" runs the GPU code: the records resident (or streamed), each batch's crop and flip
+    on both, the images converted to the dataset's dtype and normalised, the masks left integers."""
+    extra = {"on_overflow": "stream", "max_memory": 1000} if mode == "stream" else {}
+    held = dlstore.GPUDataset(coupled, device="cpu", dtype=torch.uint8, transform=_transform(), **extra)
+    assert held.mode == mode and held.shape == (3, 24, 28)
+    flipped = seen = 0
+    for images, masks in dlstore.loader(held, batch_size=8, shuffle=True, seed=3):
+        flipped += _check_coupled(images, masks)
+        seen += len(images)
+    assert seen == 40 and 5 < flipped < 35
+    mean, std = [0.2, 0.4, 0.5], [0.3, 0.2, 0.25]
+    served = dlstore.GPUDataset(coupled, device="cpu", dtype=torch.float16, normalize=(mean, std),
+                                transform=_transform(), **extra)
+    plain = list(dlstore.loader(held, batch_size=8, shuffle=True, seed=4))
+    converted = list(dlstore.loader(served, batch_size=8, shuffle=True, seed=4))
+    m, s = torch.tensor(mean).view(1, 3, 1, 1), torch.tensor(std).view(1, 3, 1, 1)
+    for (a, b), (c, d) in zip(plain, converted):
+        assert torch.equal(b, d) and d.dtype == torch.uint8 and c.dtype == torch.float16
+        assert torch.equal(c, ((a.float() / 255 - m) / s).half())
+    image, mask = served[7]
+    stored_image, stored_mask = dlstore.open_dataset(coupled).read(7)
+    assert torch.equal(mask, stored_mask) and torch.equal(image, ((stored_image[None].float() / 255 - m) / s).half()[0])
+
+
+def test_gpudataset_refuses_what_it_cannot_hold_for_masks(coupled):
     from dlstore.errors import ArgumentError
 
-    with pytest.raises(ArgumentError, match="segmentation store.*device='cuda'"):
-        dlstore.GPUDataset(coupled, device="cpu")
+    with pytest.raises(ArgumentError, match="padding=.*own"):
+        dlstore.GPUDataset(coupled, device="cpu", padding=4)
+    with pytest.raises(ArgumentError, match="shard=True"):
+        dlstore.GPUDataset(coupled, device="cpu", shard=True, rank=0, world_size=2)

@@ -261,3 +261,37 @@ def test_the_tests_reject_what_they_should():
     # Wilson-Hilferty vs tabulated 0.999 quantiles of chi-square: never below, at most 3.5 % above
     for df, exact in ((1, 10.828), (2, 13.816), (8, 26.124), (16, 39.252), (100, 149.449)):
         assert 0 <= (chi2_critical(df) - exact) / exact < 0.035
+
+
+# --- joint draws on a segmentation store ------------------------------------------------------
+
+@pytest.mark.slow
+def test_joint_crop_and_flip_draws_read_from_a_mask_store_follow_torchvision(tmp_path):
+    """The draws of a segmentation store's fused crop + flip, read back from the batches themselves: one
+    13x11 sample whose channels 1 and 2 hold x + 1 and y + 1, read 10,000 times; the centre of each
+    9x9 crop (always inside the image) gives (top, left), the row around it the flip, and the mask
+    at the centre the same place. Offsets uniform over torchvision's range, flips at p, independent."""
+    import dlstore
+    from torchvision import tv_tensors
+
+    yy, xx = torch.meshgrid(torch.arange(13), torch.arange(11), indexing="ij")
+    image = torch.stack([torch.full_like(yy, 7), xx + 1, yy + 1]).to(torch.uint8)
+    mask = ((xx + 2 * yy) % 5).to(torch.uint8)
+    dlstore.convert([(tv_tensors.Image(image), tv_tensors.Mask(mask))], tmp_path / "one.shards",
+                    static="center_crop=13x11", progress=False, workers=0)
+    pipeline = v2.Compose([v2.RandomCrop(9, padding=3, fill={tv_tensors.Image: 0, tv_tensors.Mask: 255}),
+                           v2.RandomHorizontalFlip()])
+    ds = dlstore.open_dataset(tmp_path / "one.shards", transform=pipeline)
+    images, masks = ds.get_batch([0] * N, generator=_gen(5))
+    x, y = images[:, 1, 4, 4].long() - 1, images[:, 2, 4, 4].long() - 1
+    top, left = y - 4 + 3, x - 4 + 3
+    flips = images[:, 1, 4, 3] > images[:, 1, 4, 5]
+    assert torch.equal(masks[:, 4, 4].long(), (x + 2 * y) % 5)
+    for values, high, what in ((top, 13 + 6 - 9, "top"), (left, 11 + 6 - 9, "left")):
+        stat, crit = chi2_uniform(values, 0, high)
+        _assert_below(stat, crit, f"{what} vs uniform on [0, {high}]")
+        _assert_independent(values, what)
+    k = int(flips.sum())
+    assert abs(k - N / 2) <= 4.5 * math.sqrt(N / 4), f"{k} flips of {N}"
+    _assert_independent(flips.long(), "flip")
+    assert abs(pearson(top, left)) < 4 / math.sqrt(N) and abs(pearson(top, flips.long())) < 4 / math.sqrt(N)

@@ -38,36 +38,21 @@ from ...errors import (
     VariableShapeError,
 )
 from ...transforms.batch import as_fill, as_padding
-from ...transforms.static import PADDING_MODES
 from ...units import human_bytes
 from ..dataset import StoreDataset
 from ..stores import open_dataset
 from .budget import free_memory, overflow_message
+from .checks import check_device, check_options
 from .convert import Conversion
+from .joint import JointDeviceStep, check_joint_options
 from .padding import fill_vector, interior
 from .partition import SubsetSource, rank_share, resolve_distributed
 from .preload import preload
 from .steps import against_store, plan_steps
 
-ON_OVERFLOW = ("error", "uint8", "stream")
-HOLD = ("dtype", "uint8")
 DEFAULT_CHUNK_BYTES = 64 << 20
 # uint8 bytes converted to float32 at a time: bounds the float32 workspace and keeps it in cache.
 CONVERT_BLOCK_BYTES = 8 << 20
-
-
-def check_device(device: Any) -> torch.device:
-    """``device`` as a torch.device that exists here; ArgumentError naming it otherwise."""
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError) as exc:
-        raise ArgumentError(f"device {device!r} is not a torch device (e.g. 'cuda', 'cuda:1', 'cpu'): {exc}") from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ArgumentError(f"device {device!r}: CUDA is not available here (torch.cuda.is_available() is False); "
-                            "use device='cpu', which runs the same code")
-    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-        raise ArgumentError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    return dev
 
 
 class GPUDataset(Dataset):
@@ -178,7 +163,7 @@ class GPUDataset(Dataset):
             ValueError: an invalid option.
             TypeError: ``source`` is neither a path nor a dlstore dataset.
         """
-        _check_options(dtype=dtype, hold=hold, padding_mode=padding_mode, on_overflow=on_overflow,
+        check_options(dtype=dtype, hold=hold, padding_mode=padding_mode, on_overflow=on_overflow,
                        normalize=normalize, chunk_size=chunk_size, max_memory=max_memory, headroom=headroom,
                        shard=shard, rank=rank, world_size=world_size)
         self.padding: tuple[int, int, int, int] = as_padding(padding)
@@ -191,15 +176,17 @@ class GPUDataset(Dataset):
         self.normalize = normalize
         self.static_mismatch = static_mismatch
         transform = self._open_source(source, transform)
+        if self.fields is not None:
+            check_joint_options(self._name, padding=self.padding, shard=shard)
         self._take_share(rank, world_size, shard, partition_seed)
         self.pin = self.device.type == "cuda"
-        self._sample_bytes = int(np.prod(self.shape))
+        self._sample_bytes = int(np.prod(self.record_shape))
         left, top, right, bottom = self.padding
-        c, h, w = self.shape
+        c, h, w = self.record_shape
         self._resident_shape = (c, h + top + bottom, w + left + right)
         n = len(self.source)
         self.chunk_size = min(int(chunk_size or max(1, DEFAULT_CHUNK_BYTES // self._sample_bytes)), max(1, n))
-        self.conversion = Conversion(dtype, normalize, c, self.device)
+        self.conversion = Conversion(dtype, normalize, self.shape[0], self.device)
         labels = np.asarray(self.source.targets)   # (N,) int labels, or (N, K) target vectors in their dtype
         self._host_labels = labels if labels.ndim == 2 else labels.astype(np.int64, copy=False)
         self.mode = self._choose_mode(hold=hold, max_memory=max_memory, headroom=headroom, on_overflow=on_overflow)
@@ -219,11 +206,6 @@ class GPUDataset(Dataset):
         if not hasattr(self.source, "shape") or not hasattr(self.source, "read_batch"):
             raise ArgumentTypeError(f"GPUDataset takes a store path or a dlstore dataset (open_dataset(path)), "
                                     f"got {type(source).__name__}")
-        if getattr(self.source, "fields", None) is not None:
-            raise ArgumentError(
-                f"{self._name} is a segmentation store (images with masks), and GPUDataset holds images with "
-                "labels; read it with dlstore.loader(ds, batch_size, device='cuda'), which moves the masks with the "
-                "images and runs the float ops there on the images only (docs/segmentation.md)")
         if self.source.shape is None:
             raise VariableShapeError(
                 f"{self._name}: samples have different shapes (a variable-shape store); GPUDataset "
@@ -231,6 +213,9 @@ class GPUDataset(Dataset):
                 f"a size-fixing static op, e.g. dlstore convert SRC DST --static "
                 f"'resize=256,center_crop=224'.")
         self.shape: tuple[int, int, int] = tuple(int(d) for d in self.source.shape)
+        # a segmentation store's samples are held as its records: the image, then the mask's planes
+        self.fields = getattr(self.source, "fields", None)
+        self.record_shape = self.shape if self.fields is None else self.fields.record_shape(self.shape)
         self.classes: list[str] = list(getattr(self.source, "classes", []))
         return transform
 
@@ -254,7 +239,8 @@ class GPUDataset(Dataset):
         """What the device holds (``mode``), from the bytes needed against what is free; sets the budget's
         numbers (``needed_bytes``, ``available_bytes``). DeviceMemoryError when nothing allowed fits."""
         n, resident = len(self.source), int(np.prod(self._resident_shape))
-        held_uint8 = hold == "uint8" or self.dtype == torch.uint8
+        # (a segmentation store's records are held as stored: the image converted per batch)
+        held_uint8 = hold == "uint8" or self.dtype == torch.uint8 or self.fields is not None
         itemsize = 1 if held_uint8 else torch.empty((), dtype=self.dtype).element_size()
         label_bytes = n * 8
         self.needed_bytes = n * resident * itemsize + label_bytes
@@ -323,6 +309,11 @@ class GPUDataset(Dataset):
     @transform.setter
     def transform(self, transform: Any) -> None:
         """Plan ``transform`` on the resident data (``gpu/steps.py``) for every loader made after."""
+        if self.fields is not None:   # the image and its mask, together: gpu/joint.py
+            self.joint = JointDeviceStep(self, transform)
+            self.steps, self.already_applied = [], []
+            self._transform = transform
+            return
         planned = against_store(transform, self, static_mismatch=self.static_mismatch)
         self.steps = plan_steps(planned.steps(), self)
         self.already_applied = planned.already_applied
@@ -372,13 +363,14 @@ class GPUDataset(Dataset):
         return out
 
     def read(self, indices: np.ndarray) -> torch.Tensor:
-        """Samples ``indices`` of the source, uint8, in a new host tensor (pinned when on CUDA)."""
-        out = torch.empty((len(indices), *self.shape), dtype=torch.uint8, pin_memory=self.pin)
+        """Samples ``indices`` of the source (records), uint8, in a new host tensor (pinned when on CUDA)."""
+        out = torch.empty((len(indices), *self.record_shape), dtype=torch.uint8, pin_memory=self.pin)
         return self.read_into(indices, out)
 
     def held_samples(self) -> torch.Tensor | None:
-        """The resident samples as held (a view inside any padding); None in stream mode."""
-        return None if self.data is None else interior(self.data, self.padding, self.shape)
+        """The resident samples as held (a view inside any padding; a segmentation store's records);
+        None in stream mode."""
+        return None if self.data is None else interior(self.data, self.padding, self.record_shape)
 
     # --- the dataset interface ------------------------------------------------------------
 
@@ -404,6 +396,11 @@ class GPUDataset(Dataset):
             i += n
         if not 0 <= i < n:
             raise SampleIndexError(f"index {i} out of range for a dataset of {n} samples")
+        if self.fields is not None:   # (image as served, mask)
+            record = self.held_samples()[i:i + 1] if self.mode != "stream" else \
+                self.read(np.array([i], dtype=np.int64)).to(self.device, non_blocking=self.pin)
+            images, masks = self.fields.split(record)
+            return self.conversion(images)[0], masks[0]
         label = int(self._host_labels[i]) if self._host_labels.ndim == 1 else self.labels[i]
         if self.mode == "preload":
             return self.held_samples()[i], label
@@ -419,29 +416,3 @@ class GPUDataset(Dataset):
         return (f"GPUDataset({len(self)} samples{share} of {c}x{h}x{w}{pad}, mode={self.mode}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, device={self.device}, "
                 f"nbytes={human_bytes(self.nbytes)})")
-
-
-def _check_options(*, dtype: Any, hold: str, padding_mode: str, on_overflow: str, normalize: Any,
-                   chunk_size: Any, max_memory: Any, headroom: Any, shard: Any, rank: Any, world_size: Any) -> None:
-    """ArgumentError (or ArgumentTypeError) naming the first option of ``GPUDataset`` that cannot work."""
-    for name, value, valid in (("hold", hold, HOLD), ("padding_mode", padding_mode, PADDING_MODES),
-                               ("on_overflow", on_overflow, ON_OVERFLOW)):
-        if value not in valid:
-            raise ArgumentError(f"{name} must be one of {', '.join(map(repr, valid))}, got {value!r}")
-    if not isinstance(dtype, torch.dtype):
-        raise ArgumentTypeError(f"dtype must be a torch.dtype (torch.float16, torch.uint8, ...), got {dtype!r}")
-    for name, value, low in (("chunk_size", chunk_size, 1), ("max_memory", max_memory, 0), ("headroom", headroom, 0)):
-        if value is not None and (not isinstance(value, (int, np.integer)) or isinstance(value, bool) or value < low):
-            raise ArgumentError(f"{name} must be None or an int >= {low}, got {value!r}")
-    if normalize is not None and (not isinstance(normalize, (tuple, list)) or len(normalize) != 2):
-        raise ArgumentError(f"normalize must be a (mean, std) pair of per-channel sequences, got {normalize!r}")
-    if not (dtype.is_floating_point or dtype == torch.uint8):
-        raise ArgumentError(f"dtype must be a floating dtype or torch.uint8, got {dtype}")
-    if normalize is not None and dtype == torch.uint8:
-        raise ArgumentError("normalize needs a floating dtype (e.g. torch.float16), not torch.uint8")
-    if not isinstance(shard, bool):
-        raise ArgumentTypeError(f"shard must be True or False, got {shard!r}")
-    if not shard and ((rank or 0) > 0 or (world_size or 1) > 1):
-        raise ArgumentError(f"GPUDataset: rank={rank}, world_size={world_size} choose which share to hold, with "
-                            "shard=True; to read one rank's share of the whole dataset pass "
-                            "sampler=DistributedSampler(ds, num_replicas, rank) to dlstore.loader")

@@ -114,7 +114,7 @@ def preload(ds: Resident, *, chunk_size: int, block: int) -> None:
     workspace = None
     if ds.data.dtype != torch.uint8:
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            workspace = torch.empty((block, *ds.shape), dtype=torch.float32, device=ds.device)
+            workspace = torch.empty((block, *ds.record_shape), dtype=torch.float32, device=ds.device)
     ring_size = PRELOAD_RING if side is not None else 2
     readers = min(ring_size, len(bounds))
     buffers: list[torch.Tensor | None] = [None] * ring_size
@@ -126,11 +126,11 @@ def preload(ds: Resident, *, chunk_size: int, block: int) -> None:
         for _ in bounds:
             start, stop, host = ring.get()
             chunk = ds.data[start:stop]
-            target = interior(chunk, ds.padding, ds.shape)
+            target = interior(chunk, ds.padding, ds.record_shape)
             if side is None:
                 if host.data_ptr() != target.data_ptr():
                     convert.into(host, target, workspace)
-                pad_border(chunk, ds.padding, ds.shape, ds.padding_mode, fill)
+                pad_border(chunk, ds.padding, ds.record_shape, ds.padding_mode, fill)
                 ring.done()
                 continue
             with torch.cuda.stream(side):
@@ -138,7 +138,7 @@ def preload(ds: Resident, *, chunk_size: int, block: int) -> None:
                     target.copy_(host, non_blocking=True)
                 else:
                     convert.into(host.to(ds.device, non_blocking=True), target, workspace)
-                pad_border(chunk, ds.padding, ds.shape, ds.padding_mode, fill)
+                pad_border(chunk, ds.padding, ds.record_shape, ds.padding_mode, fill)
                 copied = torch.cuda.Event()
                 copied.record(side)
             # The host buffer goes back to a reader once its copy is done (the reader waits
@@ -160,7 +160,7 @@ def _read_chunk(ds: Resident, chunk_size: int, buffers: list[torch.Tensor | None
         buf = ds.data[start:stop]  # nothing to convert or upload: read straight into place
     else:
         if buffers[slot] is None:
-            buffers[slot] = torch.empty((chunk_size, *ds.shape), dtype=torch.uint8, pin_memory=ds.pin)
+            buffers[slot] = torch.empty((chunk_size, *ds.record_shape), dtype=torch.uint8, pin_memory=ds.pin)
         buf = buffers[slot][:stop - start]
     read_range = getattr(getattr(ds.source, "reader", None), "read_range", None)
     if read_range is not None:  # every raw dlstore reader: shards reads with preadv in threads

@@ -102,7 +102,7 @@ def not_applying(given: dict[str, Any], why: str) -> None:
 
 def check_device(device: Any) -> torch.device:
     """``device`` as a torch.device that exists here (GPUDataset's check: one rule for both)."""
-    from ..gpu.dataset import check_device as usable
+    from ..gpu.checks import check_device as usable
 
     return usable(device)
 

@@ -70,8 +70,12 @@ class ResidentBackend:
             if crop is not self.steps[0][0]:
                 self.steps = [(crop, True)] + self.steps[1:]
                 self.held = dataset.data
-        self.gather, self.fused_reason = choose_gather(dataset, dataset.steps, fused=fused, compile=compile,
-                                                       channels_last=channels_last)
+        self.joint = getattr(dataset, "joint", None) if getattr(dataset, "fields", None) is not None else None
+        if self.joint is not None:   # images with masks: gpu/joint.py, step by step
+            self.gather, self.fused_reason = None, "a segmentation store's images and masks go step by step"
+        else:
+            self.gather, self.fused_reason = choose_gather(dataset, dataset.steps, fused=fused, compile=compile,
+                                                           channels_last=channels_last)
         self.group_batches = self._group_size()
 
     @property
@@ -118,9 +122,12 @@ class ResidentBackend:
                                   device=ds.device)
             generator.manual_seed(run.seed(group[0][0]))
             with self._build():
-                images = self.gather(idx, generator) if self.gather is not None \
-                    else self._augment(self.held.index_select(0, idx), generator)
-            labels = ds.labels.index_select(0, idx)
+                if self.joint is not None:
+                    images, labels = self._joint(self.held.index_select(0, idx), generator)
+                else:
+                    images = self.gather(idx, generator) if self.gather is not None \
+                        else self._augment(self.held.index_select(0, idx), generator)
+                    labels = ds.labels.index_select(0, idx)
             offset = 0
             for (k, _), n in zip(group, sizes):
                 if k >= run.first:
@@ -140,6 +147,13 @@ class ResidentBackend:
             images = images.contiguous(memory_format=torch.channels_last)
         return images
 
+    def _joint(self, records: torch.Tensor, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gathered group of a segmentation store's records -> (images as served, masks)."""
+        images, masks = self.joint(records, generator)
+        if self.channels_last:
+            images = images.contiguous(memory_format=torch.channels_last)
+        return images, masks
+
     def _stream(self, run: PassPlan) -> Generator[tuple[torch.Tensor, torch.Tensor], None, None]:
         ds = self.dataset
         generator = torch.Generator(device=ds.device)
@@ -153,10 +167,13 @@ class ResidentBackend:
         try:
             for k, idx, host in prefetcher:
                 images = host.to(ds.device, non_blocking=ds.pin)
-                labels = ds.labels.index_select(0, torch.as_tensor(idx, device=ds.device))
                 generator.manual_seed(run.seed(k))
                 with self._build():
-                    images = self._augment(images, generator)
+                    if self.joint is not None:
+                        images, labels = self._joint(images, generator)
+                    else:
+                        labels = ds.labels.index_select(0, torch.as_tensor(idx, device=ds.device))
+                        images = self._augment(images, generator)
                 yield images, labels
         finally:
             prefetcher.close()
