@@ -133,3 +133,21 @@ def test_gpudataset_refuses_what_it_cannot_hold_for_masks(coupled):
         dlstore.GPUDataset(coupled, device="cpu", padding=4)
     with pytest.raises(ArgumentError, match="shard=True"):
         dlstore.GPUDataset(coupled, device="cpu", shard=True, rank=0, world_size=2)
+
+
+def test_ring_carries_masks_in_shared_memory_and_never_overwrites_one_held(coupled):
+    """The ring's workers write each batch's masks into a shared-memory slot beside its images (not
+    through their pipes); a slot is reused only once the user holds neither its images nor its masks."""
+    ds = dlstore.open_dataset(coupled, transform=_transform())
+    loader = dlstore.loader(ds, batch_size=4, shuffle=True, num_workers=2, backend="ring", prefetch_factor=1, seed=1)
+    assert loader.strategy.spec.target == ((20, 20), torch.uint8)
+    kept, copies = [], []
+    for images, masks in loader:          # only the masks kept: their slots must stay theirs
+        kept.append(masks)
+        copies.append(masks.clone())
+        _check_coupled(images, masks)
+    assert len(kept) == 10 and all(torch.equal(a, b) for a, b in zip(kept, copies))
+    # the first batches' masks are the slots themselves (once the user holds every slot, the loader
+    # hands out copies rather than wait: the ring, looked at from here)
+    slots = [t.data_ptr() for t in loader.strategy._ring.target_slots]
+    assert kept[0].data_ptr() in slots and kept[1].data_ptr() in slots

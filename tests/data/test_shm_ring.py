@@ -134,7 +134,7 @@ def test_float_batches_and_the_device_stage(dtype, stores):
     ds = dlstore.open_dataset(stores["shards"], transform=v2.Compose([v2.RandomHorizontalFlip(),
                                                                       v2.ToDtype(dtype, scale=True)]))
     dl = _ring(ds, 5, 2, shuffle=True, generator=_gen(3))
-    assert dl.strategy.spec == ((3, 32, 32), dtype)
+    assert dl.strategy.spec == ((3, 32, 32), dtype, None)   # (int labels go through the pipe)
     got = _epoch(dl)
     assert got[0][0].dtype == dtype
     assert _same(got, _epoch(dlstore.loader(ds, 5, shuffle=True, generator=_gen(3), backend="threads", num_threads=1)))

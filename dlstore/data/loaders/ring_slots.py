@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import shutil
 import weakref
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -40,11 +40,25 @@ def ring_size(in_flight: int) -> int:
     return in_flight + 3
 
 
-def ring_bytes(spec: tuple[tuple[int, ...], torch.dtype], rows: int, prefetch: int, workers: int) -> int:
+class BatchSpec(NamedTuple):
+    """What a ring's slots hold: one sample's images (shape, dtype) and, where each sample's target is
+    an array of its own (a segmentation mask), the targets' (shape, dtype) too (else None: the targets
+    go through the workers' pipes)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    target: tuple[tuple[int, ...], torch.dtype] | None = None
+
+
+def ring_bytes(spec: BatchSpec, rows: int, prefetch: int, workers: int) -> int:
     """Shared memory a ShmRingLoader of ``prefetch`` batches in flight takes (its slots)."""
-    shape, dtype = spec
-    size = ring_size(max(prefetch, workers))
-    return size * rows * int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+    return _slot_bytes(ring_size(max(prefetch, workers)), rows, spec)
+
+
+def _slot_bytes(size: int, rows: int, spec: BatchSpec) -> int:
+    parts = [(spec.shape, spec.dtype)] + ([spec.target] if spec.target is not None else [])
+    return sum(size * rows * int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
+               for shape, dtype in parts)
 
 
 def shm_message(need: int, detail: str = "") -> str:
@@ -56,8 +70,9 @@ def shm_message(need: int, detail: str = "") -> str:
             "shm_ring=False (the DataLoader path, which also needs shared memory per batch)")
 
 
-def batch_spec(dataset: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
-    """(shape of one sample, dtype) of ``dataset.get_batch``'s images, or None when not fixed.
+def batch_spec(dataset: Any) -> BatchSpec | None:
+    """(shape of one sample, dtype) of ``dataset.get_batch``'s images, with its targets' where each is an
+    array of two or more dimensions (a mask), or None when the images' shape is not fixed.
 
     None for a variable-shape store, an empty one, or a batch path that does not return a
     tensor. Reads sample 0 once, with its own generator; torch's global generator is left
@@ -67,37 +82,56 @@ def batch_spec(dataset: Any) -> tuple[tuple[int, ...], torch.dtype] | None:
     if not fixed or len(dataset) == 0:      # (a decode-time crop fixes the size of a variable-shape store)
         return None
     with torch.random.fork_rng(devices=[]):
-        images, _ = dataset.get_batch([0], generator=torch.Generator().manual_seed(0))
+        images, targets = dataset.get_batch([0], generator=torch.Generator().manual_seed(0))
     if not isinstance(images, torch.Tensor) or images.dim() < 1 or images.shape[0] != 1 \
             or images.element_size() not in _SAME_SIZE:
         return None
-    return tuple(images.shape[1:]), images.dtype
+    # a fixed crop gives every batch's masks one shape; a per-sample target stays in the pipe
+    slotted = isinstance(targets, torch.Tensor) and targets.dim() >= 3 and targets.element_size() in _SAME_SIZE \
+        and getattr(dataset, "fields", None) is not None
+    return BatchSpec(tuple(images.shape[1:]), images.dtype,
+                     (tuple(targets.shape[1:]), targets.dtype) if slotted else None)
 
 
 
 
 class Ring:
-    """The slots, in shared memory, and a weak reference to the view each hand-out wraps."""
+    """The slots, in shared memory (the images', and the targets' where ``BatchSpec.target`` says),
+    and weak references to the views each hand-out wraps: a slot is held while any is alive."""
 
-    def __init__(self, size: int, rows: int, shape: tuple[int, ...], dtype: torch.dtype):
-        self.dtype = dtype
+    def __init__(self, size: int, rows: int, spec: BatchSpec):
+        self.dtype = spec.dtype
+        self.slots = self._make(size, rows, spec.shape, spec.dtype, spec)
+        self.target_dtype = None if spec.target is None else spec.target[1]
+        self.target_slots = None if spec.target is None else self._make(size, rows, *spec.target, spec)
+        self.arrays = [_handle(s) for s in self.slots]
+        self.target_arrays = None if self.target_slots is None else [_handle(s) for s in self.target_slots]
+        self.held: list[list[weakref.ref]] = [[] for _ in range(size)]
+
+    @staticmethod
+    def _make(size: int, rows: int, shape: tuple[int, ...], dtype: torch.dtype, spec: BatchSpec) -> list[torch.Tensor]:
         try:
-            self.slots = [torch.empty((rows, *shape), dtype=dtype).share_memory_() for _ in range(size)]
+            return [torch.empty((rows, *shape), dtype=dtype).share_memory_() for _ in range(size)]
         except RuntimeError as exc:   # torch: "unable to allocate shared memory(shm) ... No space left"
-            need = size * rows * int(np.prod(shape)) * torch.empty((), dtype=dtype).element_size()
-            raise SharedMemoryError(shm_message(need, f"({exc})")) from None
-        same = _SAME_SIZE[self.slots[0].element_size()]
-        self.arrays = [s.view(same).numpy() for s in self.slots]
-        self.held: list[weakref.ref | None] = [None] * size
+            raise SharedMemoryError(shm_message(_slot_bytes(size, rows, spec), f"({exc})")) from None
 
     def is_held(self, j: int) -> bool:
-        ref = self.held[j]
-        return ref is not None and ref() is not None
+        return any(ref() is not None for ref in self.held[j])
 
     def hand_out(self, j: int, rows: int) -> torch.Tensor:
         """Slot ``j``'s first ``rows`` rows as a tensor the ring tracks (held until it and its views are gone)."""
-        view = self.arrays[j][:rows]            # a new object per hand-out: its life is the batch's
-        self.held[j] = weakref.ref(view)
-        return torch.from_numpy(view).view(self.dtype)
+        self.held[j] = []
+        return self._track(j, self.arrays[j][:rows], self.dtype)
+
+    def hand_out_targets(self, j: int, rows: int) -> torch.Tensor:
+        """Slot ``j``'s targets, tracked as ``hand_out``'s images are (call it after ``hand_out``)."""
+        return self._track(j, self.target_arrays[j][:rows], self.target_dtype)
+
+    def _track(self, j: int, view: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+        self.held[j].append(weakref.ref(view))   # a new object per hand-out: its life is the batch's
+        return torch.from_numpy(view).view(dtype)
 
 
+def _handle(slot: torch.Tensor) -> np.ndarray:
+    """A numpy view of a slot, whose lifetime says whether the user holds it (see the module doc)."""
+    return slot.view(_SAME_SIZE[slot.element_size()]).numpy()

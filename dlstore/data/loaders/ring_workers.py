@@ -39,9 +39,14 @@ def _picklable(exc: BaseException) -> BaseException:
         return RuntimeError(f"{type(exc).__name__}: {exc}")
 
 
-def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: Any, current: Any,
+# reported in place of the labels where a batch's targets were written into its target slot
+IN_SLOT = b"dlstore: targets in their slot"
+
+
+def _work(wid: int, dataset: Any, slots: list[Any], tasks: TaskQueue, results: Any, current: Any,
           worker_init_fn: Callable[[int], None] | None, parent_of: tuple[int | None, bool]) -> None:
-    """A worker's loop: build each task's batch into its slot, report (pass, k, slot, rows, labels);
+    """A worker's loop: build each task's batch into its slot (``slots``: the ring's image slots and
+    target slots, or None), report (pass, k, slot, rows, labels or ``IN_SLOT``);
     returns when told to, or when the main process is gone (see ``dlstore.processes``)."""
     parent = Parent(parent_of)
     if not parent.alive():
@@ -57,8 +62,9 @@ def _work(wid: int, dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, r
         return
 
 
-def _serve(dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: Any, current: Any,
-           parent: Parent) -> None:
+def _serve(dataset: Any, slots: list[Any], tasks: TaskQueue, results: Any, current: Any, parent: Parent) -> None:
+    """``slots``: (image slots, target slots or None)."""
+    slots, target_slots = slots
     while True:
         task = tasks.get(parent)
         if task is None:
@@ -92,7 +98,12 @@ def _serve(dataset: Any, slots: list[torch.Tensor], tasks: TaskQueue, results: A
                 # images): copied through a contiguous copy, since the source may overlap the slot
                 slot[:rows].copy_(images if images.data_ptr() != slot.data_ptr() else images.contiguous())
             del images
-            if isinstance(labels, torch.Tensor):
+            target = None if target_slots is None else target_slots[j][:rows]
+            if target is not None and isinstance(labels, torch.Tensor) and labels.shape == target.shape \
+                    and labels.dtype == target.dtype:
+                target.copy_(labels)             # a mask per sample: through shared memory, as the images
+                labels = IN_SLOT
+            elif isinstance(labels, torch.Tensor):
                 labels = labels.numpy()          # plain bytes through the pipe, not a shared segment
             results.send((pass_id, k, j, rows, labels, None))
         except Exception as exc:  # noqa: BLE001 - reported with its batch; the main process raises it
@@ -118,7 +129,8 @@ class WorkerPool:
         self.current = ctx.Value("q", 0, lock=False)
         self.busy: set[int] = set()     # slots given a task (any pass) and not yet handed out or skipped
         self.ready: set[int] = set()    # of those, the ones reported: no worker writes them any more
-        self.procs = [ctx.Process(target=_work, args=(w, dataset, ring.slots, self.tasks, writer, self.current,
+        slots = (ring.slots, ring.target_slots)
+        self.procs = [ctx.Process(target=_work, args=(w, dataset, slots, self.tasks, writer, self.current,
                                                       worker_init_fn, parent_spec(ctx)),
                                   daemon=True, name=f"dlstore-loader-{w}")
                       for w, (_, writer) in enumerate(pipes)]

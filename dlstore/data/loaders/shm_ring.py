@@ -65,8 +65,8 @@ import torch
 from ...errors import SharedMemoryError, UsageError
 from ..intraop import one_thread
 from .passes import PassPlan
-from .ring_slots import Ring, ring_size
-from .ring_workers import WorkerPool
+from .ring_slots import BatchSpec, Ring, ring_size
+from .ring_workers import IN_SLOT, WorkerPool
 from .threads import advised
 
 
@@ -77,7 +77,7 @@ class RingBackend:
         dataset: a StoreDataset (picklable; the workers get a copy).
         workers: worker processes (>= 1).
         prefetch: batches in flight (>= workers).
-        spec: (shape of one sample, dtype) of the images, as ``ring_slots.batch_spec`` gives it.
+        spec: what the slots hold (``ring_slots.batch_spec``): the images, and masks where the targets are.
         batch_size: rows of a full batch (the slots' rows).
         pin_memory: copy each batch into page-locked memory (the slot is free at once).
         persistent_workers: keep the workers between passes.
@@ -91,7 +91,7 @@ class RingBackend:
 
     name = "ring"
 
-    def __init__(self, dataset: Any, *, workers: int, prefetch: int, spec: tuple[tuple[int, ...], torch.dtype],
+    def __init__(self, dataset: Any, *, workers: int, prefetch: int, spec: BatchSpec,
                  batch_size: int, pin_memory: bool = False, persistent_workers: bool = False,
                  multiprocessing_context: Any = None, worker_init_fn: Callable[[int], None] | None = None,
                  fallback: Callable[[], Any] | None = None, timeout: float = 0):
@@ -114,8 +114,7 @@ class RingBackend:
 
     def _start(self) -> tuple[Ring, WorkerPool]:
         if self._ring is None:
-            shape, dtype = self.spec
-            self._ring = Ring(self.ring_size, self.batch_size, shape, dtype)
+            self._ring = Ring(self.ring_size, self.batch_size, self.spec)
         if self._pool is None:
             self._pool = WorkerPool(self.dataset, self._ring, self.workers, self.multiprocessing_context,
                                     self.worker_init_fn, self.timeout)
@@ -231,9 +230,11 @@ class RingBackend:
                                  f"(indices {indices[:8]}{'...' if len(indices) > 8 else ''}); its traceback:\n"
                                  f"{text}")
                     raise exc
-                images = self._hand_out(ring, pool, j, rows, copy=not pending and not exhausted
-                                        and self._free(ring, pool, exclude=j) is None)
-                if isinstance(labels, np.ndarray):
+                copy = not pending and not exhausted and self._free(ring, pool, exclude=j) is None
+                images = self._hand_out(ring, pool, j, rows, copy=copy)
+                if isinstance(labels, bytes) and labels == IN_SLOT:
+                    labels = self._hand_out(ring, pool, j, rows, copy=copy, targets=True)
+                elif isinstance(labels, np.ndarray):
                     labels = torch.from_numpy(labels)
                     if self.pin_memory:
                         labels = labels.pin_memory()
@@ -256,15 +257,18 @@ class RingBackend:
                                                    any(p.exitcode is not None for p in self._pool.procs)):
                     self._stop_workers()     # (persistent workers with a dead one: fresh ones next pass)
 
-    def _hand_out(self, ring: Ring, pool: WorkerPool, j: int, rows: int, *, copy: bool) -> torch.Tensor:
-        """Slot ``j``'s batch as the user gets it: the slot itself (held from here: dispatch skips it),
-        a pinned copy, or a copy when the user holds every other slot (the loader never waits on them)."""
+    def _hand_out(self, ring: Ring, pool: WorkerPool, j: int, rows: int, *, copy: bool,
+                  targets: bool = False) -> torch.Tensor:
+        """Slot ``j``'s batch (``targets``: its targets) as the user gets it: the slot itself (held from
+        here: dispatch skips it), a pinned copy, or a copy when the user holds every other slot (the
+        loader never waits on them)."""
+        slots = ring.target_slots if targets else ring.slots
         with one_thread():    # the copies, in the caller's thread: on it alone
             if self.pin_memory:
-                return ring.slots[j][:rows].pin_memory()
+                return slots[j][:rows].pin_memory()
             if copy:
-                return ring.slots[j][:rows].clone()
-            return ring.hand_out(j, rows)
+                return slots[j][:rows].clone()
+            return ring.hand_out_targets(j, rows) if targets else ring.hand_out(j, rows)
 
     def _receive(self, pool: WorkerPool, pass_id: int, ready: dict[int, tuple], pending: dict[int, int]) -> None:
         got_pass, k, j, rows, labels, error = pool.get(sorted(pending))
