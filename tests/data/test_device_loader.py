@@ -104,7 +104,7 @@ def test_host_loader_moves_uint8(stores, workers):
     loader = dlstore.loader(ds, 8, num_workers=workers, device="cpu", generator=_gen(2))
     host_ds = loader.strategy.dataset
     if workers:
-        assert loader.strategy.spec == ((3, 32, 32), torch.uint8)    # the ring's slots: uint8
+        assert loader.strategy.spec == ((3, 32, 32), torch.uint8, None)    # the ring's slots: uint8
     host = [host_ds.get_batch(range(k, k + 8))[0] for k in range(0, 24, 8)]
     assert {x.dtype for x in host} == {torch.uint8} and sum(x.nbytes for x in host) == 24 * 3 * 32 * 32
     full = [x for x, _ in dlstore.loader(ds, 8, num_workers=workers, generator=_gen(2))]
