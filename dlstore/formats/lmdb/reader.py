@@ -5,8 +5,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import struct
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +27,7 @@ from ..integrity import (
 from ..manifest import loads as load_manifest_text
 from ..manifest import validate
 from ..pins import StorePin, check_identity
-from ..readahead import Extents, choose_willneed, mapping_base, readahead_default
+from ..readahead import Extents, advise, choose_willneed, mapping_base, readahead_default
 from ..reader import StoreReader
 from ..targets import read_lmdb
 from .layout import (
@@ -40,18 +40,7 @@ from .layout import (
     SHAPES_KEY,
     sample_key,
 )
-
-# LMDB's pages and leaf nodes (lmdb.h, MDB_page and MDB_node; 64-bit little-endian builds only).
-# A page: its number, padding, flags, the end of its node-offset array and the start of its
-# nodes, then the array. A node: data size low and high 16 bits, flags, key size, the key; then
-# the value, or for a big value the number of its first overflow page (the value follows that
-# page's header).
-_PAGE_HEADER = struct.Struct("<QHHHH")
-_NODE_HEADER = struct.Struct("<HHHH")
-_PGNO = struct.Struct("<Q")
-_P_LEAF, _P_LEAF2, _F_BIGDATA = 0x02, 0x20, 0x01
-_NODE_LAYOUT_KNOWN = sys.byteorder == "little" and struct.calcsize("P") == 8
-
+from .pages import LAYOUT_KNOWN, parse_leaf, walk
 
 def _env_folder(path: str | os.PathLike) -> Path:
     """The environment folder, also when given its ``data.mdb`` (as format detection allows)."""
@@ -131,7 +120,7 @@ class LmdbReader(StoreReader):
     """
 
     format = FORMAT
-    _handles = ("_env", "_map_base", "_data")
+    _handles = ("_env", "_map_base", "_data", "_table_lock")
 
     @_lmdb_errors_as_damage
     def __init__(self, path: str | os.PathLike, manifest: dict[str, Any] | None = None, *,
@@ -154,7 +143,7 @@ class LmdbReader(StoreReader):
             raise ArgumentError(f"in_place must be True or False, got {in_place!r}")
         if not in_place:
             self.read_path, self.read_path_reason = NATIVE, "in place turned off (reader option in_place=False)"
-        elif not _NODE_LAYOUT_KNOWN:
+        elif not LAYOUT_KNOWN:
             self.read_path, self.read_path_reason = NATIVE, "LMDB's pages are read in place on 64-bit " \
                                                             "little-endian machines only"
         else:
@@ -207,6 +196,7 @@ class LmdbReader(StoreReader):
         self._map_base = mapping_base(self.path / "data.mdb")
         # the pages the open transaction's snapshot can hold, from the environment itself (the
         # path may already name a replacing store, or none, between an overwrite's renames)
+        self._table_lock = threading.Lock()
         self._page_bytes = self._env.stat()["psize"]
         self._file_bytes = (self._env.info()["last_pgno"] + 1) * self._page_bytes
         if self._map_base is None:
@@ -314,10 +304,13 @@ class LmdbReader(StoreReader):
         every sample it holds: one lookup per leaf (a hundred samples or more) per reader.
         None (no advice) where a page does not read as LMDB's layout says.
         """
-        if self._map_base is None or not _NODE_LAYOUT_KNOWN:
+        if self._map_base is None or not LAYOUT_KNOWN:
             return None
         if self._values is None:
-            self._values = (np.full(self.count, -1, dtype=np.int64), np.zeros(self.count, dtype=np.int64))
+            with self._table_lock:
+                if self._values is None:
+                    self._values = (self._walk() if len(indices) > 1 else None) or \
+                        (np.full(self.count, -1, dtype=np.int64), np.zeros(self.count, dtype=np.int64))
         offsets, lengths = self._values
         missing = offsets[indices] < 0
         unknown = np.unique(indices[missing]).tolist() if missing.any() else []
@@ -338,41 +331,28 @@ class LmdbReader(StoreReader):
         return Extents([self.path / "data.mdb"], np.zeros(len(indices), dtype=np.int64),
                        offsets[indices], lengths[indices])
 
+    def _walk(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Every sample's extent at once, read from the whole tree (``pages.walk``: each level's
+        pages advised together, then decoded as arrays); None where a page does not read as
+        LMDB's layout says (the values are then found one leaf at a time)."""
+        data = self.path / "data.mdb"
+        mem = np.frombuffer((ctypes.c_uint8 * self._file_bytes).from_address(self._map_base), dtype=np.uint8)
+        page = self._page_bytes
+
+        def ahead(pgnos: np.ndarray) -> None:
+            advise(Extents([data], np.zeros(len(pgnos), dtype=np.int64), pgnos * page, page))
+
+        return walk(mem, page, self.count, KEY_DIGITS, ahead)
+
     def _parse_leaf(self, at: int, offsets: np.ndarray, lengths: np.ndarray) -> bool:
-        """Record the extent of every sample in the leaf page holding the address ``at``; False
-        where the page is not a leaf as LMDB lays it out (lmdb.h: ``MDB_page``, ``MDB_node``)."""
+        """Record the extent of every sample in the leaf page holding the address ``at`` (one
+        lookup's leaf); False where the page is not a leaf as LMDB lays it out."""
         base, page = self._map_base, self._page_bytes
         if not base <= at < base + self._file_bytes:
             return False                               # not a view into the map
         start = (at - base) // page * page
-        raw = ctypes.string_at(base + start, page)
-        _pgno, _pad, flags, lower, _upper = _PAGE_HEADER.unpack_from(raw)
-        if not flags & _P_LEAF or flags & _P_LEAF2 or not _PAGE_HEADER.size <= lower <= page:
-            return False
-        ptrs = np.frombuffer(raw, dtype="<u2", count=(lower - _PAGE_HEADER.size) // 2, offset=_PAGE_HEADER.size)
-        for ptr in ptrs.tolist():
-            if ptr + _NODE_HEADER.size > page:
-                return False
-            lo, hi, node_flags, key_bytes = _NODE_HEADER.unpack_from(raw, ptr)
-            key = raw[ptr + _NODE_HEADER.size:ptr + _NODE_HEADER.size + key_bytes]
-            if len(key) != KEY_DIGITS or not key.isdigit():
-                continue                               # metadata (__dlstore__, __labels__, ...)
-            i = int(key)
-            if i >= self.count:
-                continue
-            after = ptr + _NODE_HEADER.size + key_bytes
-            if node_flags & _F_BIGDATA:
-                (pgno,) = _PGNO.unpack_from(raw, after)
-                offset = pgno * page + _PAGE_HEADER.size
-            else:
-                offset = start + after
-            length = lo | hi << 16
-            if offset + length > self._file_bytes:
-                return False
-            # a value's length first: a thread that sees the offset set reads both
-            lengths[i] = length
-            offsets[i] = offset
-        return True
+        return parse_leaf(ctypes.string_at(base + start, page), start, self.count, KEY_DIGITS,
+                          self._file_bytes, offsets, lengths)
 
     def _copy(self, txn: lmdb.Transaction, i: int) -> np.ndarray:
         shape = self._shape_of(i)
