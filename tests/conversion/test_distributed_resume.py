@@ -113,6 +113,9 @@ def _h5_content(path: Path) -> dict[str, object]:
         f.visititems(lambda name, obj: out.__setitem__(name, obj[()].tobytes())
                      if isinstance(obj, h5py.Dataset) and obj.dtype.kind != "O" else None)
         out["images"] = [np.asarray(x).tobytes() for x in f["images"]]
+        if "offsets" in f:   # where this file's chunks lie, not what it holds: right for this file
+            chunks = [f["images"].id.get_chunk_info_by_coord((i, 0, 0, 0)).byte_offset for i in range(len(f["offsets"]))]
+            out["offsets"] = bool((f["offsets"][()] == chunks).all())
     return out
 
 

@@ -248,6 +248,12 @@ class Hdf5Reader(StoreReader):
                 size[:] = sample_bytes
             return start, size, mask
 
+        recorded = self._recorded_offsets(sample_bytes)
+        if recorded is not None:
+            start[:] = recorded
+            size[:] = sample_bytes
+            return start, size, mask
+
         def record(info: Any) -> None:
             row = info.chunk_offset[0]
             if 0 <= row < self.count:
@@ -260,6 +266,29 @@ class Hdf5Reader(StoreReader):
             for k in range(ident.get_num_chunks()):
                 record(ident.get_chunk_info(k))
         return start, size, mask
+
+    def _recorded_offsets(self, sample_bytes: int) -> np.ndarray | None:
+        """The samples' offsets the writer recorded (``layout["offsets"]``, one uncompressed
+        sample per chunk), where 33 samples spread over the store read through the chunk index
+        (``read_direct_chunk``) equal the bytes at their recorded offsets (a file rewritten by
+        another tool, h5repack say, has its chunks elsewhere); else None."""
+        name = self.manifest["layout"].get("offsets")
+        ident = self._images.id
+        if (name is None or self.count == 0 or self._rows != 1 or self._images.chunks is None
+                or self._data is None or not hasattr(ident, "read_direct_chunk")):
+            return None
+        dataset = self._file.get(str(name))
+        if not isinstance(dataset, h5py.Dataset) or dataset.shape != (self.count,) or dataset.dtype.kind != "i":
+            return None
+        offsets = dataset[()].astype(np.int64)
+        if not inside(offsets, sample_bytes, len(self._data)):
+            return None
+        for i in np.unique(np.linspace(0, self.count - 1, 33).astype(np.int64)).tolist():
+            filter_mask, chunk = ident.read_direct_chunk((i, 0, 0, 0))
+            at = int(offsets[i])
+            if filter_mask or len(chunk) != sample_bytes or self._data[at:at + sample_bytes].tobytes() != chunk:
+                return None
+        return offsets
 
     def _place_samples(self, start: np.ndarray, size: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The table of ``_sample_table`` from the chunks' places; sets ``read_path`` native where

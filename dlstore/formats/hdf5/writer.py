@@ -290,6 +290,20 @@ class Hdf5Writer(WithTargets):
                 for name, values in arrays.items():
                     group.create_dataset(name, data=values)
             layout["provenance"] = {"kind": origins.kind, "group": "provenance"}
+        if self.shape is not None and self.compression == "none" and self._count:
+            # each sample's byte offset, so a reader need not walk the chunk index (~3 us a
+            # chunk, 0.6 s for 170,000 samples, before its first batch); checked, not trusted
+            offsets = np.full(self._count, -1, dtype=INT_DTYPE)
+
+            def record(info: Any) -> None:
+                offsets[info.chunk_offset[0]] = info.byte_offset
+
+            if hasattr(self._images.id, "chunk_iter"):
+                self._images.id.chunk_iter(record)
+                if (offsets >= 0).all():
+                    with self._writing(offsets.nbytes):
+                        self._file.create_dataset("offsets", data=offsets)
+                    layout["offsets"] = "offsets"
         layout["hashed"] = hashed
         return layout
 
