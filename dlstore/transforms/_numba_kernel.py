@@ -66,11 +66,55 @@ def copy_row(dst: Any, start: int, src: Any, first: int, n: int) -> None:
         dst[d + i] = src[s + i]
 
 
-@jit
-def copy_row_reversed(dst: Any, start: int, src: Any, last: int, n: int) -> None:
-    d, s = uintp(start), uintp(last)
-    for i in range(uintp(n)):
-        dst[d + i] = src[s - i]
+@intrinsic
+def flip_row(typingctx: Any, dst: Any, src: Any, n: Any, d0: Any, tw: Any, fill: Any) -> Any:
+    """One output row of a flipped crop, inline: ``dst[d0 + i] = src[n - 1 - i]`` for ``i < n``,
+    ``fill`` in ``dst[:d0]`` and ``dst[d0 + n:tw]`` (addresses). Where ``n`` and ``tw`` are 32 or
+    more and each fill is 32 bytes or less (a padded crop of a photo), two 32-byte stores of
+    ``fill`` and then the reversed copy, 32 bytes a vector reversed by one shuffle, its last vector
+    overlapping the one before; else byte by byte. A loop numba compiles from Python spent a
+    call on each fill (LLVM makes a short fill loop a memset call) and its remainder bytes one
+    at a time: a flipped batch ran at 0.63-0.75x a plain copy's rate, this at 0.79-0.87x (two
+    threads, 224x224 samples, docs/reading.md)."""
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        to, frm, count, start, width, value = args
+        i8, i32 = ir.IntType(8), ir.IntType(32)
+        vec = ir.VectorType(i8, 32)
+        dst_ptr, src_ptr = builder.inttoptr(to, i8.as_pointer()), builder.inttoptr(frm, i8.as_pointer())
+        out = builder.gep(dst_ptr, [start])
+        reverse = ir.Constant(ir.VectorType(i32, 32), list(range(31, -1, -1)))
+        lane = builder.insert_element(ir.Constant(vec, None), value, ir.Constant(i32, 0))
+        filled = builder.shuffle_vector(lane, lane, ir.Constant(ir.VectorType(i32, 32), [0] * 32))
+        size, zero, one = (ir.Constant(count.type, k) for k in (32, 0, 1))
+
+        def store(vector: Any, ptr: Any) -> None:
+            builder.store(vector, builder.bitcast(ptr, vec.as_pointer()), align=1)
+
+        def move(out_at: Any, in_at: Any) -> None:
+            v = builder.load(builder.bitcast(builder.gep(src_ptr, [in_at]), vec.as_pointer()), align=1)
+            store(builder.shuffle_vector(v, v, reverse), builder.gep(out, [out_at]))
+
+        right = builder.sub(width, builder.add(start, count))
+        wide = builder.and_(builder.icmp_unsigned(">=", count, size), builder.icmp_unsigned(">=", width, size))
+        short_fills = builder.and_(builder.icmp_unsigned("<=", start, size), builder.icmp_unsigned("<=", right, size))
+        with builder.if_else(builder.and_(wide, short_fills)) as (vectors, bytewise):
+            with vectors:
+                store(filled, dst_ptr)
+                store(filled, builder.gep(dst_ptr, [builder.sub(width, size)]))
+                with cgutils.for_range(builder, builder.udiv(count, size)) as loop:
+                    at = builder.mul(loop.index, size)
+                    move(at, builder.sub(builder.sub(count, at), size))
+                move(builder.sub(count, size), zero)
+            with bytewise:
+                with cgutils.for_range(builder, start) as loop:
+                    builder.store(value, builder.gep(dst_ptr, [loop.index]))
+                with cgutils.for_range(builder, right) as loop:
+                    builder.store(value, builder.gep(out, [builder.add(count, loop.index)]))
+                with cgutils.for_range(builder, count) as loop:
+                    byte = builder.load(builder.gep(src_ptr, [builder.sub(builder.sub(count, loop.index), one)]))
+                    builder.store(byte, builder.gep(out, [loop.index]))
+        return context.get_dummy_value()
+    return types.void(types.uintp, types.uintp, types.uintp, types.uintp, types.uintp, types.uint8), codegen
 
 
 @jit
@@ -112,12 +156,13 @@ def kernel(addresses: Any, out: Any, ys: Any, xs: Any, flips: Any, fill: Any,
                     fill_row(dst, top + r * tw + d0 + n, tw - n, fill)
                 fill_row(dst, top + (r1 - 1) * tw + d0 + n, tw - d0 - n, fill)
                 continue
+            if flips[j]:
+                for r in range(r0, r1):
+                    flip_row(uintp(dst.ctypes.data) + uintp(top + r * tw),
+                             uintp(addresses[j]) + uintp((ch * h + r + y) * w + sx0), uintp(n), uintp(d0), uintp(tw), fill)
+                continue
             for r in range(r0, r1):
                 o = top + r * tw
-                row = (ch * h + r + y) * w
                 fill_row(dst, o, d0, fill)
-                if flips[j]:
-                    copy_row_reversed(dst, o + d0, src, row + sx1 - 1, n)
-                else:
-                    copy_row(dst, o + d0, src, row + sx0, n)
+                copy_row(dst, o + d0, src, (ch * h + r + y) * w + sx0, n)
                 fill_row(dst, o + d0 + n, tw - d0 - n, fill)

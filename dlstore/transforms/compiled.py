@@ -4,9 +4,10 @@
 releases and retakes the GIL, so a second loader thread hardly gains (the threads hand
 the GIL back and forth), and a flipped row goes through numpy's cast loop. This kernel
 does a whole batch in one call with the GIL released, each sample in one pass: row by
-row, the padding bytes then the image part copied reversed (a loop LLVM vectorises) for
-a flipped sample; one memcpy per channel, padding filled over it, for an unflipped
-full-width one (docs/reading.md has the rates of both kernels).
+row for a flipped sample (the padding as two vector stores, the image part copied in
+reversed 32-byte vectors, inline: ``_numba_kernel.flip_row``); one memcpy per channel,
+padding filled over it, for an unflipped full-width one (docs/reading.md has the rates
+of both kernels).
 
 The pixels are the pure kernel's (tests check both against torchvision's
 ``pad``/``crop``/``horizontal_flip``). numba is imported on first use, and the
