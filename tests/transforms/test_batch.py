@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 import torch
 from torchvision.transforms import v2
 from torchvision.transforms.v2 import functional as F
@@ -236,3 +238,21 @@ def test_batch_normalize_refuses_integer_input_without_scaling_like_torchvision(
     scaled = BatchNormalize([0.5] * 3, [0.2] * 3)(x)           # with scaling: ToDtype + Normalize
     want = v2.Normalize([0.5] * 3, [0.2] * 3)(v2.ToDtype(torch.float32, scale=True)(x))
     assert torch.equal(scaled, want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 2**32 - 1), p=st.floats(0.0, 1.0), high=st.integers(1, 10_000), n=st.integers(1, 300))
+def test_cpu_draws_are_torchs_arithmetic_on_the_same_stream(seed, p, high, n):
+    """On the CPU the draws' arithmetic runs in numpy (one torch call a draw): the same values
+    as torch's own ``(u * high).long().clamp_max(high - 1)`` and ``u < p`` on the same stream,
+    ``p`` compared in float32 as torch compares it (a p that rounds down included)."""
+    from dlstore.transforms.batch import _randint
+
+    ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    highs = torch.randint(1, high + 1, (n,), generator=torch.Generator().manual_seed(seed))
+    for top in (high, highs):
+        u = torch.rand(n, generator=theirs, dtype=torch.float64)
+        assert torch.equal(_randint(top, n, ours, "cpu"), (u * top).long().clamp_max(top - 1))
+    for q in (p, float(torch.tensor(p, dtype=torch.float32)) + 1e-12):
+        flips = BatchRandomHorizontalFlip(q).sample((n, 3, 2, 2), generator=ours)["flip"]
+        assert flips.dtype == torch.bool and torch.equal(flips, torch.rand(n, generator=theirs) < q)
