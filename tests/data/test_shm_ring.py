@@ -503,3 +503,24 @@ def test_a_ring_that_does_not_fit_in_dev_shm_is_a_clear_error_or_not_chosen(tmp_
     assert error.startswith("error: the loader's ring of batches needs 5.2 MiB of shared memory and /dev/shm has")
     assert "--shm-size" in error and "num_workers=0" in error
     assert chosen.startswith("chosen: dataloader | dlstore.loader: not using worker processes' shared-memory ring")
+
+
+def test_a_forked_process_running_an_inherited_pools_finalizer_leaves_the_pool_alone(stores):
+    """A worker forked for a later loader inherits an unreachable earlier pool; when its garbage
+    collector finalises that copy, the copy must not touch (nor assert on) the parent's workers."""
+    ds = dlstore.open_dataset(stores["shards"])
+    dl = _ring(ds, 4, 2, persistent_workers=True)
+    first = _epoch(dl)
+    pool = dl._backend._pool
+    pid = os.fork()
+    if pid == 0:                                     # the child: what a forked worker's collector does
+        try:
+            pool._finalizer()
+        except BaseException:                        # noqa: BLE001 - the exit code says it
+            os._exit(1)
+        os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert len(_children()) == 2 and _same(_epoch(dl), first)   # the parent's workers still serve
+    dl.close()
+    assert not _children()

@@ -10,6 +10,7 @@ parallelism).
 
 from __future__ import annotations
 
+import os
 import pickle
 import random
 import time
@@ -134,7 +135,7 @@ class WorkerPool:
                                                       worker_init_fn, parent_spec(ctx)),
                                   daemon=True, name=f"dlstore-loader-{w}")
                       for w, (_, writer) in enumerate(pipes)]
-        self._finalizer = weakref.finalize(self, _stop, self.procs, self.tasks, self.results)
+        self._finalizer = weakref.finalize(self, _stop, os.getpid(), self.procs, self.tasks, self.results)
         for p in self.procs:
             p.start()
         for _, writer in pipes:
@@ -171,8 +172,12 @@ class WorkerPool:
         self._finalizer()
 
 
-def _stop(procs: list[Any], tasks: Any, results: list[Any]) -> None:
-    """Tell the workers to exit, wait for them (reading what they still report), terminate stragglers."""
+def _stop(owner: int, procs: list[Any], tasks: Any, results: list[Any]) -> None:
+    """Tell the workers to exit, wait for them (reading what they still report), terminate stragglers.
+    Only in the process that started them: a worker forked for a later loader inherits this
+    finalizer, and collecting its copy of an unreachable pool there must not touch the pool."""
+    if os.getpid() != owner:
+        return
     for p in procs:
         if p.is_alive():
             try:
