@@ -10,6 +10,9 @@ On-disk layout of ``NAME.h5`` (format version 1)::
     /images                vlen uint8 (N,), chunks (1024,)   sample i's CHW bytes, flattened
     /shapes                int64 (N, 3), chunks (1024, 3)    C, H, W of sample i
     /crc32                 uint32 (N,)                       CRC32 of sample i's bytes (check="sample")
+    /offsets               int64 (N,)                        byte offset of sample i in this file (fixed
+                                                             shape, uncompressed; checked against the chunk
+                                                             index before use: see reader.py)
     /targets               int64 or float32 (N, K)           target vectors (only where converted from them)
 
 Why this layout:
@@ -33,7 +36,8 @@ little-endian shapes, ``targets`` = sha256 of the little-endian target vectors.
 
 Reading in place: with one uncompressed chunk per sample (the default), chunks of several whole
 samples, or a contiguous /images, every sample is a run of bytes at a known offset of the file
-(the chunk index, read once per reader with ``chunk_iter``), so a batch is gathered from a map
+(the recorded ``/offsets`` where they agree with the chunk index, else the chunk index itself,
+read once per reader with ``chunk_iter``), so a batch is gathered from a map
 of the file (``reader.py``; ``read_path`` "in place"); filtered chunks (lzf, gzip, shuffle),
 chunks that split a sample, a chunk never written, a virtual dataset and variable-length
 samples read through h5py (``read_path`` "native", ``read_path_reason`` says which).
