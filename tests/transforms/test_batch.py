@@ -245,7 +245,7 @@ def test_batch_normalize_refuses_integer_input_without_scaling_like_torchvision(
 def test_cpu_draws_are_torchs_arithmetic_on_the_same_stream(seed, p, high, n):
     """On the CPU the draws' arithmetic runs in numpy (one torch call a draw): the same values
     as torch's own ``(u * high).long().clamp_max(high - 1)`` and ``u < p`` on the same stream,
-    ``p`` compared in float32 as torch compares it (a p that rounds down included)."""
+    for int and per-sample highs and for a p that float32 rounds down."""
     from dlstore.transforms.batch import _randint
 
     ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
@@ -253,6 +253,6 @@ def test_cpu_draws_are_torchs_arithmetic_on_the_same_stream(seed, p, high, n):
     for top in (high, highs):
         u = torch.rand(n, generator=theirs, dtype=torch.float64)
         assert torch.equal(_randint(top, n, ours, "cpu"), (u * top).long().clamp_max(top - 1))
-    for q in (p, float(torch.tensor(p, dtype=torch.float32)) + 1e-12):
+    for q in (p, min(1.0, float(torch.tensor(p, dtype=torch.float32)) + 1e-12)):
         flips = BatchRandomHorizontalFlip(q).sample((n, 3, 2, 2), generator=ours)["flip"]
         assert flips.dtype == torch.bool and torch.equal(flips, torch.rand(n, generator=theirs) < q)
