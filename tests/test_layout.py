@@ -68,6 +68,9 @@ LIBRARY_PRIVATES = {
     "formats.shards.reader:_mmap": "numpy's memmap keeps its mmap object there: the map the reader advises",
     "tools.throughput:_shutdown_workers": "a DataLoader iterator's workers stopped before the next trial",
     "tools.timeline:_ExperimentalConfig": "torch's profiler option that records every thread (no public name)",
+    "data.profiling_ranges:_is_profiler_enabled": "torch's flag for fast checks that a profiler runs "
+                                                  "(torch.autograd._profiler_enabled() is False in a "
+                                                  "loader thread while one runs on the main thread)",
     "conversion.pool:_exit": "os._exit: the documented way to end a child process without running cleanup",
     "processes:_exit": "os._exit: the documented way to end a child process without running cleanup",
     "conversion.pool:_processes": "ProcessPoolExecutor's worker processes, to notice a dead one",

@@ -9,20 +9,33 @@ dlstore marks its own loader stages with it, once per batch (never per sample):
 - ``dlstore.device_transforms``: float conversion, normalisation, random ops on the device;
 - ``dlstore.wait_for_data`` / ``dlstore.step``: ``profile_loader``'s phases of the loop.
 
-With no profiler running a range costs a few microseconds (``torch.profiler.record_function``
-checks whether anyone listens); measured by ``range_overhead``.
+A range is ``torch.profiler.record_function`` while a profiler runs (``torch.profiler``,
+``emit_nvtx``, ``emit_itt``) and nothing otherwise: torch's own enters a dispatcher op even
+with nobody listening, and each op lets go of the GIL and waits to take it back, six times
+a batch in a loader thread beside another (6-9 % of a thread loader's rate on 2 cores,
+docs/reading.md). ``range_overhead`` measures what one costs.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+from collections.abc import Callable
+from typing import Any
 
 import torch
+import torch.autograd.profiler as _autograd_profiler
 
 __all__ = ["profiling_range", "range_overhead"]
 
 
-def profiling_range(name: str) -> torch.profiler.record_function:
+def _listening() -> bool:
+    # torch's flag "for fast python checks", set while any of its profilers runs (True where a
+    # torch without it cannot say: then every range is recorded, as before)
+    return bool(getattr(_autograd_profiler, "_is_profiler_enabled", True))
+
+
+class profiling_range:  # noqa: N801 - used like torch's record_function, which it wraps
     """A context manager (and decorator) naming what runs inside it in a ``torch.profiler`` trace.
 
     ::
@@ -30,11 +43,36 @@ def profiling_range(name: str) -> torch.profiler.record_function:
         with dlstore.profiling_range("my.augment"):
             x = augment(x)
     """
-    return torch.profiler.record_function(name)
+
+    __slots__ = ("name", "_record")
+
+    def __init__(self, name: str):
+        self.name = name
+        self._record: Any = None
+
+    def __enter__(self) -> profiling_range:
+        if _listening():
+            self._record = torch.profiler.record_function(self.name)
+            self._record.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        record, self._record = self._record, None
+        if record is not None:
+            record.__exit__(*exc)
+
+    def __call__(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        name = self.name
+
+        @functools.wraps(fn)
+        def ranged(*args: Any, **kwargs: Any) -> Any:
+            with profiling_range(name):    # decided per call: a profiler may start after decoration
+                return fn(*args, **kwargs)
+        return ranged
 
 
 def range_overhead(rounds: int = 2000) -> float:
-    """Seconds one ``profiling_range`` costs when no profiler is running (the mean of ``rounds``)."""
+    """Seconds one ``profiling_range`` costs (the mean of ``rounds``), with or without a profiler."""
     start = time.perf_counter()
     for _ in range(rounds):
         with profiling_range("dlstore.overhead"):

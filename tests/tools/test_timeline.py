@@ -74,6 +74,24 @@ def test_profiling_range_marks_a_users_loop(tmp_path):
     assert "user.augment" in {e.get("name") for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
 
 
+
+def test_profiling_range_decides_per_call_whether_to_record(tmp_path):
+    # decorated, and called once, before any profiler runs: recorded all the same once one does
+    @dlstore.profiling_range("user.decorated")
+    def step():
+        return torch.ones(4).add_(1)
+
+    step()
+    with dlstore.profiling_range("user.before"):     # entered with nobody listening, left while one is
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step()
+            with dlstore.profiling_range("user.outer"), dlstore.profiling_range("user.inner"):
+                torch.ones(2).mul_(3)
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    names = {e.get("name") for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
+    assert {"user.decorated", "user.outer", "user.inner"} <= names and "user.before" not in names
+    assert step().tolist() == [2.0] * 4
+
 def test_compare_with_imagefolder_and_plot_both(store, tmp_path):
     pytest.importorskip("matplotlib", exc_type=ImportError)   # installed but built for a newer numpy: skip too
     from dlstore.tools.timeline_plot import plot_timelines
