@@ -77,21 +77,24 @@ def as_fill(fill: Any, name: str) -> int | float | tuple[float, ...]:
     raise TransformSpecError(f"{name}: fill must be a number or one number per channel, got {fill!r}")
 
 
-def _randint(high: Any, n: int, generator: Any, device: Any) -> "torch.Tensor":
-    """n ints, the k-th uniform in [0, high[k]) (``high`` an int or a (n,) tensor >= 1)."""
-
-    u = torch.rand(n, generator=generator, device=device, dtype=torch.float64)
-    if u.device.type == "cpu":
-        # the same float64 products in numpy: one torch call a draw, not four. Each torch call
-        # lets go of the GIL and waits to take it back: in a loader thread beside another the
-        # four cost 0.3-0.5 ms a batch, a quarter of a fused crop + flip batch's time.
-        top = high.numpy() if isinstance(high, torch.Tensor) else int(high)
-        out = (u.numpy() * top).astype(np.int64)
-        return torch.from_numpy(np.minimum(out, np.asarray(top) - 1, out=out))
-    if isinstance(high, torch.Tensor):
-        return (u * high).long().clamp_max(high - 1)
-    # a Python int: no host-to-device copy (and on CUDA no sync) per draw; the same values
-    return (u * int(high)).long().clamp_max(int(high) - 1)
+def _randints(highs: Sequence[Any], n: int, generator: Any, device: Any) -> list["torch.Tensor"]:
+    """Per high (an int or a (n,) tensor >= 1), n ints uniform in [0, high[k]) from one float64 draw each."""
+    # On the CPU one torch call for all (it fills serially: rand(2n) is rand(n), rand(n); a test
+    # holds torch to it), the arithmetic in numpy: each torch call lets go of the GIL and waits to
+    # take it back, 0.1-0.2 ms a batch in a loader thread beside another.
+    u = torch.rand(len(highs) * n, generator=generator, device=device, dtype=torch.float64).numpy() \
+        if torch.device(device).type == "cpu" else None
+    out = []
+    for k, high in enumerate(highs):
+        if u is not None:
+            top = high.numpy() if isinstance(high, torch.Tensor) else int(high)
+            v = (u[k * n:(k + 1) * n] * top).astype(np.int64)
+            out.append(torch.from_numpy(np.minimum(v, np.asarray(top) - 1, out=v)))
+        else:   # a Python int: no host-to-device copy (and on CUDA no sync) per draw; the same values
+            top = high if isinstance(high, torch.Tensor) else int(high)
+            out.append((torch.rand(n, generator=generator, device=device, dtype=torch.float64) * top)
+                       .long().clamp_max(top - 1))
+    return out
 
 
 class BatchTransform:
@@ -170,8 +173,8 @@ class BatchRandomCrop(BatchTransform):
             raise TransformSpecError(
                 f"BatchRandomCrop: crop {th}x{tw} is larger than the padded image {ph}x{pw} "
                 f"(image {h}x{w}, padding {list(self.padding)}); pass pad_if_needed=True to pad it")
-        return {"top": _randint(ph - th + 1, b, generator, device),
-                "left": _randint(pw - tw + 1, b, generator, device)}
+        tops, lefts = _randints((ph - th + 1, pw - tw + 1), b, generator, device)
+        return {"top": tops, "left": lefts}
 
     def apply(self, images: "torch.Tensor", params: BatchParams) -> "torch.Tensor":
         from torchvision.transforms.v2 import functional as F
@@ -220,7 +223,7 @@ class BatchRandomHorizontalFlip(BatchTransform):
 
     def sample(self, shape: Sequence[int], *, generator: Any = None, device: Any = "cpu") -> BatchParams:
         u = torch.rand(shape[0], generator=generator, device=device)
-        # on the CPU compared in numpy (see _randint), in float32 as torch compares it
+        # on the CPU compared in numpy (see _randints), in float32 as torch compares it
         return {"flip": torch.from_numpy(u.numpy() < np.float32(self.p)) if u.device.type == "cpu" else u < self.p}
 
     def apply(self, images: "torch.Tensor", params: BatchParams) -> "torch.Tensor":
@@ -328,8 +331,8 @@ class BatchCutout(BatchTransform):
         b, _, h, w = shape
         if self.size > min(h, w):
             raise TransformSpecError(f"BatchCutout: square {self.size} is larger than the image {h}x{w}")
-        return {"top": _randint(h - self.size + 1, b, generator, device),
-                "left": _randint(w - self.size + 1, b, generator, device)}
+        tops, lefts = _randints((h - self.size + 1, w - self.size + 1), b, generator, device)
+        return {"top": tops, "left": lefts}
 
     def apply(self, images: "torch.Tensor", params: BatchParams) -> "torch.Tensor":
         array = numpy_view(images)

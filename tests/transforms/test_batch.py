@@ -243,16 +243,19 @@ def test_batch_normalize_refuses_integer_input_without_scaling_like_torchvision(
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), p=st.floats(0.0, 1.0), high=st.integers(1, 10_000), n=st.integers(1, 300))
 def test_cpu_draws_are_torchs_arithmetic_on_the_same_stream(seed, p, high, n):
-    """On the CPU the draws' arithmetic runs in numpy (one torch call a draw): the same values
-    as torch's own ``(u * high).long().clamp_max(high - 1)`` and ``u < p`` on the same stream,
-    for int and per-sample highs and for a p that float32 rounds down."""
-    from dlstore.transforms.batch import _randint
+    """On the CPU the draws' arithmetic runs in numpy, several draws from one torch call: the
+    same values as torch's own ``(u * high).long().clamp_max(high - 1)`` and ``u < p``, one
+    ``torch.rand`` a draw on the same stream, for int and per-sample highs and for a p that
+    float32 rounds down."""
+    from dlstore.transforms.batch import _randints
 
     ours, theirs = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
     highs = torch.randint(1, high + 1, (n,), generator=torch.Generator().manual_seed(seed))
-    for top in (high, highs):
-        u = torch.rand(n, generator=theirs, dtype=torch.float64)
-        assert torch.equal(_randint(top, n, ours, "cpu"), (u * top).long().clamp_max(top - 1))
+    for tops in ((high,), (highs,), (high, high + 1), (high, highs, high + 1)):
+        want = [(u * top).long().clamp_max(top - 1)
+                for u, top in ((torch.rand(n, generator=theirs, dtype=torch.float64), top) for top in tops)]
+        got = _randints(tops, n, ours, "cpu")
+        assert len(got) == len(want) and all(torch.equal(a, b) for a, b in zip(got, want))
     for q in (p, min(1.0, float(torch.tensor(p, dtype=torch.float32)) + 1e-12)):
         flips = BatchRandomHorizontalFlip(q).sample((n, 3, 2, 2), generator=ours)["flip"]
         assert flips.dtype == torch.bool and torch.equal(flips, torch.rand(n, generator=theirs) < q)
