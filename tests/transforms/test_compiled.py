@@ -66,6 +66,28 @@ def test_crop_flip_equals_torchvision(c, h, w, b, padding, grow, same_width, fil
     np.testing.assert_array_equal(buf[-guard:], before[-guard:])
 
 
+
+@settings(max_examples=200, deadline=None)
+@given(c=st.integers(1, 3), h=st.integers(1, 5), w=st.integers(1, 150), b=st.integers(1, 4),
+       padding=st.tuples(st.integers(0, 100), st.integers(0, 3), st.integers(0, 100), st.integers(0, 3)),
+       fill=st.integers(0, 255), seed=st.integers(0, 2**32 - 1))
+def test_full_width_strips_of_every_length_equal_torchvision(c, h, w, b, padding, fill, seed):
+    """Unflipped crops as wide as the image, shifted by 0-100 columns: the strips of padding filled
+    after the one memcpy take every length from 1 to past 64 bytes (each store width, and the loop)."""
+    rng = np.random.default_rng(seed)
+    left, top, right, bottom = padding
+    x = rng.integers(0, 256, (b, c, h, w), dtype=np.uint8)
+    tops = rng.integers(0, h + top + bottom - h + 1, b)
+    lefts = rng.integers(0, left + right + 1, b)
+    guard = 64
+    buf = rng.integers(0, 256, b * c * h * w + 2 * guard, dtype=np.uint8)
+    before = buf.copy()
+    out = buf[guard:guard + b * c * h * w].reshape(b, c, h, w)
+    compiled.crop_flip(list(x), out, tops, lefts, np.zeros(b, bool), padding, fill)
+    np.testing.assert_array_equal(out, reference(x, tops, lefts, np.zeros(b, bool), padding, fill, h, w))
+    np.testing.assert_array_equal(buf[:guard], before[:guard])
+    np.testing.assert_array_equal(buf[-guard:], before[-guard:])
+
 def test_imagenet_sized_batch_equals_torchvision():
     """224x224, padding 4, the loader benchmark's case: every sample padded, half flipped."""
     rng = np.random.default_rng(0)
