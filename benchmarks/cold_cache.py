@@ -29,6 +29,7 @@ Epochs are long enough that worker start-up is a small part of them: a DataLoade
 was 2,000 until that showed).
 
     python benchmarks/cold_cache.py [--images 8000] [--rounds 5] [--dir /var/tmp]
+        [--formats shards,lmdb --paths dl0 --warm-epochs 0]   # a few cells, more rounds
 """
 
 from __future__ import annotations
@@ -177,10 +178,10 @@ def run_child(args: list[str], before=None) -> tuple[object, object]:
     return json.loads(out.strip().splitlines()[-1]), got
 
 
-def cells() -> list[tuple[str, str, bool]]:
+def cells(formats=tuple(FORMATS), paths=PATHS) -> list[tuple[str, str, bool]]:
     """(format, path, willneed); path "sequential" has no willneed."""
-    out = [(fmt, "sequential", False) for fmt in FORMATS]
-    out += [(fmt, path, w) for fmt in FORMATS for path in PATHS for w in (False, True)]
+    out = [(fmt, "sequential", False) for fmt in formats]
+    out += [(fmt, path, w) for fmt in formats for path in paths for w in (False, True)]
     return out
 
 
@@ -200,8 +201,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--warm-epochs", type=int, default=4)
     parser.add_argument("--dir", default="/var/tmp", help="where the stores go (a disk, not tmpfs)")
+    parser.add_argument("--formats", default=",".join(FORMATS), help="a subset, to measure a few cells more often")
+    parser.add_argument("--paths", default=",".join(PATHS))
     parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cold_cache.json"))
     args = parser.parse_args(argv)
+    args.formats, args.paths = args.formats.split(","), args.paths.split(",")
+    if not set(args.formats) <= set(FORMATS) or not set(args.paths) <= set(PATHS):
+        parser.error(f"--formats takes {', '.join(FORMATS)}; --paths takes {', '.join(PATHS)}")
     if os.geteuid() != 0:
         print("needs root (echo 1 > /proc/sys/vm/drop_caches before each cold read)", file=sys.stderr)
         return 2
@@ -212,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(dir=args.dir) as tmp:
         images = np.random.default_rng(0).integers(0, 256, (args.images, args.size, args.size, 3), dtype=np.uint8)
         stores = {}
-        for fmt, suffix in FORMATS.items():
-            stores[fmt] = Path(tmp) / f"cold{suffix}"
+        for fmt in args.formats:
+            stores[fmt] = Path(tmp) / f"cold{FORMATS[fmt]}"
             dlstore.convert((images, np.arange(args.images) % 10), stores[fmt], workers=0, progress=False)
         del images
         mb = {fmt: sum(f.stat().st_size for f in data_files(s)) / 1e6 for fmt, s in stores.items()}
@@ -221,10 +227,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"stores: {args.images} x 3x{args.size}x{args.size}, " +
               ", ".join(f"{fmt} {v:,.0f} MB ({args.read_paths[fmt]})" for fmt, v in mb.items()) + f"; {uptime()}",
               flush=True)
-        runs: dict[str, list[dict]] = {cell_name(*c): [] for c in cells()}
-        warm: dict[str, list[dict]] = {fmt: [] for fmt in FORMATS}
+        runs: dict[str, list[dict]] = {cell_name(*c): [] for c in cells(args.formats, args.paths)}
+        warm: dict[str, list[dict]] = {fmt: [] for fmt in args.formats if args.warm_epochs}
         for r in range(args.rounds):
-            order = cells()
+            order = cells(args.formats, args.paths)
             random.Random(r).shuffle(order)
             for fmt, path, willneed in order:
                 def cold(store=stores[fmt]):
@@ -235,18 +241,18 @@ def main(argv: list[str] | None = None) -> int:
                 rate, (left, load) = run_child(child_args, before=cold)
                 runs[cell_name(fmt, path, willneed)].append({"samples_per_s": rate, "load1": load,
                                                               "resident_before": left, "round": r})
-            for fmt in FORMATS:
-                warm[fmt].append(run_child(["warm", str(stores[fmt]), str(args.batch_size),
+            for fmt, measured in warm.items():
+                measured.append(run_child(["warm", str(stores[fmt]), str(args.batch_size),
                                             str(args.warm_epochs)])[0])
             print(f"round {r + 1}/{args.rounds} done; {uptime()}", flush=True)
     report(args, runs, warm)
     return 0
 
 
-def disk_rates(runs: dict[str, list[dict]]) -> dict[int, float]:
+def disk_rates(runs: dict[str, list[dict]], formats) -> dict[int, float]:
     """Per round, the disk's sequential rate: the best of that round's sequential reads."""
     best: dict[int, float] = {}
-    for fmt in FORMATS:
+    for fmt in formats:
         for x in runs[cell_name(fmt, "sequential", False)]:
             best[x["round"]] = max(best.get(x["round"], 0.0), x["samples_per_s"])
     return best
@@ -254,20 +260,29 @@ def disk_rates(runs: dict[str, list[dict]]) -> dict[int, float]:
 
 def report(args: argparse.Namespace, runs: dict[str, list[dict]], warm: dict[str, list[dict]]) -> None:
     med = {name: statistics.median(x["samples_per_s"] for x in v) for name, v in runs.items()}
-    disk = disk_rates(runs)
+    disk = disk_rates(runs, args.formats)
 
     def ratio(name: str) -> float:   # the median over rounds of the cell's rate / the round's disk rate
         return statistics.median(x["samples_per_s"] / disk[x["round"]] for x in runs[name])
 
     rows, table = [], {}
-    for fmt in FORMATS:
+    for fmt in args.formats:
         seq = med[cell_name(fmt, "sequential", False)]
-        for path in PATHS:
+        for path in args.paths:
             off, on = med[cell_name(fmt, path, False)], med[cell_name(fmt, path, True)]
             r_off, r_on = ratio(cell_name(fmt, path, False)), ratio(cell_name(fmt, path, True))
             table[f"{fmt} {path}"] = {"sequential": seq, "off": off, "on": on, "ratio_off": r_off,
                                       "ratio_on": r_on, "target": 0.6}
             rows.append(f"| {fmt} | {path} | {seq:,.0f} | {off:,.0f} | {on:,.0f} | {r_off:.2f} | {r_on:.2f} |")
+    paired = []     # each format against shards in the same round: the disk's drift between rounds cancels
+    for fmt in [f for f in args.formats if f != "shards" and "shards" in args.formats]:
+        for path in args.paths:
+            for w in (False, True):
+                mine, theirs = runs[cell_name(fmt, path, w)], runs[cell_name("shards", path, w)]
+                r = [x["samples_per_s"] / y["samples_per_s"] for x, y in zip(mine, theirs)]
+                table.setdefault(f"{fmt} {path}", {})[f"over_shards_{'on' if w else 'off'}"] = statistics.median(r)
+                paired.append(f"- {fmt} / shards, {path}, willneed {'on' if w else 'off'}: "
+                              f"{statistics.median(r):.2f} (rounds {min(r):.2f}-{max(r):.2f})")
     warm_med = {fmt: {k: statistics.median(w[k] for w in v) for k in ("off", "on")} for fmt, v in warm.items()}
     loads = [x["load1"] for v in runs.values() for x in v]
     resident = max(x["resident_before"] for v in runs.values() for x in v)
@@ -279,7 +294,7 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], warm: dict[str
         f"min {min(loads):.2f}, max {max(loads):.2f} (a shared machine: other jobs ran throughout). "
         f"Most of a store resident after dropping the cache: {resident:.3f}. {uptime()}",
         "",
-        "The disk's sequential rate, per round (the best of the round's three sequential reads): "
+        "The disk's sequential rate, per round (the best of the round's sequential reads, one per format): "
         + ", ".join(f"{v:,.0f}" for _, v in sorted(disk.items())) + " samples/s. The ratios are to it, "
         "round by round (medians); the format's own sequential median is shown beside them.",
         "",
@@ -287,11 +302,10 @@ def report(args: argparse.Namespace, runs: dict[str, list[dict]], warm: dict[str
         "| ratio on |",
         "|---|---|---:|---:|---:|---:|---:|",
         *rows,
-        "",
-        "Warm (store cached), loader threads=2, random epochs, willneed on / off in one process:",
-        "",
-        *[f"- {fmt}: {w['on'] / w['off']:.2f}x ({w['off']:,.0f} -> {w['on']:,.0f} samples/s)"
-          for fmt, w in warm_med.items()],
+        *(["", "The same round's rates over shards' (medians over rounds):", "", *paired] if paired else []),
+        *(["", "Warm (store cached), loader threads=2, random epochs, willneed on / off in one process:", "",
+           *[f"- {fmt}: {w['on'] / w['off']:.2f}x ({w['off']:,.0f} -> {w['on']:,.0f} samples/s)"
+             for fmt, w in warm_med.items()]] if warm_med else []),
     ]
     text = "\n".join(lines) + "\n"
     print("\n" + text)
