@@ -524,3 +524,25 @@ def test_a_forked_process_running_an_inherited_pools_finalizer_leaves_the_pool_a
     assert len(_children()) == 2 and _same(_epoch(dl), first)   # the parent's workers still serve
     dl.close()
     assert not _children()
+
+
+def test_ring_workers_do_not_advise_again_what_the_main_process_advised(tmp_path, monkeypatch):
+    """With the advice on, the main process advises each batch ahead (as the threads' loader
+    does); the workers' reads skip the reader's per-batch advice, which would repeat it."""
+    import dlstore.formats.reader as reader_module
+
+    dst = tmp_path / "s.shards"
+    dlstore.convert((np.zeros((12, 8, 8, 3), np.uint8), np.arange(12) % 2), dst, workers=0, progress=False)
+    ds = dlstore.open_dataset(dst, reader_options={"willneed": True})
+    log = tmp_path / "advised"
+    real = reader_module.advise
+
+    def spy(extents, **options):      # inherited by the forked workers: each call leaves its pid
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real(extents, **options)
+
+    monkeypatch.setattr(reader_module, "advise", spy)
+    loader = dlstore.loader(ds, 3, num_workers=2, backend="ring", multiprocessing_context="fork")
+    assert sum(len(x) for x, _ in loader) == 12
+    assert log.read_text().split() == [str(os.getpid())] * 4

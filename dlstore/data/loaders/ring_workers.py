@@ -25,6 +25,7 @@ import torch
 import torch.multiprocessing as tmp
 
 from ...errors import ArgumentError, WorkerError
+from ...formats.readahead import batches_advised_ahead
 from ...processes import Parent, TaskQueue, parent_spec
 from .ring_slots import Ring
 
@@ -53,6 +54,8 @@ def _work(wid: int, dataset: Any, slots: list[Any], tasks: TaskQueue, results: A
     if not parent.alive():
         return
     torch.set_num_threads(1)
+    if dataset.advises_reads:   # the main process advises each batch ahead (shm_ring: threads.advised)
+        batches_advised_ahead()
     try:
         if worker_init_fn is not None:
             worker_init_fn(wid)
