@@ -9,16 +9,19 @@ dlstore marks its own loader stages with it, once per batch (never per sample):
 - ``dlstore.device_transforms``: float conversion, normalisation, random ops on the device;
 - ``dlstore.wait_for_data`` / ``dlstore.step``: ``profile_loader``'s phases of the loop.
 
-A range is ``torch.profiler.record_function`` while a profiler runs (``torch.profiler``,
-``emit_nvtx``, ``emit_itt``) and nothing otherwise: torch's own enters a dispatcher op even
-with nobody listening, and each op lets go of the GIL and waits to take it back, six times
-a batch in a loader thread beside another (6-9 % of a thread loader's rate on 2 cores,
-docs/reading.md). ``range_overhead`` measures what one costs.
+A range is ``torch.profiler.record_function`` while a profiler runs and nothing otherwise:
+torch's own enters a dispatcher op even with nobody listening, and each op lets go of the GIL
+and waits to take it back, six times a batch in a loader thread beside another (6-9 % of a
+thread loader's rate on 2 cores, docs/reading.md). "A profiler runs" is torch's flag, set by
+``torch.profiler.profile``, ``emit_nvtx`` and ``emit_itt``; the deprecated ``profiler_legacy``
+and an on-demand Kineto trace started from outside (dynolog) do not set it, and see no ranges.
+``range_overhead`` measures what one costs.
 """
 
 from __future__ import annotations
 
 import functools
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -44,20 +47,25 @@ class profiling_range:  # noqa: N801 - used like torch's record_function, which 
             x = augment(x)
     """
 
-    __slots__ = ("name", "_record")
+    __slots__ = ("name", "_open")
 
     def __init__(self, name: str):
         self.name = name
-        self._record: Any = None
+        self._open = threading.local()     # per thread, a stack: one range may be entered again inside itself
 
     def __enter__(self) -> profiling_range:
+        record = None
         if _listening():
-            self._record = torch.profiler.record_function(self.name)
-            self._record.__enter__()
+            record = torch.profiler.record_function(self.name)
+            record.__enter__()
+        stack = getattr(self._open, "stack", None)
+        if stack is None:
+            stack = self._open.stack = []
+        stack.append(record)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        record, self._record = self._record, None
+        record = self._open.stack.pop()
         if record is not None:
             record.__exit__(*exc)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 
 import pytest
@@ -91,6 +92,42 @@ def test_profiling_range_decides_per_call_whether_to_record(tmp_path):
     names = {e.get("name") for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"]}
     assert {"user.decorated", "user.outer", "user.inner"} <= names and "user.before" not in names
     assert step().tolist() == [2.0] * 4
+
+
+def test_one_profiling_range_entered_inside_itself_and_from_two_threads(tmp_path):
+    shared = dlstore.profiling_range("user.shared")
+    errors: list[BaseException] = []
+
+    def work():
+        try:
+            for _ in range(50):
+                with shared:
+                    with shared:
+                        torch.ones(2).add_(1)
+                    torch.ones(2).add_(1)
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        threads = [threading.Thread(target=work) for _ in range(2)]
+        for t in threads:
+            t.start()
+        work()
+        for t in threads:
+            t.join()
+    assert errors == []
+    prof.export_chrome_trace(str(tmp_path / "t.json"))
+    events = [e for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e.get("name") == "user.shared"]
+    # the profiling thread's ranges all recorded (kineto records other threads' only on request),
+    # each outer one closing after its inner one, not when the inner one began
+    by_thread: dict = {}
+    for e in events:
+        by_thread.setdefault(e["tid"], []).append((e["ts"], e["ts"] + e["dur"]))
+    assert max(len(spans) for spans in by_thread.values()) == 100
+    for spans in by_thread.values():
+        spans.sort()
+        outers, inners = spans[0::2], spans[1::2]
+        assert all(o[0] <= i[0] and i[1] <= o[1] for o, i in zip(outers, inners))
 
 def test_compare_with_imagefolder_and_plot_both(store, tmp_path):
     pytest.importorskip("matplotlib", exc_type=ImportError)   # installed but built for a newer numpy: skip too
