@@ -83,7 +83,7 @@ def _randints(highs: Sequence[Any], n: int, generator: Any, device: Any) -> list
     # holds torch to it), the arithmetic in numpy: each torch call lets go of the GIL and waits to
     # take it back, 0.1-0.2 ms a batch in a loader thread beside another.
     u = torch.rand(len(highs) * n, generator=generator, device=device, dtype=torch.float64).numpy() \
-        if torch.device(device).type == "cpu" else None
+        if device is not None and torch.device(device).type == "cpu" else None
     out = []
     for k, high in enumerate(highs):
         if u is not None:

@@ -240,6 +240,14 @@ def test_batch_normalize_refuses_integer_input_without_scaling_like_torchvision(
     assert torch.equal(scaled, want)
 
 
+def test_draws_with_device_none_take_torchs_default_device():
+    # device=None is torch.rand's own default: the same draws as on the CPU here
+    for op in (BatchRandomCrop(4, padding=2), BatchCutout(3)):
+        a = op.sample((5, 3, 8, 8), generator=torch.Generator().manual_seed(1), device=None)
+        b = op.sample((5, 3, 8, 8), generator=torch.Generator().manual_seed(1), device="cpu")
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 @settings(max_examples=60, deadline=None)
 @given(seed=st.integers(0, 2**32 - 1), p=st.floats(0.0, 1.0), high=st.integers(1, 10_000), n=st.integers(1, 300))
 def test_cpu_draws_are_torchs_arithmetic_on_the_same_stream(seed, p, high, n):
