@@ -203,11 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dir", default="/var/tmp", help="where the stores go (a disk, not tmpfs)")
     parser.add_argument("--formats", default=",".join(FORMATS), help="a subset, to measure a few cells more often")
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results" / "cold_cache.json"))
+    parser.add_argument("--out", default=None, help="default: results/cold_cache.json, or for a subset of "
+                        "formats or paths results/cold_cache_<paths>_<formats>.json (the full table stays)")
     args = parser.parse_args(argv)
     args.formats, args.paths = args.formats.split(","), args.paths.split(",")
-    if not set(args.formats) <= set(FORMATS) or not set(args.paths) <= set(PATHS):
-        parser.error(f"--formats takes {', '.join(FORMATS)}; --paths takes {', '.join(PATHS)}")
+    if not set(args.formats) <= set(FORMATS) or not set(args.paths) <= set(PATHS) \
+            or len(set(args.formats)) < len(args.formats) or len(set(args.paths)) < len(args.paths):
+        parser.error(f"--formats takes {', '.join(FORMATS)}; --paths takes {', '.join(PATHS)} (each once)")
+    if args.out is None:
+        subset = args.formats != list(FORMATS) or args.paths != list(PATHS)
+        name = f"cold_cache_{'-'.join(args.paths)}_{'-'.join(args.formats)}" if subset else "cold_cache"
+        args.out = str(Path(__file__).parent / "results" / f"{name}.json")
     if os.geteuid() != 0:
         print("needs root (echo 1 > /proc/sys/vm/drop_caches before each cold read)", file=sys.stderr)
         return 2
