@@ -11,7 +11,7 @@ dlstore marks its own loader stages with it, once per batch (never per sample):
 
 A range is ``torch.profiler.record_function`` while a profiler runs and nothing otherwise:
 torch's own enters a dispatcher op even with nobody listening, and each op lets go of the GIL
-and waits to take it back, six times a batch in a loader thread beside another (6-9 % of a
+and waits to take it back, six times a batch in a loader thread beside another (4-9 % of a
 thread loader's rate on 2 cores, docs/reading.md). "A profiler runs" is torch's flag, set by
 ``torch.profiler.profile``, ``emit_nvtx`` and ``emit_itt``; the deprecated ``profiler_legacy``
 and an on-demand Kineto trace started from outside (dynolog) do not set it, and see no ranges.
